@@ -1,0 +1,5 @@
+"""`python -m gpuwatch` runs the CLI."""
+
+from gpuwatch.cli import main
+
+main()

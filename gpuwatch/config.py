@@ -1,0 +1,322 @@
+"""Every knob of gpuwatch, its default, and the one loader of config files and GPUWATCH_* variables.
+
+Precedence: command-line flags, then environment, then the TOML file, then defaults.
+A top-level key `interval_s` is GPUWATCH_INTERVAL_S; a key in a section, `[sim] gpus`,
+is GPUWATCH_SIM_GPUS. Anything wrong raises ConfigError with one line naming where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuwatch.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/gpuwatch/gpuwatch.toml")
+ENV_PREFIX = "GPUWATCH_"
+DEFAULT_PORT = 9835
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """The simulated node (`--backend sim`)."""
+
+    gpus: int = 8
+    seed: int = 0
+    scenario: str = "demo"
+
+
+@dataclass(frozen=True)
+class RulesConfig:
+    """Thresholds and windows of the health rules; windows are seconds, never sample counts."""
+
+    disabled: tuple[str, ...] = ()
+    clock_window_s: float = 60.0
+    clock_low_ratio: float = 0.6
+    clock_busy_util_pct: int = 50
+    throttle_duty: float = 0.5
+    power_window_s: float = 120.0
+    power_min_util_pct: int = 90
+    power_unstable_drop_ratio: float = 0.5
+    ecc_window_s: float = 3600.0
+    ecc_sbe_per_hour: float = 1000.0
+    xid_window_s: float = 600.0
+    xid_app_repeats: int = 3
+    thermal_margin_c: int = 5
+    thermal_window_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What the state machine does with findings: quarantine, release, circuit breaker."""
+
+    quarantine_on_unhealthy: bool = True
+    quarantine_degraded_after_s: float = 900.0
+    recovery_s: float = 120.0
+    burn_in_s: float = 1800.0
+    breaker_max_share: float = 0.25
+    breaker_window_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """How the daemon talks to the trainers beside it and judges their reports."""
+
+    stop_signal: str = "SIGUSR1"
+    grace_period_s: float = 60.0
+    stale_after_s: float = 60.0
+    fragmentation_ratio: float = 0.3
+    fragmentation_window_s: float = 300.0
+    alloc_retries_per_min: float = 10.0
+    straggler_ratio: float = 1.25
+    grad_var_jump: float = 10.0
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    """Paths to the programs and trees drills touch; tests point them at fakes."""
+
+    nvidia_smi: str = "nvidia-smi"
+    dcgmi: str = "dcgmi"
+    sysfs_root: str = "/sys"
+    dcgm_bindings: tuple[str, ...] = (
+        "/usr/share/datacenter-gpu-manager-4/bindings/python3",
+        "/usr/local/dcgm/bindings/python3",
+    )
+
+
+@dataclass(frozen=True)
+class DrillSchedule:
+    """One `[[drills.schedule]]` entry: when, what, on which GPU, and what must hold first."""
+
+    cron: str
+    drill: str
+    gpu: str = "idle"
+    args: str = ""
+    require_healthy_share: float = 1.0
+    skip_if_trainers: bool = True
+
+
+@dataclass(frozen=True)
+class DrillsConfig:
+    """Fault-injection drills and their schedule."""
+
+    schedule: tuple[DrillSchedule, ...] = ()
+    detect_timeout_s: float = 30.0
+    burn_in_timeout_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration. Build with `load()`; `Config()` is all defaults."""
+
+    backend: str = "auto"
+    interval_s: float = 30.0
+    slow_interval_s: float = 300.0
+    listen: str = f"127.0.0.1:{DEFAULT_PORT}"
+    state_dir: str = "/var/lib/gpuwatch"
+    runtime_dir: str = "/run/gpuwatch"
+    log_level: str = "info"
+    findings_retention_days: float = 30.0
+    replay_file: str = ""
+    sim: SimConfig = field(default_factory=SimConfig)
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    drills: DrillsConfig = field(default_factory=DrillsConfig)
+
+    @property
+    def listen_host(self) -> str:
+        return self.listen.rsplit(":", 1)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])
+
+    @property
+    def token_path(self) -> Path:
+        return Path(self.state_dir) / "token"
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.state_dir) / "gpuwatch.db"
+
+
+def load(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build a validated Config from a TOML file, the environment and flag overrides.
+
+    Args:
+        path: the TOML file; None means /etc/gpuwatch/gpuwatch.toml if it exists
+            (or GPUWATCH_CONFIG when set).
+        environ: variables to read GPUWATCH_* from (default: os.environ).
+        overrides: dotted keys from the command line (`sim.gpus`), None values ignored.
+
+    Raises:
+        ConfigError: naming the file, key or variable and what is wrong.
+    """
+    env = os.environ if environ is None else environ
+    if path is None and env.get(ENV_PREFIX + "CONFIG"):
+        path = env[ENV_PREFIX + "CONFIG"]
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None or DEFAULT_CONFIG_PATH.exists():
+        file_path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+        data = _read_toml(file_path)
+        source = str(file_path)
+    config = _build(Config, data, source, "")
+    config = _apply_env(config, env)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            config = _set_dotted(config, dotted, value, f"option --{dotted.replace('_', '-')}")
+    validate(config)
+    return config
+
+
+def validate(config: Config) -> None:
+    """Check values that types alone do not catch.
+
+    Raises:
+        ConfigError: naming the key and the bad value.
+    """
+    if not 1.0 <= config.interval_s <= 3600.0:
+        raise ConfigError(f"interval_s: {config.interval_s} is out of range (1 to 3600 seconds)")
+    host, sep, port = config.listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen: {config.listen!r} is not HOST:PORT")
+    if config.log_level.lower() not in {"debug", "info", "warning", "error"}:
+        raise ConfigError(f"log_level: {config.log_level!r} is not debug, info, warning or error")
+    if config.sim.gpus < 1 or config.sim.gpus > 64:
+        raise ConfigError(f"sim.gpus: {config.sim.gpus} is out of range (1 to 64)")
+    if not 0.0 < config.policy.breaker_max_share <= 1.0:
+        raise ConfigError(f"policy.breaker_max_share: {config.policy.breaker_max_share} is not in (0, 1]")
+    for name, value in dataclasses.asdict(config.rules).items():
+        if name.endswith("_s") and value <= 0:
+            raise ConfigError(f"rules.{name}: {value} must be positive")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: [{prefix.rstrip('.')}] must be a table")
+    hints = _hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        where = f"{source}: key {prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key (known: {', '.join(sorted(known))})")
+        values[key] = _coerce(hints[key], raw, where, from_string=False, prefix=f"{prefix}{key}.", source=source)
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{source}: [{prefix.rstrip('.')}] {exc}") from None
+
+
+def _coerce(hint: Any, raw: Any, where: str, *, from_string: bool, prefix: str = "", source: str = "") -> Any:
+    """Turn a TOML value (or an environment string) into the field's type, or raise ConfigError."""
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, raw, source, prefix)
+    if origin is tuple:
+        item_hint = typing.get_args(hint)[0]
+        if from_string:
+            raw = [part.strip() for part in str(raw).split(",") if part.strip()]
+        if not isinstance(raw, list):
+            raise ConfigError(f"{where}: expected a list, got {raw!r}")
+        return tuple(_coerce(item_hint, item, where, from_string=from_string, prefix=prefix, source=source) for item in raw)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(options[0], raw, where, from_string=from_string)
+    if hint is bool:
+        if from_string and isinstance(raw, str) and raw.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+            return raw.lower() in {"1", "true", "yes", "on"}
+        if isinstance(raw, bool):
+            return raw
+        raise ConfigError(f"{where}: expected true or false, got {raw!r}")
+    if hint is int:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{where}: expected an integer, got {raw!r}")
+        try:
+            if isinstance(raw, int) or from_string:
+                return int(raw)
+        except ValueError:
+            pass
+        raise ConfigError(f"{where}: expected an integer, got {raw!r}")
+    if hint is float:
+        if isinstance(raw, bool):
+            raise ConfigError(f"{where}: expected a number, got {raw!r}")
+        try:
+            if isinstance(raw, (int, float)) or from_string:
+                return float(raw)
+        except ValueError:
+            pass
+        raise ConfigError(f"{where}: expected a number, got {raw!r}")
+    if hint is str:
+        if isinstance(raw, str):
+            return raw
+        raise ConfigError(f"{where}: expected a string, got {raw!r}")
+    raise ConfigError(f"{where}: unsupported setting type {hint!r}")  # pragma: no cover
+
+
+def _apply_env(config: Config, environ: Mapping[str, str]) -> Config:
+    names = {}
+    section_types = sections()
+    for f in dataclasses.fields(Config):
+        if f.name in section_types:
+            for sub in dataclasses.fields(section_types[f.name]):
+                if sub.name != "schedule":
+                    names[f"{ENV_PREFIX}{f.name}_{sub.name}".upper()] = f"{f.name}.{sub.name}"
+        else:
+            names[f"{ENV_PREFIX}{f.name}".upper()] = f.name
+    for var, dotted in names.items():
+        if var in environ:
+            config = _set_dotted(config, dotted, environ[var], f"environment variable {var}", from_string=True)
+    return config
+
+
+def _set_dotted(config: Config, dotted: str, value: Any, where: str, from_string: bool = False) -> Config:
+    head, _, tail = dotted.partition(".")
+    if tail:
+        section = getattr(config, head)
+        hint = _hints(type(section))[tail]
+        coerced = _coerce(hint, value, where, from_string=from_string or isinstance(value, str))
+        return dataclasses.replace(config, **{head: dataclasses.replace(section, **{tail: coerced})})
+    hint = _hints(Config)[head]
+    coerced = _coerce(hint, value, where, from_string=from_string or isinstance(value, str))
+    return dataclasses.replace(config, **{head: coerced})
+
+
+def sections() -> dict[str, type]:
+    """Section name → dataclass, for the example config test and docs."""
+    return {name: hint for name, hint in _hints(Config).items() if dataclasses.is_dataclass(hint)}

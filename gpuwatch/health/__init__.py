@@ -1,0 +1,1 @@
+"""Health judgement: pure functions of timestamped samples and events (never hardware, files or the clock)."""
