@@ -201,11 +201,13 @@ class TrainerInfo:
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None
+    local_world_size: int | None = None
     job_id: str | None = None
     gpu_uuid: str | None = None
     step: int | None = None
     step_time_s: float | None = None
     grad_norm: float | None = None
+    grad_norm_var: float | None = None
     reserved_bytes: int | None = None
     allocated_bytes: int | None = None
     inactive_split_bytes: int | None = None

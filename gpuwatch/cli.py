@@ -1,0 +1,237 @@
+"""The `gpuwatch` command line: parses flags into a Config and calls the daemon, the client or offline judging.
+
+Every gpuwatch error ends as one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gpuwatch import __version__
+from gpuwatch.config import Config, load
+from gpuwatch.errors import GpuwatchError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+STATE_STYLE = {"healthy": "green", "degraded": "yellow", "unhealthy": "bold red", "unknown": "dim"}
+
+
+def fail(message: str, code: int = 2) -> None:
+    click.echo(f"gpuwatch: error: {message}", err=True)
+    sys.exit(code)
+
+
+def one_line_errors(func: F) -> F:
+    """Turn any GpuwatchError into one line and exit 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except GpuwatchError as exc:
+            fail(str(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def config_options(func: F) -> F:
+    """Flags every command shares: where the config is and where the daemon lives."""
+    for option in reversed(
+        [
+            click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file."),
+            click.option("--listen", help="HOST:PORT of the API (default 127.0.0.1:9835)."),
+            click.option("--state-dir", help="Where the database and token live (default /var/lib/gpuwatch)."),
+        ]
+    ):
+        func = option(func)
+    return func
+
+
+def backend_options(func: F) -> F:
+    for option in reversed(
+        [
+            click.option("--backend", help="auto | nvml | dcgm | sim | replay (default auto)."),
+            click.option("--sim-gpus", type=int, help="Simulated GPUs (sim backend, default 8)."),
+            click.option("--sim-scenario", help="Sim scenario: demo (default), healthy, or a rule id."),
+            click.option("--seed", type=int, help="Seed of the sim backend."),
+            click.option("--replay-file", type=click.Path(dir_okay=False), help="Trace for the replay backend."),
+        ]
+    ):
+        func = option(func)
+    return func
+
+
+def build_config(config_path: str | None, **flags: Any) -> Config:
+    keys = {
+        "sim_gpus": "sim.gpus",
+        "sim_scenario": "sim.scenario",
+        "seed": "sim.seed",
+    }
+    overrides = {keys.get(name, name): value for name, value in flags.items()}
+    return load(config_path, overrides=overrides)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpuwatch")
+def main() -> None:
+    """gpuwatch: GPU health daemon for PyTorch training fleets."""
+
+
+@main.command()
+@config_options
+@backend_options
+@click.option("--interval", "interval_s", type=float, help="Seconds between samples (1 to 3600, default 30).")
+@click.option("--runtime-dir", help="Runtime dir shared with trainers (default /run/gpuwatch).")
+@click.option("--log-level", help="debug | info | warning | error.")
+@one_line_errors
+def run(config_path: str | None, **flags: Any) -> None:
+    """Run the daemon: sample, judge, export, serve."""
+    from gpuwatch.daemon import Daemon, setup_logging
+
+    config = build_config(config_path, **flags)
+    setup_logging(config.log_level)
+    Daemon(config).serve()
+
+
+@main.command()
+@config_options
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON.")
+@one_line_errors
+def status(config_path: str | None, as_json: bool, **flags: Any) -> None:
+    """Show the GPUs of the running daemon."""
+    from gpuwatch.client import DaemonClient
+
+    gpus = DaemonClient(build_config(config_path, **flags)).gpus()
+    if as_json:
+        click.echo(json.dumps({"gpus": gpus}, indent=2))
+        return
+    table = Table(title="gpuwatch")
+    for column in ("GPU", "UUID", "state", "quarantined", "SM MHz", "W", "°C", "findings", "action", "ranks"):
+        table.add_column(column)
+    for g in gpus:
+        sample = g.get("sample") or {}
+        ranks = ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("trainers", []))
+        table.add_row(
+            str(g["index"]),
+            g["uuid"],
+            f"[{STATE_STYLE.get(g['state'], '')}]{g['state']}[/]",
+            "yes: " + (g.get("quarantine_reason") or "") if g["quarantined"] else "no",
+            _fmt(sample.get("sm_clock_mhz")),
+            _fmt(sample.get("power_w"), "{:.0f}"),
+            _fmt(sample.get("temp_c")),
+            "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "-",
+            g["suggested_action"],
+            ranks or "-",
+        )
+    Console().print(table)
+
+
+def _fmt(value: Any, pattern: str = "{}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+@main.command()
+@config_options
+@backend_options
+@click.option("--samples", type=click.IntRange(1, 60), default=3, show_default=True, help="Samples to take.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@one_line_errors
+def check(config_path: str | None, samples: int, as_json: bool, **flags: Any) -> None:
+    """One-shot sample and judgement. Exit 0 healthy, 1 degraded or unhealthy, 2 error (Slurm HealthCheckProgram)."""
+    from gpuwatch.offline import check as run_check
+
+    snapshot = run_check(build_config(config_path, **flags), samples=samples)
+    bad = [g for g in snapshot.gpus if g.state.value in {"degraded", "unhealthy"}]
+    if as_json:
+        rows = [
+            {"index": g.index, "uuid": g.uuid, "state": g.state.value, "findings": [f.as_dict() for f in g.findings]}
+            for g in snapshot.gpus
+        ]
+        click.echo(json.dumps({"gpus": rows}, indent=2))
+    else:
+        for g in snapshot.gpus:
+            reasons = "; ".join(f"{f.rule}: {f.reason}" for f in g.findings) or "no findings"
+            click.echo(f"GPU {g.index} {g.uuid} {g.state.value}: {reasons}")
+    sys.exit(1 if bad else 0)
+
+
+@main.command()
+@config_options
+@backend_options
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0.1), required=True, help="Seconds to record.")
+@click.option("--interval", "interval_s", type=float, help="Seconds between samples (default 1).")
+@one_line_errors
+def record(config_path: str | None, out_path: str, duration_s: float, **flags: Any) -> None:
+    """Record a trace (JSON lines, shared/traces/FORMAT.md) from any backend."""
+    from gpuwatch.recorder import record as run_record
+
+    interval = flags.pop("interval_s") or 1.0
+    config = build_config(config_path, **flags)
+    counts = run_record(config, Path(out_path), duration_s, interval, progress=_progress)
+    click.echo(f"\nwrote {out_path}: {counts['samples']} samples, {counts['events']} events, {counts['errors']} errors")
+
+
+def _progress(done_s: float, total_s: float) -> None:
+    click.echo(f"\rrecording {done_s:5.0f}/{total_s:.0f} s", nl=False, err=True)
+
+
+@main.command()
+@click.argument("trace_path", type=click.Path(dir_okay=False))
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file (rule thresholds).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@one_line_errors
+def replay(trace_path: str, config_path: str | None, as_json: bool) -> None:
+    """Run a trace through the rules and the state machine."""
+    from gpuwatch.offline import replay as run_replay
+    from gpuwatch.trace import read_trace
+
+    started = time.perf_counter()
+    results = run_replay(read_trace(Path(trace_path)), load(config_path))
+    if as_json:
+        click.echo(json.dumps({"gpus": [r.as_dict() for r in results]}, indent=2))
+        return
+    for r in results:
+        click.echo(
+            f"GPU {r.index} {r.uuid}: worst {r.worst_state.value}, final {r.final_state.value}, "
+            f"quarantined {'yes' if r.quarantined else 'no'}, {len(r.findings)} finding(s)"
+        )
+        for f in r.findings:
+            click.echo(f"  t={f['t']:.1f} {f['rule']} ({f['severity']}, action {f['action']})")
+    click.echo(f"replayed in {time.perf_counter() - started:.2f} s", err=True)
+
+
+@main.command()
+@click.argument("index", type=int)
+@click.option("--reason", required=True, help="Why (kept with the quarantine and shown to operators).")
+@config_options
+@one_line_errors
+def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -> None:
+    """Quarantine GPU INDEX: trainers on it are asked to checkpoint and leave."""
+    from gpuwatch.client import DaemonClient
+
+    g = DaemonClient(build_config(config_path, **flags)).quarantine(index, reason)
+    click.echo(f"GPU {g['index']} {g['uuid']} quarantined (epoch {g['epoch']}): {g['quarantine_reason']}")
+
+
+@main.command()
+@click.argument("index", type=int)
+@click.option("--reason", default="operator", show_default=True, help="Why the GPU may be used again.")
+@config_options
+@one_line_errors
+def release(index: int, reason: str, config_path: str | None, **flags: Any) -> None:
+    """Release GPU INDEX from quarantine."""
+    from gpuwatch.client import DaemonClient
+
+    g = DaemonClient(build_config(config_path, **flags)).release(index, reason)
+    click.echo(f"GPU {g['index']} {g['uuid']} released; state {g['state']}")

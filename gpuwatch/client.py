@@ -1,0 +1,64 @@
+"""A small HTTP client for the running daemon (stdlib only), used by the CLI, `launch` and the injectors."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from gpuwatch.config import Config
+from gpuwatch.errors import DaemonError
+
+
+class DaemonClient:
+    """Talks to the daemon at `config.listen`; reads the token from the state dir for POSTs."""
+
+    def __init__(self, config: Config, timeout_s: float = 10.0) -> None:
+        host = config.listen_host
+        if host in {"0.0.0.0", "::", "[::]"}:
+            host = "127.0.0.1"
+        self.base = f"http://{host}:{config.listen_port}"
+        self.token_path = Path(config.token_path)
+        self.timeout_s = timeout_s
+
+    def _token(self) -> str:
+        try:
+            return self.token_path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise DaemonError(f"cannot read the API token {self.token_path}: {exc.strerror or exc}") from None
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        headers = {"Accept": "application/json"}
+        data = None
+        if method != "GET":
+            headers["Authorization"] = f"Bearer {self._token()}"
+            headers["Content-Type"] = "application/json"
+            data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail).get("detail", detail)
+            except (ValueError, AttributeError):
+                pass
+            raise DaemonError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise DaemonError(f"cannot reach the gpuwatch daemon at {self.base}: {reason}") from None
+
+    def gpus(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/gpus")["gpus"])
+
+    def quarantine(self, index: int, reason: str) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/gpus/{index}/quarantine", {"reason": reason}))
+
+    def release(self, index: int, reason: str = "operator") -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/gpus/{index}/release", {"reason": reason}))
+
+    def inject(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/gpus/{index}/inject", body))

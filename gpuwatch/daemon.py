@@ -1,0 +1,174 @@
+"""The composition root: Config → backend → Monitor → metrics and API → one uvicorn server.
+
+Sampling runs as an APScheduler interval job (the drills add their cron jobs to the same
+scheduler), the event thread waits in the backend, uvicorn serves on the main thread.
+READY=1 goes to systemd after the first complete sample; WATCHDOG=1 after every one, so a
+hung NVML call stops the pings and systemd restarts the daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from apscheduler.schedulers.background import BackgroundScheduler
+from fastapi import FastAPI
+
+from gpuwatch import __version__, systemd
+from gpuwatch.api import create_app, ensure_token
+from gpuwatch.backends import open_backend
+from gpuwatch.backends.base import Backend
+from gpuwatch.config import Config, RulesConfig
+from gpuwatch.errors import ConfigError
+from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
+from gpuwatch.monitor import Monitor
+from gpuwatch.runtime import RuntimeDir
+from gpuwatch.store import Store
+
+log = logging.getLogger("gpuwatch.daemon")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
+    """The sim demo may shorten rule windows so a newcomer sees faults within two minutes; say so."""
+    overrides: dict[str, Any] = dict(getattr(getattr(backend, "scenario", None), "rules_overrides", {}) or {})
+    if not overrides:
+        return rules
+    log.warning(
+        "sim scenario %r shortens rule windows for the demo: %s",
+        getattr(backend, "scenario").name,
+        ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())),
+    )
+    return dataclasses.replace(rules, **overrides)
+
+
+def bind_socket(config: Config) -> socket.socket:
+    """Bind the listen address ourselves so a busy port is one clear line, not a uvicorn traceback."""
+    host, port = config.listen_host, config.listen_port
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"listen {config.listen}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class Daemon:
+    """Owns every long-lived part and their start and stop order."""
+
+    def __init__(self, config: Config, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.backend, statics = open_backend(config)
+        self.rules = scenario_rules(self.backend, config.rules)
+        self.store = Store(config.db_path)
+        self.runtime = RuntimeDir(config.runtime_dir)
+        self.runtime.prepare()
+        self.token = ensure_token(config.token_path)
+        self.monitor = Monitor(
+            self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
+        )
+        self.collector = SnapshotCollector(lambda: self.monitor.snapshot)
+        self.renderer = MetricsRenderer(self.collector, key=self.metrics_key)
+        self.scheduler = BackgroundScheduler(timezone="UTC")
+        self.stop_event = threading.Event()
+        self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
+        self.key_parts: list[Callable[[], object]] = []
+        self._event_thread = threading.Thread(
+            target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
+        )
+        log.info(
+            "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
+            __version__,
+            self.backend.name,
+            len(statics),
+            config.interval_s,
+            config.state_dir,
+            config.runtime_dir,
+        )
+
+    def metrics_key(self) -> object:
+        return (id(self.monitor.snapshot), *(part() for part in self.key_parts))
+
+    def sample_once(self) -> None:
+        """One scheduled sampling round, then the watchdog ping."""
+        self.monitor.tick()
+        self.prune_if_due()
+        systemd.watchdog()
+
+    _last_prune = 0.0
+
+    def prune_if_due(self) -> None:
+        now = self.clock()
+        if now - self._last_prune > 3600:
+            self._last_prune = now
+            self.store.prune(now - self.config.findings_retention_days * 86400)
+
+    def app(self) -> FastAPI:
+        def routes(app: FastAPI, require_token: Callable[..., None]) -> None:
+            for hook in self.route_hooks:
+                hook(app, require_token)
+
+        return create_app(self.monitor, self.renderer, self.token, clock=self.clock, extra_routes=routes)
+
+    def start(self) -> None:
+        """First sample (so READY=1 means real data), then the job, the event thread, READY=1."""
+        self.monitor.tick()
+        self.scheduler.add_job(
+            self.sample_once,
+            "interval",
+            seconds=self.config.interval_s,
+            id="sample",
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+        )
+        self.scheduler.start()
+        self._event_thread.start()
+        systemd.ready()
+        systemd.status(f"watching {len(self.monitor.statics)} GPU(s) with {self.backend.name}")
+
+    def stop(self) -> None:
+        systemd.stopping()
+        self.stop_event.set()
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=True)
+        self.backend.close()
+        self._event_thread.join(timeout=5)
+        self.store.close()
+        log.info("gpuwatch stopped")
+
+    def serve(self) -> None:
+        """Run until SIGTERM/SIGINT (uvicorn handles both), then stop everything."""
+        sock = bind_socket(self.config)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                self.app(),
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self.start()
+        log.info("serving on http://%s/ (metrics at /metrics)", self.config.listen)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            self.stop()

@@ -1,0 +1,419 @@
+"""The monitor: samples every GPU, takes events at once, judges them, and publishes one immutable Snapshot.
+
+Readers (scrapes, the API, status.json, remediation) only ever see a whole Snapshot; the
+sampling thread and the event thread both go through `_judge_and_publish` under one lock.
+The injection overlay lets drills override fields of one GPU for a while or inject an
+event; whatever the rules find on that GPU meanwhile is marked as a drill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatch.backends.base import Backend
+from gpuwatch.config import Config, RulesConfig
+from gpuwatch.errors import ConfigError, GpuReadError
+from gpuwatch.health import engine, state
+from gpuwatch.health.history import History
+from gpuwatch.model import (
+    SAMPLE_FIELDS,
+    Finding,
+    GpuError,
+    GpuEvent,
+    GpuSample,
+    GpuStatic,
+    GpuStatus,
+    Health,
+    Snapshot,
+    TrainerInfo,
+)
+from gpuwatch.runtime import RuntimeDir
+from gpuwatch.store import QuarantineRecord, Store
+
+log = logging.getLogger("gpuwatch.monitor")
+
+Listener = Callable[[Snapshot, list[state.Decision]], None]
+_INJECTABLE = frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A drill's override of one GPU's readings until `until` (Unix seconds)."""
+
+    id: int
+    index: int
+    fields: Mapping[str, Any]
+    started: float
+    until: float
+    event: GpuEvent | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "gpu": self.index,
+            "fields": dict(self.fields),
+            "started": self.started,
+            "until": self.until,
+            "event": dataclasses.asdict(self.event) if self.event else None,
+        }
+
+
+class Monitor:
+    """Owns per-GPU history, the node state machine and the published Snapshot."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        statics: Iterable[GpuStatic],
+        config: Config,
+        *,
+        store: Store | None = None,
+        runtime: RuntimeDir | None = None,
+        rules: RulesConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = backend
+        self.config = config
+        self.rules = rules or config.rules
+        self.store = store
+        self.runtime = runtime
+        self.clock = clock
+        self.statics = {s.index: s for s in statics}
+        self.listeners: list[Listener] = []
+        self._lock = threading.RLock()
+        self._keep_s = engine.max_window_s(self.rules) + 2 * config.interval_s
+        self._samples: dict[int, deque[GpuSample]] = {i: deque() for i in self.statics}
+        self._events: dict[int, deque[GpuEvent]] = {i: deque() for i in self.statics}
+        self._errors: dict[int, deque[GpuError]] = {i: deque() for i in self.statics}
+        self._baseline: dict[int, GpuSample] = {}
+        self._xids: dict[int, Counter[int]] = {i: Counter() for i in self.statics}
+        self._findings: dict[int, list[Finding]] = {i: [] for i in self.statics}
+        self._drill_until: dict[int, float] = {}
+        self._injections: dict[int, Injection] = {}
+        self._injection_ids = itertools.count(1)
+        self._trainers: tuple[TrainerInfo, ...] = ()
+        self._last_slow = float("-inf")
+        self._samples_total = 0
+        self._sample_errors_total = 0
+        self._sample_duration_s = 0.0
+        self._node = self._restore(state.initial(sorted(self.statics)))
+        self.snapshot = self._build_snapshot(self.clock())
+
+    # ---------------------------------------------------------------------------------------
+    # sampling and events
+
+    def tick(self) -> Snapshot:
+        """Sample every GPU once, judge, publish. One GPU failing never stops the others."""
+        now = self.clock()
+        slow = now - self._last_slow >= self.config.slow_interval_s
+        if slow:
+            self._last_slow = now
+        readings: list[GpuSample | GpuError] = []
+        started = time.perf_counter()
+        for index, static in self.statics.items():
+            try:
+                readings.append(self.backend.sample(index, now, slow=slow))
+            except GpuReadError as exc:
+                readings.append(GpuError(now, index, static.uuid, exc.kind, exc.detail))
+        duration = time.perf_counter() - started
+        return self.judge_readings(readings, duration)
+
+    def judge_readings(self, readings: list[GpuSample | GpuError], duration_s: float = 0.0) -> Snapshot:
+        """Record one round of readings (through the injection overlay), judge at their time, publish."""
+        now = max((r.t for r in readings), default=self.clock())
+        trainers = self._read_trainers(now)
+        with self._lock:
+            self._sample_duration_s = duration_s
+            self._samples_total += 1
+            self._sample_errors_total += sum(isinstance(r, GpuError) for r in readings)
+            self._trainers = trainers
+            for reading in readings:
+                self._record(self._overlay(reading, now))
+            return self._judge_and_publish(now)
+
+    def handle_events(self, readings: Iterable[GpuEvent | GpuError]) -> Snapshot | None:
+        """Judge event-type faults at once, not at the next tick."""
+        batch = [r for r in readings if r.index in self.statics]
+        if not batch:
+            return None
+        with self._lock:
+            for reading in batch:
+                self._record(reading)
+            return self._judge_and_publish(max(max(r.t for r in batch), self.clock()))
+
+    def run_events(self, stop: threading.Event, timeout_s: float = 0.5) -> None:
+        """The event thread: wait in the backend's event call and hand each batch on."""
+        while not stop.is_set():
+            try:
+                readings = self.backend.wait_events(timeout_s)
+            except Exception:  # a broken event path must not kill the thread that would see the next XID
+                log.exception("event wait failed; retrying in 1 s")
+                stop.wait(1.0)
+                continue
+            if readings:
+                log.info("events: %s", ", ".join(_describe(r) for r in readings))
+                self.handle_events(readings)
+
+    # ---------------------------------------------------------------------------------------
+    # operator actions and drills
+
+    def quarantine(self, index: int, reason: str) -> GpuStatus:
+        self._require(index)
+        with self._lock:
+            node, decisions = state.quarantine(self._node, index, reason, self.clock(), auto=False)
+            self._node = node
+            return self._status(self._after_decisions(decisions), index)
+
+    def release(self, index: int, reason: str = "operator") -> GpuStatus:
+        self._require(index)
+        with self._lock:
+            node, decisions = state.release(self._node, index, self.clock(), reason)
+            self._node = node
+            return self._status(self._after_decisions(decisions), index)
+
+    def inject(
+        self, index: int, fields: Mapping[str, Any], duration_s: float, event: str | None = None, xid: int | None = None
+    ) -> Injection:
+        """Override `fields` of GPU `index` for `duration_s` and/or inject an event; marks findings as drills."""
+        self._require(index)
+        unknown = set(fields) - _INJECTABLE
+        if unknown:
+            raise ConfigError(f"inject: unknown field(s) {', '.join(sorted(unknown))}")
+        now = self.clock()
+        static = self.statics[index]
+        injected_event = GpuEvent(now, index, static.uuid, event, xid, drill=True) if event else None
+        injection = Injection(next(self._injection_ids), index, dict(fields), now, now + duration_s, injected_event)
+        with self._lock:
+            if fields:
+                self._injections[index] = injection
+            self._drill_until[index] = max(self._drill_until.get(index, 0.0), injection.until + self._keep_s)
+        log.warning("drill: injection %s on GPU %d for %.0f s", injection.as_dict(), index, duration_s)
+        if injected_event:
+            self.handle_events([injected_event])
+        return injection
+
+    def injections(self) -> list[Injection]:
+        now = self.clock()
+        with self._lock:
+            return [i for i in self._injections.values() if i.until > now]
+
+    # ---------------------------------------------------------------------------------------
+    # internals
+
+    def _require(self, index: int) -> None:
+        if index not in self.statics:
+            raise KeyError(index)
+
+    @staticmethod
+    def _status(snapshot: Snapshot, index: int) -> GpuStatus:
+        status = snapshot.gpu(index)
+        if status is None:
+            raise KeyError(index)
+        return status
+
+    def _read_trainers(self, now: float) -> tuple[TrainerInfo, ...]:
+        if self.runtime is None:
+            return ()
+        try:
+            return tuple(self.runtime.read_trainers(now, self.config.trainer.stale_after_s))
+        except OSError as exc:
+            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
+            return ()
+
+    def _overlay(self, reading: GpuSample | GpuError, now: float) -> GpuSample | GpuError:
+        injection = self._injections.get(reading.index)
+        if injection is None:
+            return reading
+        if injection.until <= now:
+            del self._injections[reading.index]
+            log.warning("drill: injection %d on GPU %d ended", injection.id, reading.index)
+            return reading
+        if isinstance(reading, GpuError):
+            return reading
+        if injection.fields.get("error"):
+            return GpuError(reading.t, reading.index, reading.uuid, str(injection.fields["error"]), "injected")
+        return dataclasses.replace(reading, **{k: v for k, v in injection.fields.items() if k != "error"})
+
+    def _record(self, reading: GpuSample | GpuEvent | GpuError) -> None:
+        index = reading.index
+        if isinstance(reading, GpuSample):
+            self._baseline.setdefault(index, reading)
+            _append(self._samples[index], reading, self._keep_s)
+        elif isinstance(reading, GpuEvent):
+            if reading.kind == "xid" and reading.xid is not None:
+                self._xids[index][reading.xid] += 1
+            _append(self._events[index], reading, self._keep_s)
+        else:
+            _append(self._errors[index], reading, self._keep_s)
+
+    def _judge_and_publish(self, now: float) -> Snapshot:
+        findings: dict[int, list[Finding]] = {}
+        for index, static in self.statics.items():
+            history = History(
+                static=static,
+                now=now,
+                samples=tuple(self._samples[index]),
+                events=tuple(self._events[index]),
+                errors=tuple(self._errors[index]),
+                baseline=self._baseline.get(index),
+            )
+            drill = self._drill_until.get(index, 0.0) > now
+            found = engine.evaluate(history, self.rules)
+            findings[index] = [dataclasses.replace(f, drill=True) if drill else f for f in found]
+        self._findings = findings
+        node, decisions = state.step(self._node, findings, now, self.config.policy)
+        self._node = node
+        return self._after_decisions(decisions, now)
+
+    def _after_decisions(self, decisions: list[state.Decision], now: float | None = None) -> Snapshot:
+        now = self.clock() if now is None else now
+        for decision in decisions:
+            self._persist(decision)
+        snapshot = self._build_snapshot(now)
+        self.snapshot = snapshot
+        if self.store is not None:
+            for status in snapshot.gpus:
+                self.store.sync_findings(status.uuid, status.index, list(status.findings), now)
+        if self.runtime is not None:
+            try:
+                self.runtime.write_status(snapshot)
+            except OSError as exc:
+                log.error("cannot write %s/status.json: %s", self.runtime.path, exc)
+        for listener in self.listeners:
+            try:
+                listener(snapshot, decisions)
+            except Exception:  # a listener bug must not stop sampling
+                log.exception("listener %r failed", listener)
+        return snapshot
+
+    def _persist(self, decision: state.Decision) -> None:
+        static = self.statics[decision.index]
+        gpu_state = self._node.gpus[self._position(decision.index)]
+        level = logging.WARNING if decision.kind in {"quarantine", "refused"} else logging.INFO
+        log.log(
+            level,
+            "GPU %d (%s): %s%s: %s",
+            decision.index,
+            static.uuid,
+            decision.kind if decision.kind != "state" else f"state {decision.state.value}",
+            " [drill]" if decision.drill else "",
+            decision.reason,
+        )
+        if self.store is None:
+            return
+        if decision.kind == "quarantine":
+            self.store.set_quarantine(
+                QuarantineRecord(
+                    static.uuid,
+                    decision.index,
+                    gpu_state.quarantine_reason,
+                    gpu_state.quarantined_since or decision.t,
+                    decision.auto,
+                    decision.drill,
+                    gpu_state.epoch,
+                )
+            )
+        elif decision.kind == "release":
+            self.store.clear_quarantine(static.uuid)
+        self.store.add_decision(
+            decision.t, decision.index, static.uuid, decision.kind, decision.state.value, decision.reason, decision.drill
+        )
+
+    def _position(self, index: int) -> int:
+        for position, gpu_state in enumerate(self._node.gpus):
+            if gpu_state.index == index:
+                return position
+        raise KeyError(index)
+
+    def _restore(self, node: state.NodeState) -> state.NodeState:
+        """Seed the state machine with quarantines and epochs persisted before a restart."""
+        if self.store is None:
+            return node
+        records = self.store.quarantines()
+        epochs = self.store.epochs()
+        restored = []
+        for gpu_state in node.gpus:
+            uuid = self.statics[gpu_state.index].uuid
+            record = records.get(uuid)
+            epoch = epochs.get(uuid, 0)
+            if record is not None:
+                log.warning("GPU %d (%s) stays quarantined from before the restart: %s", gpu_state.index, uuid, record.reason)
+                gpu_state = dataclasses.replace(
+                    gpu_state,
+                    quarantined=True,
+                    quarantine_reason=record.reason,
+                    quarantined_since=record.since,
+                    quarantine_auto=record.auto,
+                    epoch=record.epoch,
+                )
+            else:
+                gpu_state = dataclasses.replace(gpu_state, epoch=epoch)
+            restored.append(gpu_state)
+        return dataclasses.replace(node, gpus=tuple(restored))
+
+    def _build_snapshot(self, now: float) -> Snapshot:
+        trainers_by_uuid: dict[str, list[TrainerInfo]] = {}
+        for trainer in self._trainers:
+            trainers_by_uuid.setdefault(trainer.gpu_uuid or "", []).append(trainer)
+        gpus = []
+        for gpu_state in self._node.gpus:
+            index = gpu_state.index
+            static = self.statics[index]
+            samples = self._samples[index]
+            errors = self._errors[index]
+            last_sample = samples[-1] if samples else None
+            last_error = errors[-1] if errors else None
+            if last_error and last_sample and last_error.t < last_sample.t:
+                last_error = None
+            findings = tuple(self._findings.get(index, ()))
+            gpus.append(
+                GpuStatus(
+                    static=static,
+                    state=gpu_state.state,
+                    findings=findings,
+                    quarantined=gpu_state.quarantined,
+                    quarantine_reason=gpu_state.quarantine_reason,
+                    quarantined_since=gpu_state.quarantined_since,
+                    epoch=gpu_state.epoch,
+                    sample=last_sample,
+                    error=last_error,
+                    xid_counts=tuple(sorted(self._xids[index].items())),
+                    drill_active=self._drill_until.get(index, 0.0) > now,
+                    trainers=tuple(trainers_by_uuid.get(static.uuid, ())),
+                )
+            )
+        return Snapshot(
+            t=now,
+            backend=self.backend.name,
+            gpus=tuple(gpus),
+            sample_duration_s=self._sample_duration_s,
+            sample_errors_total=self._sample_errors_total,
+            samples_total=self._samples_total,
+            breaker_tripped=self._node.breaker_tripped,
+            breaker_refusals_total=self._node.breaker_refusals,
+        )
+
+    def healthy_unquarantined(self) -> list[GpuStatus]:
+        """GPUs a job may use now: not quarantined and not unhealthy."""
+        return [g for g in self.snapshot.gpus if not g.quarantined and g.state is not Health.UNHEALTHY]
+
+
+def _append(queue: deque[Any], reading: Any, keep_s: float) -> None:
+    queue.append(reading)
+    horizon = reading.t - keep_s
+    while len(queue) > 1 and queue[0].t < horizon:
+        queue.popleft()
+
+
+def _describe(reading: GpuEvent | GpuError) -> str:
+    if isinstance(reading, GpuEvent):
+        return f"GPU {reading.index} {reading.kind}" + (f" {reading.xid}" if reading.xid is not None else "")
+    return f"GPU {reading.index} error {reading.kind}"

@@ -1,0 +1,105 @@
+"""Judging without a daemon: `gpuwatch check` (a one-shot sample) and `gpuwatch replay` (a trace).
+
+Both drive the same Monitor the daemon uses, with no store and no runtime dir, so a trace
+replayed here is judged exactly as the live daemon would judge it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatch.backends import open_backend
+from gpuwatch.backends.replay import ReplayBackend, iter_ticks
+from gpuwatch.config import Config
+from gpuwatch.model import GpuEvent, GpuError, GpuSample, Health, Snapshot, worst
+from gpuwatch.monitor import Monitor
+from gpuwatch.trace import Trace
+
+
+def check(config: Config, samples: int = 3, spacing_s: float = 1.0) -> Snapshot:
+    """Sample every GPU `samples` times `spacing_s` apart and judge; the caller maps states to an exit code."""
+    backend, statics = open_backend(config)
+    try:
+        monitor = Monitor(backend, statics, config)
+        snapshot = monitor.tick()
+        for _ in range(samples - 1):
+            time.sleep(spacing_s)
+            monitor.handle_events(backend.wait_events(0.0))
+            snapshot = monitor.tick()
+        return snapshot
+    finally:
+        backend.close()
+
+
+@dataclass
+class GpuReplay:
+    """What one GPU went through in a replayed trace."""
+
+    index: int
+    uuid: str
+    worst_state: Health = Health.HEALTHY
+    final_state: Health = Health.UNKNOWN
+    quarantined: bool = False
+    findings: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "worst_state": self.worst_state.value,
+            "final_state": self.final_state.value,
+            "quarantined": self.quarantined,
+            "findings": self.findings,
+        }
+
+
+class _TraceClock:
+    """The trace's own time: the monitor judges each tick at the time of its readings."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def replay(trace: Trace, config: Config) -> list[GpuReplay]:
+    """Run a trace through the rules and the state machine; record worst state and each new finding."""
+    first_t = next((r.t for r in trace.readings), time.time())
+    clock = _TraceClock(first_t)
+    backend = ReplayBackend.from_trace(trace)
+    config = dataclasses.replace(config, interval_s=max(1.0, _median_spacing(trace)))
+    monitor = Monitor(backend, trace.statics, config, clock=clock)
+    results = {s.index: GpuReplay(s.index, s.uuid) for s in trace.statics}
+    open_rules: dict[int, set[str]] = {s.index: set() for s in trace.statics}
+    for tick in iter_ticks(trace):
+        clock.t = max(r.t for r in tick)
+        events = [r for r in tick if isinstance(r, GpuEvent)]
+        readings = [r for r in tick if isinstance(r, (GpuSample, GpuError))]
+        snapshot = monitor.handle_events(events) if events else None
+        if readings:
+            snapshot = monitor.judge_readings(readings)
+        if snapshot is None:
+            continue
+        for status in snapshot.gpus:
+            result = results[status.index]
+            result.worst_state = worst([result.worst_state, status.state])
+            result.final_state = status.state
+            result.quarantined = status.quarantined
+            rules_now = {f.rule for f in status.findings}
+            for f in status.findings:
+                if f.rule not in open_rules[status.index]:
+                    result.findings.append(
+                        {"t": f.t, "rule": f.rule, "severity": f.severity.value, "action": f.action.value}
+                    )
+            open_rules[status.index] = rules_now
+    return [results[i] for i in sorted(results)]
+
+
+def _median_spacing(trace: Trace) -> float:
+    times = sorted({r.t for r in trace.readings if isinstance(r, GpuSample)})
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return gaps[len(gaps) // 2] if gaps else 1.0

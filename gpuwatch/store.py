@@ -1,0 +1,183 @@
+"""SQLite state (stdlib sqlite3, WAL): quarantines that survive restarts, findings history, incidents, drills.
+
+One connection guarded by a lock: writes are rare (state changes, not samples), so a
+single writer is simpler than a pool and never contends with scrapes (which read the Snapshot).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuwatch.errors import StoreError
+from gpuwatch.model import Finding
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS quarantine (
+    uuid TEXT PRIMARY KEY, gpu INTEGER NOT NULL, reason TEXT NOT NULL, since REAL NOT NULL,
+    auto INTEGER NOT NULL, drill INTEGER NOT NULL DEFAULT 0, epoch INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS epoch (uuid TEXT PRIMARY KEY, epoch INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS finding (
+    id INTEGER PRIMARY KEY, opened REAL NOT NULL, closed REAL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+    rule TEXT NOT NULL, severity TEXT NOT NULL, reason TEXT NOT NULL, action TEXT NOT NULL, drill INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS finding_open ON finding (closed, uuid, rule);
+CREATE TABLE IF NOT EXISTS decision (
+    id INTEGER PRIMARY KEY, t REAL NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL,
+    kind TEXT NOT NULL, state TEXT NOT NULL, reason TEXT NOT NULL, drill INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS incident (
+    id INTEGER PRIMARY KEY, t REAL NOT NULL, body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS drill_run (
+    id INTEGER PRIMARY KEY, t REAL NOT NULL, drill TEXT NOT NULL, result TEXT NOT NULL, body TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    """A persisted quarantine, keyed by GPU uuid (indexes can change across reboots)."""
+
+    uuid: str
+    gpu: int
+    reason: str
+    since: float
+    auto: bool
+    drill: bool
+    epoch: int
+
+
+class Store:
+    """The daemon's persistent state in `<state_dir>/gpuwatch.db`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                yield self._db
+                self._db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                self._db.execute("ROLLBACK")
+                raise StoreError(f"{self.path}: {exc}") from None
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: {exc}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # quarantine ---------------------------------------------------------------------------
+    def quarantines(self) -> dict[str, QuarantineRecord]:
+        rows = self._query("SELECT uuid, gpu, reason, since, auto, drill, epoch FROM quarantine")
+        return {r[0]: QuarantineRecord(r[0], r[1], r[2], r[3], bool(r[4]), bool(r[5]), r[6]) for r in rows}
+
+    def epochs(self) -> dict[str, int]:
+        return {uuid: epoch for uuid, epoch in self._query("SELECT uuid, epoch FROM epoch")}
+
+    def set_quarantine(self, record: QuarantineRecord) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (record.uuid, record.gpu, record.reason, record.since, record.auto, record.drill, record.epoch),
+            )
+            db.execute("INSERT OR REPLACE INTO epoch VALUES (?, ?)", (record.uuid, record.epoch))
+
+    def clear_quarantine(self, uuid: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM quarantine WHERE uuid = ?", (uuid,))
+
+    # findings and decisions ---------------------------------------------------------------
+    def sync_findings(self, uuid: str, gpu: int, active: list[Finding], now: float) -> None:
+        """Open a row for each finding that newly appeared on this GPU, close those that went away."""
+        open_rows = {
+            rule: row_id
+            for row_id, rule in self._query("SELECT id, rule FROM finding WHERE closed IS NULL AND uuid = ?", (uuid,))
+        }
+        active_rules = {f.rule: f for f in active}
+        if set(open_rows) == set(active_rules):
+            return
+        with self._tx() as db:
+            for rule, row_id in open_rows.items():
+                if rule not in active_rules:
+                    db.execute("UPDATE finding SET closed = ? WHERE id = ?", (now, row_id))
+            for rule, f in active_rules.items():
+                if rule not in open_rows:
+                    db.execute(
+                        "INSERT INTO finding (opened, gpu, uuid, rule, severity, reason, action, drill)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (f.t, gpu, uuid, rule, f.severity.value, f.reason, f.action.value, f.drill),
+                    )
+
+    def findings(self, limit: int = 500, gpu: int | None = None) -> list[dict[str, Any]]:
+        where, args = ("WHERE gpu = ?", (gpu,)) if gpu is not None else ("", ())
+        rows = self._query(
+            "SELECT opened, closed, gpu, uuid, rule, severity, reason, action, drill FROM finding "
+            f"{where} ORDER BY id DESC LIMIT ?",
+            (*args, limit),
+        )
+        keys = ("opened", "closed", "gpu", "uuid", "rule", "severity", "reason", "action", "drill")
+        return [dict(zip(keys, r[:-1] + (bool(r[-1]),), strict=True)) for r in rows]
+
+    def add_decision(self, t: float, gpu: int, uuid: str, kind: str, state: str, reason: str, drill: bool) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO decision (t, gpu, uuid, kind, state, reason, drill) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (t, gpu, uuid, kind, state, reason, drill),
+            )
+
+    def prune(self, older_than: float) -> int:
+        """Drop closed findings and decisions older than `older_than` (bounded retention)."""
+        with self._tx() as db:
+            n = db.execute("DELETE FROM finding WHERE closed IS NOT NULL AND closed < ?", (older_than,)).rowcount
+            n += db.execute("DELETE FROM decision WHERE t < ?", (older_than,)).rowcount
+        return n
+
+    # incidents and drills (JSON bodies: their shape belongs to remediation and drills) ------------
+    def add_incident(self, t: float, body: dict[str, Any]) -> int:
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO incident (t, body) VALUES (?, ?)", (t, json.dumps(body)))
+            return int(cur.lastrowid or 0)
+
+    def update_incident(self, incident_id: int, body: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE incident SET body = ? WHERE id = ?", (json.dumps(body), incident_id))
+
+    def incidents(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._query("SELECT id, t, body FROM incident ORDER BY id DESC LIMIT ?", (limit,))
+        return [{"id": r[0], "t": r[1], **json.loads(r[2])} for r in rows]
+
+    def add_drill_run(self, t: float, drill: str, result: str, body: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO drill_run (t, drill, result, body) VALUES (?, ?, ?, ?)", (t, drill, result, json.dumps(body))
+            )
+
+    def drill_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._query("SELECT t, drill, result, body FROM drill_run ORDER BY id DESC LIMIT ?", (limit,))
+        return [{"t": r[0], "drill": r[1], "result": r[2], **json.loads(r[3])} for r in rows]

@@ -1,0 +1,17 @@
+"""Shared fixtures and the `gpu` marker gate."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run only with GPUWATCH_TEST_GPU=1 (on the H200 machines)."""
+    if os.environ.get("GPUWATCH_TEST_GPU") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs a real NVIDIA GPU: set GPUWATCH_TEST_GPU=1 on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
