@@ -9,16 +9,17 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
 
-from gpuwatch import __version__
+from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
 from gpuwatch.metrics import MetricsRenderer
 from gpuwatch.model import GpuStatus, Snapshot, TrainerInfo
@@ -111,6 +112,10 @@ def create_app(
         if status is None:
             raise HTTPException(status_code=404, detail=f"no GPU with index {index}")
         return status
+
+    @app.get("/", response_class=HTMLResponse)
+    def status_page() -> HTMLResponse:
+        return HTMLResponse(statuspage.render(snapshot(), clock(), socket.gethostname()))
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -47,6 +47,7 @@ class RulesConfig:
     clock_low_ratio: float = 0.6
     clock_busy_util_pct: int = 50
     throttle_duty: float = 0.5
+    level_duty: float = 0.8  # share of its window a level condition (low SM clock, thermal margin) must hold
     power_window_s: float = 120.0
     power_min_util_pct: int = 90
     power_unstable_drop_ratio: float = 0.5

@@ -7,6 +7,7 @@ replayed here is judged exactly as the live daemon would judge it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.replay import ReplayBackend, iter_ticks
 from gpuwatch.config import Config
-from gpuwatch.model import GpuEvent, GpuError, GpuSample, Health, Snapshot, worst
+from gpuwatch.model import GpuError, GpuEvent, GpuSample, Health, Snapshot, worst
 from gpuwatch.monitor import Monitor
 from gpuwatch.trace import Trace
 
@@ -68,17 +69,16 @@ class _TraceClock:
 
 def replay(trace: Trace, config: Config) -> list[GpuReplay]:
     """Run a trace through the rules and the state machine; record worst state and each new finding."""
-    first_t = next((r.t for r in trace.readings), time.time())
-    clock = _TraceClock(first_t)
-    backend = ReplayBackend.from_trace(trace)
-    config = dataclasses.replace(config, interval_s=max(1.0, _median_spacing(trace)))
-    monitor = Monitor(backend, trace.statics, config, clock=clock)
+    clock = _TraceClock(next((r.t for r in trace.readings), 0.0))
+    config = dataclasses.replace(config, backend="replay", interval_s=max(1.0, _median_spacing(trace)))
+    # The backend only names the source here: readings come from iter_ticks, judged on the trace's time.
+    monitor = Monitor(ReplayBackend(config), trace.statics, config, clock=clock)
     results = {s.index: GpuReplay(s.index, s.uuid) for s in trace.statics}
     open_rules: dict[int, set[str]] = {s.index: set() for s in trace.statics}
     for tick in iter_ticks(trace):
-        clock.t = max(r.t for r in tick)
-        events = [r for r in tick if isinstance(r, GpuEvent)]
-        readings = [r for r in tick if isinstance(r, (GpuSample, GpuError))]
+        clock.t = tick.t
+        events = [r for r in tick.readings if isinstance(r, GpuEvent)]
+        readings = [r for r in tick.readings if isinstance(r, (GpuSample, GpuError))]
         snapshot = monitor.handle_events(events) if events else None
         if readings:
             snapshot = monitor.judge_readings(readings)
@@ -89,17 +89,16 @@ def replay(trace: Trace, config: Config) -> list[GpuReplay]:
             result.worst_state = worst([result.worst_state, status.state])
             result.final_state = status.state
             result.quarantined = status.quarantined
-            rules_now = {f.rule for f in status.findings}
             for f in status.findings:
                 if f.rule not in open_rules[status.index]:
                     result.findings.append(
                         {"t": f.t, "rule": f.rule, "severity": f.severity.value, "action": f.action.value}
                     )
-            open_rules[status.index] = rules_now
+            open_rules[status.index] = {f.rule for f in status.findings}
     return [results[i] for i in sorted(results)]
 
 
 def _median_spacing(trace: Trace) -> float:
     times = sorted({r.t for r in trace.readings if isinstance(r, GpuSample)})
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
     return gaps[len(gaps) // 2] if gaps else 1.0

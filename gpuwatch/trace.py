@@ -20,6 +20,7 @@ from gpuwatch.model import ERROR_KINDS, EVENT_KINDS, GpuError, GpuEvent, GpuSamp
 FORMAT = "gpuwatch-trace"
 VERSION = 1
 
+
 def _field_types(cls: type) -> dict[str, type]:
     """Field → int | float | str for the scalar fields of a model dataclass (None is always allowed)."""
     hints = typing.get_type_hints(cls)
@@ -56,9 +57,7 @@ def _check(name: str, value: Any, want: type, *, nullable: bool = True) -> Any:
     """`value` if it has JSON type `want` (an int counts as a float, a bool as neither), else TraceError."""
     if value is None and nullable:
         return None
-    ok = not isinstance(value, bool) and (
-        isinstance(value, want) or (want is float and isinstance(value, int))
-    )
+    ok = not isinstance(value, bool) and (isinstance(value, want) or (want is float and isinstance(value, int)))
     if not ok:
         label = {int: "an integer", float: "a number", str: "a string"}[want]
         raise TraceError(f"field {name!r} is not {label}: {json.dumps(value)}")
@@ -139,7 +138,7 @@ def _parse_header(line: str) -> tuple[tuple[GpuStatic, ...], str]:
     except json.JSONDecodeError as exc:
         raise TraceError(f"header is not JSON: {exc.msg} (column {exc.colno})") from None
     if not isinstance(data, dict) or "static" not in data:
-        raise TraceError(f"header missing: line 1 must be {{\"format\": \"{FORMAT}\", \"version\": {VERSION}, ...}}")
+        raise TraceError(f'header missing: line 1 must be {{"format": "{FORMAT}", "version": {VERSION}, ...}}')
     if data.get("format") != FORMAT:
         raise TraceError(f"not a {FORMAT} file (header format is {json.dumps(data.get('format'))})")
     if data.get("version") != VERSION:

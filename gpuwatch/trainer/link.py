@@ -26,8 +26,8 @@ import tempfile
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
@@ -48,6 +48,7 @@ _MEMORY_STAT_KEYS = {
     "num_alloc_retries": "num_alloc_retries",
     "num_ooms": "num_ooms",
 }
+
 
 class TrainerLink:
     """One training rank's connection to the node's gpuwatch daemon, through the runtime directory.

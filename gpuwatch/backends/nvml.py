@@ -1,0 +1,486 @@
+"""The NVML backend: reads each GPU through pynvml with the cheapest call per field.
+
+pynvml is imported lazily in open() (or injected as a module-shaped object for tests), so
+importing this module never needs a driver. Every pynvml exception is mapped once, in
+`_map_error`, into `gpuwatch.errors`; nothing above this module sees an NVMLError.
+
+Costs measured on an H200 (DESIGN.md) decide which call reads what: the per-sample fields cost
+about 60 µs per GPU in all, while PCIe replays (170 µs), violation counters (0.64 ms) and energy
+(3.1 ms) are read only when the caller asks for a slow sample, and max clocks (1.5 ms) only at open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatch.config import Config
+from gpuwatch.errors import BackendUnavailable, GpuReadError
+from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
+
+log = logging.getLogger("gpuwatch.backends.nvml")
+
+# ref. nvml.h nvmlValueType_t: the member of nvmlValue_t that holds a field value, by valueType.
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+# ref. nvml.h NVML_PSTATE_UNKNOWN: P0–P15 are real states, 32 means the driver does not know.
+_MAX_PSTATE = 15
+# Events already queued when a wait returns are drained without blocking, up to this many.
+_MAX_EVENTS_PER_WAIT = 64
+
+
+@dataclass
+class _Gpu:
+    """One NVML device as this backend tracks it: handle, static facts, fields found unsupported."""
+
+    index: int
+    static: GpuStatic
+    handle: Any = None
+    error: GpuReadError | None = None
+    unsupported: set[str] = field(default_factory=set)
+
+
+class NvmlBackend:
+    """Reads GPUs through NVML (nvidia-ml-py). Constructed cheaply; nothing is touched until open().
+
+    Beyond the Backend protocol it offers `release_handles()` and `reacquire()`, so a reset drill
+    can let go of NVML (a GPU reset fails while any client holds it) and pick it up afterwards.
+
+    Args:
+        config: the daemon's configuration (NVML needs none of it; kept for the Backend contract).
+        nvml: a module-shaped object with pynvml's names, for tests; None imports pynvml in open().
+    """
+
+    name = "nvml"
+
+    def __init__(self, config: Config, nvml: Any = None) -> None:
+        self._config = config
+        self._nvml: Any = nvml
+        self._vendor_errors: tuple[type[BaseException], ...] = ()
+        self._unsupported_codes: frozenset[int] = frozenset()
+        self._field_ids: tuple[tuple[int, str], ...] = ()
+        self._event_kinds: tuple[tuple[int, str], ...] = ()
+        self._gpus: list[_Gpu] = []
+        self._initialized = False
+        # Guards init state and the event set; wait_events holds it while blocked in NVML, so
+        # close() and release_handles() wait for an in-flight wait to return.
+        self._lock = threading.Lock()
+        self._event_set: Any = None
+        self._registered: dict[Hashable, _Gpu] = {}
+        self._events_unavailable = False
+        self._lost: set[int] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def open(self) -> tuple[GpuStatic, ...]:
+        """Initialise NVML and read each GPU's static facts once.
+
+        A GPU that fails at this point still gets a GpuStatic (empty uuid) so its index is known;
+        sample() then reports the failure for it, and the other GPUs read normally.
+
+        Raises:
+            BackendUnavailable: pynvml is missing, NVML does not initialise, or it finds no GPU.
+        """
+        nvml = self._load()
+        try:
+            nvml.nvmlInit()
+        except self._vendor_errors as exc:
+            raise BackendUnavailable(f"NVML did not initialise: {exc}") from None
+        try:
+            count = nvml.nvmlDeviceGetCount()
+        except self._vendor_errors as exc:
+            self._quiet_shutdown()
+            raise BackendUnavailable(f"NVML could not count GPUs: {exc}") from None
+        if count == 0:
+            self._quiet_shutdown()
+            raise BackendUnavailable("NVML found no GPU")
+        with self._lock:
+            self._initialized = True
+            self._events_unavailable = False
+            self._lost = set()
+            self._gpus = [self._discover(index) for index in range(count)]
+        return tuple(gpu.static for gpu in self._gpus)
+
+    def close(self) -> None:
+        """Free the event set and shut NVML down. Safe to call twice."""
+        self.release_handles()
+
+    def release_handles(self) -> None:
+        """Let go of every NVML handle (nvmlShutdown) so a GPU reset can proceed. Safe to call twice.
+
+        Until reacquire(), sample() raises GpuReadError and wait_events() returns no events.
+        """
+        with self._lock:
+            self._free_event_set()
+            for gpu in self._gpus:
+                gpu.handle = None
+            if self._initialized:
+                self._initialized = False
+                self._quiet_shutdown()
+
+    def reacquire(self) -> tuple[GpuStatic, ...]:
+        """Initialise NVML again after release_handles() and re-read the static facts.
+
+        Handles and even indices can change across a reset, so everything is looked up afresh.
+
+        Raises:
+            BackendUnavailable: NVML does not come back.
+        """
+        self.release_handles()
+        return self.open()
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def sample(self, index: int, now: float, *, slow: bool = False) -> GpuSample:
+        """Read one GPU. `slow` also reads PCIe replays, violation counters and energy.
+
+        Args:
+            index: the NVML index of the GPU.
+            now: the sample's timestamp (Unix seconds), supplied by the caller.
+            slow: read the costly fields too; otherwise they are None.
+
+        Raises:
+            GpuReadError: this GPU failed (kind gpu_lost, reset_required or unknown).
+        """
+        gpu = self._gpu(index)
+        nvml = self._nvml
+        with self._mapped():
+            handle = gpu.handle
+            read = functools.partial(self._read, gpu)
+            util = read("util", nvml.nvmlDeviceGetUtilizationRates, handle)
+            memory = read("memory_used", nvml.nvmlDeviceGetMemoryInfo, handle)
+            power_mw = read("power", nvml.nvmlDeviceGetPowerUsage, handle)
+            pstate = read("pstate", nvml.nvmlDeviceGetPerformanceState, handle)
+            remapped = read("remapped", nvml.nvmlDeviceGetRemappedRows, handle)
+            procs = read("pids", nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+            corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+            volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
+            ecc = nvml.nvmlDeviceGetTotalEccErrors
+            values: dict[str, Any] = {
+                "sm_clock_mhz": read("sm_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
+                "mem_clock_mhz": read("mem_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
+                # ref. nvml.h nvmlDeviceGetTemperature: deprecated for ...TemperatureV, which older drivers lack.
+                "temp_c": read("temp", nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+                "clocks_event_reasons": read("reasons", nvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
+                "ecc_sbe_volatile": read("ecc_sbe_volatile", ecc, handle, corrected, volatile),
+                "ecc_dbe_volatile": read("ecc_dbe_volatile", ecc, handle, uncorrected, volatile),
+                "ecc_sbe_aggregate": read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
+                "ecc_dbe_aggregate": read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
+                **self._read_field_values(gpu, handle),
+            }
+            if slow:
+                values.update(self._read_slow(gpu, handle))
+        if remapped is not None:
+            # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
+            cor, unc, pending, failure = remapped
+            values.update(remapped_cor=cor, remapped_unc=unc, remapped_pending=pending, remapped_failure=failure)
+        return GpuSample(
+            t=now,
+            index=gpu.index,
+            uuid=gpu.static.uuid,
+            power_w=None if power_mw is None else power_mw / 1000.0,
+            util_gpu_pct=None if util is None else util.gpu,
+            util_mem_pct=None if util is None else util.memory,
+            memory_used_bytes=None if memory is None else memory.used,
+            pstate=pstate if pstate is not None and pstate <= _MAX_PSTATE else None,
+            pids=() if procs is None else tuple(proc.pid for proc in procs),
+            **values,
+        )
+
+    def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
+        """The costly counters (DESIGN.md: 0.17 + 2 × 0.32 + 3.1 ms per GPU), read only on slow samples."""
+        nvml = self._nvml
+        read = functools.partial(self._read, gpu)
+        # ref. nvml.h nvmlViolationTime_t: violationTime is in nanoseconds.
+        power = read("violation_power", nvml.nvmlDeviceGetViolationStatus, handle, nvml.NVML_PERF_POLICY_POWER)
+        thermal = read("violation_thermal", nvml.nvmlDeviceGetViolationStatus, handle, nvml.NVML_PERF_POLICY_THERMAL)
+        return {
+            "pcie_replay": read("pcie_replay", nvml.nvmlDeviceGetPcieReplayCounter, handle),
+            "violation_power_ns": None if power is None else power.violationTime,
+            "violation_thermal_ns": None if thermal is None else thermal.violationTime,
+            "energy_mj": read("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, handle),
+        }
+
+    def _read_field_values(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
+        """HBM temperature and instantaneous power in one nvmlDeviceGetFieldValues call.
+
+        One or two fields cost 5–8 µs, so this is the cheapest path for them; a field the GPU
+        lacks is cached as unsupported like any other (ref. nvmlFieldValue_t.nvmlReturn).
+        """
+        nvml = self._nvml
+        wanted = [(field_id, name) for field_id, name in self._field_ids if name not in gpu.unsupported]
+        if not wanted:
+            return {}
+        results = self._read(gpu, "field_values", nvml.nvmlDeviceGetFieldValues, handle, [f for f, _ in wanted])
+        if results is None:
+            return {}
+        values: dict[str, Any] = {}
+        for (_, name), result in zip(wanted, results, strict=True):
+            code = result.nvmlReturn
+            if code == nvml.NVML_SUCCESS:
+                values[name] = int(getattr(result.value, _VALUE_MEMBERS[result.valueType]))
+            elif code in self._unsupported_codes:
+                self._mark_unsupported(gpu, name)
+            elif code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
+                raise nvml.NVMLError(code)
+            else:
+                log.debug("GPU %d: field %s not read this time (NVML return %d)", gpu.index, name, code)
+        return values
+
+    # -- events ------------------------------------------------------------------------------
+
+    def wait_events(self, timeout_s: float) -> list[GpuEvent | GpuError]:
+        """Block up to `timeout_s` for XID / ECC events from NVML's event set.
+
+        The set is created on the first call, registered per GPU for whichever of XID, double-bit
+        and single-bit ECC events that GPU supports. Where none does, this logs once and sleeps.
+        A GPU that falls off the bus while waiting comes back as a GpuError (kind gpu_lost).
+        """
+        with self._lock:
+            if self._initialized and self._ensure_event_set():
+                return self._wait(timeout_s)
+        time.sleep(max(0.0, timeout_s))
+        return []
+
+    def _ensure_event_set(self) -> bool:
+        """Create and register the event set unless it exists or events are known to be unavailable."""
+        if self._event_set is not None:
+            return True
+        if self._events_unavailable:
+            return False
+        nvml = self._nvml
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except self._vendor_errors as exc:
+            return self._no_events(f"nvmlEventSetCreate failed: {exc}")
+        wanted = 0
+        for bit, _ in self._event_kinds:
+            wanted |= bit
+        registered: dict[Hashable, _Gpu] = {}
+        for gpu in self._gpus:
+            if gpu.handle is None or gpu.index in self._lost:
+                continue
+            try:
+                # ref. nvml.h nvmlDeviceRegisterEvents: registering an unsupported type fails the call,
+                # so ask which types this GPU supports first.
+                mask = nvml.nvmlDeviceGetSupportedEventTypes(gpu.handle) & wanted
+                if mask:
+                    nvml.nvmlDeviceRegisterEvents(gpu.handle, mask, event_set)
+                    registered[_handle_key(gpu.handle)] = gpu
+            except self._vendor_errors as exc:
+                log.warning("GPU %d: NVML event registration failed: %s", gpu.index, exc)
+        if not registered:
+            self._free(event_set)
+            return self._no_events("no GPU supports XID or ECC events")
+        self._event_set, self._registered = event_set, registered
+        return True
+
+    def _no_events(self, reason: str) -> bool:
+        self._events_unavailable = True
+        log.warning("NVML events unavailable (%s): XIDs and ECC errors are not seen as they happen", reason)
+        return False
+
+    def _wait(self, timeout_s: float) -> list[GpuEvent | GpuError]:
+        """One blocking nvmlEventSetWait_v2, then drain whatever else already arrived."""
+        nvml = self._nvml
+        items: list[GpuEvent | GpuError] = []
+        timeout_ms = max(0, int(timeout_s * 1000))
+        for _ in range(_MAX_EVENTS_PER_WAIT):
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
+            except self._vendor_errors as exc:
+                code = getattr(exc, "value", None)
+                if code == nvml.NVML_ERROR_GPU_IS_LOST:
+                    items.extend(self._find_lost(exc, timeout_s))
+                elif code != nvml.NVML_ERROR_TIMEOUT:
+                    # Not a reading of any one GPU: log it and pace the caller's loop.
+                    log.warning("nvmlEventSetWait_v2 failed: %s", exc)
+                    if not items:
+                        time.sleep(max(0.0, timeout_s))
+                break
+            event = self._to_event(data)
+            if event is not None:
+                items.append(event)
+            timeout_ms = 0
+        return items
+
+    def _to_event(self, data: Any) -> GpuEvent | None:
+        """Map nvmlEventData_t to a GpuEvent; the device is matched by its handle."""
+        gpu = self._registered.get(_handle_key(data.device))
+        kind = next((name for bit, name in self._event_kinds if data.eventType & bit), None)
+        if gpu is None or kind is None:
+            log.debug("ignoring NVML event type %#x for an unknown device or type", data.eventType)
+            return None
+        # ref. nvml.h nvmlEventData_t: for XIDs eventData is the XID number (999 when unknown).
+        xid = int(data.eventData) if kind == "xid" else None
+        return GpuEvent(t=time.time(), index=gpu.index, uuid=gpu.static.uuid, kind=kind, xid=xid)
+
+    def _find_lost(self, exc: BaseException, timeout_s: float) -> list[GpuEvent | GpuError]:
+        """The wait said a GPU is lost but not which one: probe each, and drop the lost ones from the set."""
+        now = time.time()
+        lost: list[_Gpu] = []
+        for gpu in self._registered.values():
+            try:
+                with self._mapped():
+                    self._nvml.nvmlDeviceGetPerformanceState(gpu.handle)
+            except GpuReadError as err:
+                if err.kind == "gpu_lost":
+                    lost.append(gpu)
+        # The next wait re-registers the GPUs still there; a lost one would fail every wait.
+        self._free_event_set()
+        self._lost.update(gpu.index for gpu in lost)
+        if not lost:
+            log.warning("NVML event wait reports a lost GPU (%s) but every GPU still answers", exc)
+            time.sleep(max(0.0, timeout_s))
+        return [GpuError(t=now, index=g.index, uuid=g.static.uuid, kind="gpu_lost", detail=str(exc)) for g in lost]
+
+    def _free_event_set(self) -> None:
+        if self._event_set is not None:
+            self._free(self._event_set)
+        self._event_set, self._registered = None, {}
+
+    def _free(self, event_set: Any) -> None:
+        try:
+            self._nvml.nvmlEventSetFree(event_set)
+        except self._vendor_errors as exc:
+            log.debug("nvmlEventSetFree failed: %s", exc)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _load(self) -> Any:
+        """The pynvml module (imported on first use) and the names this backend derives from it."""
+        if self._nvml is None:
+            try:
+                import pynvml
+            except ImportError as exc:
+                raise BackendUnavailable(f"pynvml is not importable: {exc}") from None
+            self._nvml = pynvml
+        nvml = self._nvml
+        mismatch = getattr(nvml, "NVMLLibraryMismatchError", None)
+        self._vendor_errors = (nvml.NVMLError,) if mismatch is None else (nvml.NVMLError, mismatch)
+        # FUNCTION_NOT_FOUND is a driver older than the binding: as final for this field as NOT_SUPPORTED.
+        self._unsupported_codes = frozenset({nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND})
+        fields = [("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"), ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw")]
+        self._field_ids = tuple((getattr(nvml, const), name) for const, name in fields if hasattr(nvml, const))
+        self._event_kinds = (
+            (nvml.nvmlEventTypeXidCriticalError, "xid"),
+            (nvml.nvmlEventTypeDoubleBitEccError, "ecc_dbe"),
+            (nvml.nvmlEventTypeSingleBitEccError, "ecc_sbe"),
+        )
+        return nvml
+
+    def _discover(self, index: int) -> _Gpu:
+        """Handle, uuid and the static facts of one GPU; a fact it lacks is None."""
+        nvml = self._nvml
+        try:
+            with self._mapped():
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        except GpuReadError as exc:
+            log.warning("GPU %d cannot be read at start (%s); it reports errors until reacquired", index, exc)
+            return _Gpu(index=index, static=GpuStatic(index=index, uuid=""), error=exc)
+        gpu = _Gpu(index=index, static=GpuStatic(index=index, uuid=uuid), handle=handle)
+
+        def fact(key: str, fn: Callable[..., Any], *args: Any) -> Any:
+            try:
+                with self._mapped():
+                    return self._read(gpu, key, fn, *args)
+            except GpuReadError as exc:
+                log.warning("GPU %d: static fact %s not read: %s", index, key, exc)
+                return None
+
+        threshold = nvml.nvmlDeviceGetTemperatureThreshold
+        name = fact("name", nvml.nvmlDeviceGetName, handle)
+        pci = fact("pci", nvml.nvmlDeviceGetPciInfo, handle)
+        limit_mw = fact("power_limit", nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+        memory = fact("memory_total", nvml.nvmlDeviceGetMemoryInfo, handle)
+        gpu.static = GpuStatic(
+            index=index,
+            uuid=uuid,
+            name="" if name is None else _text(name),
+            pci_bus_id="" if pci is None else _text(pci.busId),
+            max_sm_clock_mhz=fact("max_sm_clock", nvml.nvmlDeviceGetMaxClockInfo, handle, nvml.NVML_CLOCK_SM),
+            max_mem_clock_mhz=fact("max_mem_clock", nvml.nvmlDeviceGetMaxClockInfo, handle, nvml.NVML_CLOCK_MEM),
+            # ref. nvml.h nvmlDeviceGetEnforcedPowerLimit: milliwatts, the limit actually in force.
+            power_limit_w=None if limit_mw is None else limit_mw / 1000.0,
+            memory_total_bytes=None if memory is None else memory.total,
+            slowdown_temp_c=fact("slowdown", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+            shutdown_temp_c=fact("shutdown", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
+            mem_max_temp_c=fact("mem_max", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
+            gpu_max_temp_c=fact("gpu_max", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
+        )
+        return gpu
+
+    def _gpu(self, index: int) -> _Gpu:
+        if not self._initialized:
+            raise GpuReadError("unknown", "NVML is not open (never opened, closed, or released for a reset)")
+        if not 0 <= index < len(self._gpus):
+            raise GpuReadError("unknown", f"no GPU with NVML index {index}")
+        gpu = self._gpus[index]
+        if gpu.error is not None:
+            raise GpuReadError(gpu.error.kind, gpu.error.detail)
+        return gpu
+
+    def _read(self, gpu: _Gpu, key: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """One NVML call for field `key`; None if this GPU does not support it (remembered, not retried)."""
+        if key in gpu.unsupported:
+            return None
+        try:
+            return fn(*args)
+        except self._vendor_errors as exc:
+            # NVMLLibraryMismatchError (no .value) is pynvml's FUNCTION_NOT_FOUND for unversioned calls.
+            if getattr(exc, "value", None) in self._unsupported_codes or not hasattr(exc, "value"):
+                self._mark_unsupported(gpu, key)
+                return None
+            raise
+
+    def _mark_unsupported(self, gpu: _Gpu, key: str) -> None:
+        gpu.unsupported.add(key)
+        log.debug("GPU %d does not support %s; it will not be read again", gpu.index, key)
+
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[None]:
+        """Turn any pynvml exception raised inside into a GpuReadError (the one place errors are mapped)."""
+        try:
+            yield
+        except self._vendor_errors as exc:
+            raise _map_error(self._nvml, exc) from exc
+
+    def _quiet_shutdown(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._vendor_errors as exc:
+            log.debug("nvmlShutdown failed: %s", exc)
+
+
+def _map_error(nvml: Any, exc: BaseException) -> GpuReadError:
+    """The trace format's error kind for an NVML error (ref. nvml.h nvmlReturn_t)."""
+    code = getattr(exc, "value", None)
+    if code == nvml.NVML_ERROR_GPU_IS_LOST:
+        return GpuReadError("gpu_lost", str(exc))
+    if code == nvml.NVML_ERROR_RESET_REQUIRED:
+        return GpuReadError("reset_required", str(exc))
+    return GpuReadError("unknown", str(exc))
+
+
+def _handle_key(handle: Any) -> Hashable:
+    """A key equal for every handle of one device.
+
+    pynvml returns a new ctypes pointer object per call (nvmlEventData_t.device included), so real
+    handles are keyed by the address they hold; any other object (a test fake) is its own key.
+    """
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (ctypes.ArgumentError, TypeError):
+        return handle
+
+
+def _text(value: str | bytes) -> str:
+    """pynvml returns str for most strings but bytes for struct members (nvmlPciInfo_t.busId)."""
+    return value.decode() if isinstance(value, bytes) else value

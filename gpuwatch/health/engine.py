@@ -1,0 +1,37 @@
+"""Runs every rule module over one GPU's history; the one list of rules the daemon knows.
+
+Modules are listed here explicitly (no import-time registration), in the order their findings
+are reported. `RulesConfig.disabled` takes rule ids or module names.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from gpuwatch.config import RulesConfig
+from gpuwatch.health.history import History
+from gpuwatch.health.rules import clocks, ecc, lost, power, row_remap, thermal, xid
+from gpuwatch.model import Finding
+
+RULE_MODULES: tuple[ModuleType, ...] = (lost, xid, ecc, row_remap, clocks, power, thermal)
+ALL_RULE_IDS: tuple[str, ...] = tuple(rule for module in RULE_MODULES for rule in module.RULE_IDS)
+
+
+def module_name(module: ModuleType) -> str:
+    """The short name `disabled` knows a module by: 'clocks' for gpuwatch.health.rules.clocks."""
+    return module.__name__.rsplit(".", 1)[-1]
+
+
+def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    """Every finding of every enabled rule on this history."""
+    disabled = set(cfg.disabled)
+    findings: list[Finding] = []
+    for module in RULE_MODULES:
+        if module_name(module) not in disabled:
+            findings.extend(f for f in module.evaluate(history, cfg) if f.rule not in disabled)
+    return findings
+
+
+def max_window_s(cfg: RulesConfig) -> float:
+    """How many seconds of samples, events and errors the longest rule window looks at."""
+    return max(cfg.clock_window_s, cfg.power_window_s, cfg.ecc_window_s, cfg.xid_window_s, cfg.thermal_window_s)

@@ -1,0 +1,104 @@
+"""Arithmetic the rules share: how long a condition held, how much a counter grew, stamping a Finding.
+
+Every measure here is in seconds of the window, never in sample counts, so a rule means the same
+at a 1 s and at a 30 s sampling interval.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+
+from gpuwatch.health.history import History
+from gpuwatch.model import Action, Finding, GpuSample, Severity
+
+# A sustained condition needs at least this many samples showing it: one reading is never a trend
+# (HW slowdown, for one, "may be also reported during PState or clock change").
+MIN_SAMPLES = 2
+
+
+@dataclass(frozen=True)
+class Held:
+    """How much of the last `window_s` seconds a condition held, and on how many samples."""
+
+    seconds: float
+    samples: int
+    window_s: float
+
+    @property
+    def share(self) -> float:
+        return self.seconds / self.window_s
+
+    def sustained(self, duty: float) -> bool:
+        """True when it held for at least `duty` of the whole window, on at least MIN_SAMPLES samples."""
+        return self.samples >= MIN_SAMPLES and self.seconds >= duty * self.window_s
+
+    def describe(self) -> str:
+        return f"{self.share:.0%} of the last {self.window_s:g} s"
+
+
+def held(history: History, window_s: float, condition: Callable[[GpuSample], bool]) -> Held:
+    """Measure `condition` over the last `window_s` seconds.
+
+    Each sample vouches for the time since the sample before it (clipped to the window); the oldest
+    sample in the history vouches for nothing. The share is of the whole window, so a daemon that has
+    watched for 10 s cannot claim a condition held for half of the last minute.
+    """
+    start = history.now - window_s
+    seconds, count = 0.0, 0
+    previous: float | None = None
+    for sample in history.samples:
+        if sample.t >= start and condition(sample):
+            count += 1
+            if previous is not None:
+                seconds += sample.t - max(previous, start)
+        previous = sample.t
+    return Held(seconds, count, window_s)
+
+
+def growth(history: History, window_s: float, counter: Callable[[GpuSample], int | None]) -> int:
+    """How much a counter grew within the last `window_s` seconds.
+
+    Growth is the sum of increases between consecutive samples, dated at the later one, so a counter
+    that rose before the window no longer counts, and a reset to a lower value (GPU reset clears the
+    volatile ECC counters) is not growth. The baseline, the first sample ever taken, is the step before
+    the oldest kept sample only while it lies inside the window itself: older than that, the samples
+    between it and the kept ones are gone and any increase may predate the window.
+    """
+    start = history.now - window_s
+    samples = history.samples
+    base = history.baseline
+    if base is not None and base.t >= start and (not samples or base.t < samples[0].t):
+        samples = (base, *samples)
+    total = 0
+    for before, after in pairwise(samples):
+        old, new = counter(before), counter(after)
+        if after.t >= start and old is not None and new is not None and new > old:
+            total += new - old
+    return total
+
+
+def finding(
+    history: History, rule: str, severity: Severity, action: Action, reason: str, *, drill: bool = False
+) -> Finding:
+    """A Finding on this history's GPU, dated `history.now`."""
+    return Finding(
+        rule=rule,
+        severity=severity,
+        reason=reason,
+        action=action,
+        t=history.now,
+        index=history.static.index,
+        uuid=history.static.uuid,
+        drill=drill,
+    )
+
+
+def clock_text(sample: GpuSample | None, max_mhz: int | None) -> str:
+    """'SM clock 600 of 1980 MHz' (or without the maximum when unknown); '' without a reading."""
+    if sample is None or sample.sm_clock_mhz is None:
+        return ""
+    if max_mhz is None:
+        return f"SM clock {sample.sm_clock_mhz} MHz"
+    return f"SM clock {sample.sm_clock_mhz} of {max_mhz} MHz"

@@ -1,0 +1,56 @@
+"""ECC errors: any new uncorrectable (double-bit) error condemns the card; correctable ones only by rate.
+
+Counters are judged by their growth within `ecc_window_s` (see `evidence.growth`): errors the GPU
+carried before the daemon started watching, or that are older than the window, do not count. Once
+a DBE ages out of the window, a pending row remap (row_remap.py) or XID 48 (xid.py) still holds
+the card until it is reset.
+"""
+
+from __future__ import annotations
+
+from gpuwatch.config import RulesConfig
+from gpuwatch.health.evidence import finding, growth
+from gpuwatch.health.history import History
+from gpuwatch.model import Action, Finding, Severity
+
+UNCORRECTABLE = "ecc_uncorrectable"
+CORRECTABLE_RATE = "ecc_correctable_rate"
+RULE_IDS: tuple[str, ...] = (UNCORRECTABLE, CORRECTABLE_RATE)
+
+
+def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    found = [_uncorrectable(history, cfg), _correctable_rate(history, cfg)]
+    return [f for f in found if f is not None]
+
+
+def _uncorrectable(history: History, cfg: RulesConfig) -> Finding | None:
+    window = cfg.ecc_window_s
+    counted = max(
+        growth(history, window, lambda s: s.ecc_dbe_volatile),
+        growth(history, window, lambda s: s.ecc_dbe_aggregate),
+    )
+    events = [e for e in history.events_since(window) if e.kind == "ecc_dbe"]
+    if not counted and not events:
+        return None
+    reason = f"{max(counted, len(events))} new uncorrectable (double-bit) ECC error(s) in the last {window:g} s"
+    drill = not counted and all(e.drill for e in events)
+    return finding(history, UNCORRECTABLE, Severity.UNHEALTHY, Action.RESET_GPU, reason, drill=drill)
+
+
+def _correctable_rate(history: History, cfg: RulesConfig) -> Finding | None:
+    window = cfg.ecc_window_s
+    counted = max(
+        growth(history, window, lambda s: s.ecc_sbe_volatile),
+        growth(history, window, lambda s: s.ecc_sbe_aggregate),
+    )
+    events = [e for e in history.events_since(window) if e.kind == "ecc_sbe"]
+    total = max(counted, len(events))
+    # The limit is per hour; over the whole window, so a daemon that just started needs the full count.
+    if total <= cfg.ecc_sbe_per_hour * window / 3600.0:
+        return None
+    reason = (
+        f"{total} correctable (single-bit) ECC errors in the last {window:g} s "
+        f"(limit {cfg.ecc_sbe_per_hour:g} per hour)"
+    )
+    drill = not counted and all(e.drill for e in events)
+    return finding(history, CORRECTABLE_RATE, Severity.DEGRADED, Action.NONE, reason, drill=drill)

@@ -1,0 +1,65 @@
+"""Power instability that nothing benign explains.
+
+Power swings are normal: a healthy 2-rank DDP job on H200s swings 290–682 W (std 42 W) at 100%
+utilization as compute and all-reduce phases alternate (DESIGN.md, measured). Spread, variance or
+a minimum power therefore say nothing about the card. What does: a GPU kept busy
+(util ≥ `power_min_util_pct`) whose power collapses far below its limit (< `power_unstable_drop_ratio`
+× limit) while its SM clock collapses too (< `clock_low_ratio` × max), with no benign clocks-event
+reason (idle, app clocks, SW power cap, sync boost) to explain it. In a healthy all-reduce phase
+power falls but the clock rises to its maximum, and a capped or idle card says so with 0x4 or 0x1.
+
+A collapse that holds is `sm_clock_low_unexplained` or a `clocks_*` rule. This rule catches the
+intermittent form those duty-based rules miss: the card keeps dropping out and recovering under a
+busy load (a power brake that comes and goes counts). It counts falls: a busy sample at normal
+power followed straight by a collapsed one (a ramp-up from idle is no fall, so bursty jobs stay
+quiet), and fires on at least `MIN_DROPS` falls within `power_window_s`. Two falls are visible at a
+30 s interval in a 120 s window (5 samples), and at 1 s just the same.
+"""
+
+from __future__ import annotations
+
+from gpuwatch.config import RulesConfig
+from gpuwatch.health.evidence import finding
+from gpuwatch.health.history import History
+from gpuwatch.health.rules.clocks import BENIGN_REASONS
+from gpuwatch.model import Action, Finding, GpuSample, Severity
+
+RULE = "power_unstable"
+RULE_IDS: tuple[str, ...] = (RULE,)
+MIN_DROPS = 2
+
+
+def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    limit_w, max_mhz = history.static.power_limit_w, history.static.max_sm_clock_mhz
+    if not limit_w or not max_mhz:
+        return []
+    floor_w, floor_mhz = cfg.power_unstable_drop_ratio * limit_w, cfg.clock_low_ratio * max_mhz
+    drops = 0
+    previous: bool | None = None  # the last sample collapsed (True), ran normally (False), or judged nothing
+    for sample in history.since(cfg.power_window_s):
+        current = _collapsed(sample, floor_w, floor_mhz) if _busy(sample, cfg) else None
+        if current and previous is False:
+            drops += 1
+        previous = current
+    if drops < MIN_DROPS:
+        return []
+    reason = (
+        f"power fell under {floor_w:.0f} W of its {limit_w:.0f} W limit with the SM clock under "
+        f"{floor_mhz:.0f} MHz at ≥{cfg.power_min_util_pct}% utilization, no benign clocks-event reason, "
+        f"{drops} times in the last {cfg.power_window_s:g} s"
+    )
+    return [finding(history, RULE, Severity.DEGRADED, Action.HARDWARE_INSPECTION, reason)]
+
+
+def _busy(sample: GpuSample, cfg: RulesConfig) -> bool:
+    """Busy and fully read: only such samples are judged."""
+    fields = (sample.power_w, sample.sm_clock_mhz, sample.clocks_event_reasons)
+    return sample.util_gpu_pct is not None and sample.util_gpu_pct >= cfg.power_min_util_pct and None not in fields
+
+
+def _collapsed(sample: GpuSample, floor_w: float, floor_mhz: float) -> bool:
+    return (
+        (sample.power_w or 0.0) < floor_w
+        and (sample.sm_clock_mhz or 0) < floor_mhz
+        and not (sample.clocks_event_reasons or 0) & BENIGN_REASONS
+    )

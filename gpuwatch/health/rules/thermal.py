@@ -1,0 +1,38 @@
+"""Thermal margin: a card that lives within a few degrees of its slowdown temperature.
+
+It is not throttling yet (clocks.py reports that), but one warm day or a clogged filter away from
+it, and HBM near its maximum is where memory errors grow. The GPU is judged against its slowdown
+temperature and HBM against its maximum, both from the card's static facts, for `level_duty` of
+`thermal_window_s`.
+"""
+
+from __future__ import annotations
+
+from gpuwatch.config import RulesConfig
+from gpuwatch.health.evidence import finding, held
+from gpuwatch.health.history import History
+from gpuwatch.model import Action, Finding, GpuSample, Severity
+
+RULE = "thermal_margin_low"
+RULE_IDS: tuple[str, ...] = (RULE,)
+
+
+def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    static = history.static
+    gpu_limit, mem_limit = static.slowdown_temp_c, static.mem_max_temp_c
+
+    def near(value: int | None, limit: int | None) -> bool:
+        return value is not None and limit is not None and value >= limit - cfg.thermal_margin_c
+
+    def hot(sample: GpuSample) -> bool:
+        return near(sample.temp_c, gpu_limit) or near(sample.mem_temp_c, mem_limit)
+
+    evidence = held(history, cfg.thermal_window_s, hot)
+    if not evidence.sustained(cfg.level_duty):
+        return []
+    last = history.last
+    now = ""
+    if last is not None:
+        now = f"; now GPU {last.temp_c} °C (slowdown {gpu_limit} °C), HBM {last.mem_temp_c} °C (max {mem_limit} °C)"
+    reason = f"within {cfg.thermal_margin_c} °C of the slowdown or HBM maximum temperature {evidence.describe()}{now}"
+    return [finding(history, RULE, Severity.DEGRADED, Action.HARDWARE_INSPECTION, reason)]

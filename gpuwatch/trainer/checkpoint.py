@@ -1,0 +1,476 @@
+"""Verified checkpoints: one fresh directory per step, a sha256 manifest, an atomic `latest` pointer.
+
+A save writes into `<dir>/.tmp-step-<N>-<pid>/`, fsyncs every file, writes `manifest.json`
+(step, and each file's size and sha256), fsyncs the directory, renames it to `<dir>/step-<N:08d>`,
+fsyncs `<dir>`, then replaces `<dir>/latest` (a file holding the directory name) the same way.
+A crash at any point leaves either the old checkpoint set or the new one, never a half-written
+directory under a final name. `load_latest` trusts nothing: it verifies the manifest of what
+`latest` names and, when that fails, of each older `step-*` in turn, and says which it skipped.
+
+With DDP (torch.distributed initialized), `save_checkpoint` lets rank 0 write the state it
+was given and holds every rank at a barrier until the checkpoint is in place; all ranks must call
+it. Every rank then loads the same files, so `<dir>` must be on a filesystem they all see.
+
+With torch.distributed.checkpoint (DCP, sharded state written by every rank), let DCP write the
+shards into the temporary directory and let rank 0 commit it::
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from gpuwatch.trainer.checkpoint import commit_checkpoint, load_latest, new_temp_dir
+
+    # save: every rank writes its shards into rank 0's temp dir, then rank 0 commits
+    name = [str(new_temp_dir(ckpt_dir, step)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    dcp.save(state_dict, checkpoint_id=name[0])  # fsyncs the shards, writes .metadata last
+    dist.barrier()
+    if dist.get_rank() == 0:
+        commit_checkpoint(ckpt_dir, step, name[0])  # manifest + fsync + rename + latest + prune
+    dist.barrier()
+
+    # resume: the manifest is verified first; DCP reshards onto the current world size
+    loaded = load_latest(ckpt_dir)  # loaded.state is None: the shards are DCP's to read
+    if loaded is not None:
+        dcp.load(state_dict, checkpoint_id=loaded.path)
+
+torch is imported here only to load a `state.pt`; a program that has not imported torch saves
+its state with pickle (`state.pkl`), which loads with or without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from gpuwatch.errors import CheckpointError
+
+log = logging.getLogger("gpuwatch.trainer")
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+MANIFEST_VERSION = 1
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-\d+$")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What `load_latest` found: the step, the state (None for a DCP checkpoint), and what it skipped."""
+
+    step: int
+    state: Any
+    path: Path
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+class _Invalid(Exception):
+    """A checkpoint does not verify; the message is the reason, as logged."""
+
+
+def step_dir_name(step: int) -> str:
+    """The final directory name of the checkpoint of `step` ("step-00000040")."""
+    return f"step-{step:08d}"
+
+
+def new_temp_dir(directory: str | os.PathLike[str], step: int) -> Path:
+    """Create and return the fresh `.tmp-step-<N>-<pid>` directory a save of `step` writes into.
+
+    Args:
+        directory: the checkpoint directory (created when missing).
+        step: the training step being saved.
+
+    Raises:
+        CheckpointError: the directory could not be created.
+    """
+    path = Path(directory) / f".tmp-step-{step}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create checkpoint temp dir {path}: {exc}") from exc
+    return path
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    state: Any,
+    *,
+    rank: int | None = None,
+    barrier: Callable[[], object] | None = None,
+    keep: int = 3,
+) -> Path:
+    """Save `state` as the verified checkpoint of `step`; keep the `keep` newest, delete older ones.
+
+    Every rank calls it. Rank 0 writes (torch.save into `state.pt` when the program imported torch,
+    else pickle into `state.pkl`); then all ranks meet at the barrier.
+
+    Args:
+        directory: the checkpoint directory (created when missing).
+        step: the training step the state belongs to.
+        state: anything picklable (torch.save handles tensors); ignored on ranks other than 0.
+        rank: this rank; default: torch.distributed's rank when it is initialized, else 0.
+        barrier: called by every rank after rank 0 is done; default: dist.barrier when initialized.
+        keep: how many checkpoints to keep (this one and the newest older ones).
+
+    Returns:
+        The checkpoint's directory, `<directory>/step-<N:08d>`.
+
+    Raises:
+        CheckpointError: the state could not be written, or (other ranks) rank 0 did not write it.
+        ValueError: keep is below 1.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep}")
+    directory = Path(directory)
+    dist = _initialized_dist()
+    if rank is None:
+        rank = dist.get_rank() if dist is not None else 0
+    if barrier is None and dist is not None:
+        barrier = dist.barrier
+    final = directory / step_dir_name(step)
+    if rank != 0:
+        if barrier is not None:
+            barrier()
+        if not (final / MANIFEST).is_file():
+            raise CheckpointError(f"rank 0 did not save {final}")
+        return final
+    try:
+        return _save(directory, step, state, keep)
+    finally:
+        if barrier is not None:
+            barrier()  # also after a failure, so the other ranks do not hang
+
+
+def commit_checkpoint(
+    directory: str | os.PathLike[str], step: int, temp_dir: str | os.PathLike[str], *, keep: int = 3
+) -> Path:
+    """Turn a filled temp dir (from `new_temp_dir`) into the verified checkpoint of `step`.
+
+    This is the second half of `save_checkpoint`, for state another writer (DCP) put in the
+    temp dir: it fsyncs and hashes every file, writes the manifest, renames the directory into
+    place, moves `latest` and prunes. Call it on one rank only, after every writer finished.
+
+    Args:
+        directory: the checkpoint directory `temp_dir` is in.
+        step: the training step the state belongs to.
+        temp_dir: the directory holding the written files.
+        keep: how many checkpoints to keep.
+
+    Returns:
+        The checkpoint's directory, `<directory>/step-<N:08d>`.
+
+    Raises:
+        CheckpointError: the temp dir is empty or a file system operation failed.
+        ValueError: keep is below 1.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, not {keep}")
+    return _commit(Path(directory), step, Path(temp_dir), keep, state_file=None)
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint at `path` does not verify (a one-line reason), or None when it does.
+
+    Checks that the manifest parses, names the directory's step, and that every file it lists
+    exists with the recorded size and sha256.
+    """
+    try:
+        _verified_manifest(Path(path))
+    except _Invalid as exc:
+        return str(exc)
+    return None
+
+
+def load_latest(
+    directory: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = True
+) -> LoadedCheckpoint | None:
+    """Load the checkpoint `latest` names, or else the newest one that verifies.
+
+    Each checkpoint passed over is logged (logger `gpuwatch.trainer`) and listed in `skipped`
+    with its reason, e.g. ("step-00000040", "sha256 mismatch for state.pt").
+
+    Args:
+        directory: the checkpoint directory.
+        map_location: passed to torch.load; "cpu" loads on any world size, load_state_dict moves it.
+        weights_only: passed to torch.load; keep True unless the state holds trusted custom objects.
+
+    Returns:
+        The loaded checkpoint, or None when the directory holds no checkpoint at all.
+
+    Raises:
+        CheckpointError: there are checkpoints, but none verifies and loads.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    skipped: list[tuple[str, str]] = []
+    candidates = [path for _, path in _step_dirs(directory)]
+    latest = _read_latest(directory)
+    if latest is not None:
+        if _STEP_DIR.match(latest) and (directory / latest).is_dir():
+            candidates.sort(key=lambda path: path.name != latest)  # stable: the rest stay newest first
+        else:
+            _skip(skipped, latest, "named by latest but not there")
+    for path in candidates:
+        try:
+            manifest = _verified_manifest(path)
+            state = _load_state(path, manifest, map_location, weights_only)
+        except _Invalid as exc:
+            _skip(skipped, path.name, str(exc))
+            continue
+        step = int(manifest["step"])
+        for name in _leftovers(directory, newer_than=step):
+            _skip(skipped, name, "left behind by an interrupted save")
+        return LoadedCheckpoint(step=step, state=state, path=path, skipped=skipped)
+    for name in _leftovers(directory, newer_than=-1):
+        _skip(skipped, name, "left behind by an interrupted save")
+    if candidates:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped)
+        raise CheckpointError(f"no checkpoint in {directory} verifies ({reasons})")
+    return None
+
+
+# -- saving ----------------------------------------------------------------------------------------
+
+
+def _save(directory: Path, step: int, state: Any, keep: int) -> Path:
+    tmp = new_temp_dir(directory, step)
+    torch = sys.modules.get("torch")
+    state_file = "state.pt" if torch is not None else "state.pkl"
+    try:
+        with open(tmp / state_file, "wb") as f:
+            if torch is not None:
+                torch.save(state, f)
+            else:
+                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as exc:  # any failure to serialize or write is a failed save
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint of step {step} in {directory}: {exc}") from exc
+    return _commit(directory, step, tmp, keep, state_file=state_file)
+
+
+def _commit(directory: Path, step: int, tmp: Path, keep: int, *, state_file: str | None) -> Path:
+    final = directory / step_dir_name(step)
+    try:
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name = path.relative_to(tmp).as_posix()
+            if name != MANIFEST:
+                size, sha256 = _hash_file(path, sync=True)
+                files[name] = {"size": size, "sha256": sha256}
+        if not files:
+            raise OSError(f"no files in {tmp}")
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "step": step,
+            "t": time.time(),
+            "state_file": state_file,
+            "files": files,
+        }
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        for sub in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+            _fsync_dir(sub)
+        _rename_into_place(tmp, final)
+        _fsync_dir(directory)
+        _write_latest(directory, final.name)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot commit checkpoint of step {step} in {directory}: {exc}") from exc
+    _prune(directory, step, keep)
+    return final
+
+
+def _rename_into_place(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; a checkpoint already there (a re-save of the same step) is replaced."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    aside = final.with_name(f".old-{final.name}-{os.getpid()}")
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_latest(directory: Path, name: str) -> None:
+    tmp = directory / f"{LATEST}.tmp-{os.getpid()}"
+    _write_synced(tmp, f"{name}\n".encode())
+    os.replace(tmp, directory / LATEST)
+    _fsync_dir(directory)
+
+
+def _prune(directory: Path, step: int, keep: int) -> None:
+    """Keep `step` and the keep-1 newest older checkpoints.
+
+    Newer ones go too: they belong to a run that was resumed from an earlier step. Leftover temp
+    dirs of steps up to `step` go as well (a later step's may still be being written).
+    """
+    dirs = _step_dirs(directory)
+    doomed = [path for s, path in dirs if s > step] + [path for s, path in dirs if s < step][keep - 1 :]
+    doomed += [directory / name for name in _leftovers(directory, newer_than=-1) if _leftover_step(name) <= step]
+    for path in doomed:
+        log.info("removing checkpoint directory %s", path)
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            log.warning("could not remove old checkpoint %s: %s", path, exc)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def _verified_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at `path` once every file matches it; _Invalid says why not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise _Invalid(f"no {MANIFEST} (incomplete save)") from None
+    except (OSError, ValueError) as exc:
+        raise _Invalid(f"{MANIFEST} unreadable: {exc}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not isinstance(manifest.get("step"), int):
+        raise _Invalid(f"{MANIFEST} malformed")
+    match = _STEP_DIR.match(path.name)
+    if match is not None and int(match.group(1)) != manifest["step"]:
+        raise _Invalid(f"{MANIFEST} is for step {manifest['step']}")
+    state_file = manifest.get("state_file")
+    if state_file is not None and state_file not in files:
+        raise _Invalid(f"{MANIFEST} does not list {state_file}")
+    for name, entry in files.items():
+        file = path / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise _Invalid(f"{MANIFEST} names a file outside the checkpoint: {name}")
+        if not isinstance(entry, dict):
+            raise _Invalid(f"{MANIFEST} malformed")
+        try:
+            size, sha256 = _hash_file(file)
+        except FileNotFoundError:
+            raise _Invalid(f"missing {name}") from None
+        except OSError as exc:
+            raise _Invalid(f"cannot read {name}: {exc}") from None
+        if size != entry.get("size"):
+            raise _Invalid(f"size mismatch for {name} (manifest {entry.get('size')}, file {size})")
+        if sha256 != entry.get("sha256"):
+            raise _Invalid(f"sha256 mismatch for {name}")
+    return manifest
+
+
+def _load_state(path: Path, manifest: dict[str, Any], map_location: Any, weights_only: bool) -> Any:
+    state_file = manifest.get("state_file")
+    if state_file is None:
+        return None
+    file = path / state_file
+    try:
+        if state_file.endswith(".pkl"):
+            with open(file, "rb") as f:
+                return pickle.load(f)
+        torch = _import_torch()
+        if torch is None:
+            raise _Invalid(f"{state_file} needs torch, which is not installed")
+        return torch.load(file, map_location=map_location, weights_only=weights_only)
+    except _Invalid:
+        raise
+    except Exception as exc:  # a file that verifies but does not unpickle: skip it like a corrupt one
+        raise _Invalid(f"{state_file} does not load: {type(exc).__name__}: {exc}") from None
+
+
+def _read_latest(directory: Path) -> str | None:
+    try:
+        return (directory / LATEST).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("cannot read %s: %s", directory / LATEST, exc)
+        return None
+
+
+def _skip(skipped: list[tuple[str, str]], name: str, reason: str) -> None:
+    log.warning("skipped checkpoint %s: %s", name, reason)
+    skipped.append((name, reason))
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    """The `step-*` directories, newest first."""
+    found = []
+    for path in directory.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match is not None and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def _leftovers(directory: Path, *, newer_than: int) -> list[str]:
+    """Names of temp dirs a save left behind (crash, kill), for steps above `newer_than`."""
+    return sorted(
+        path.name
+        for path in directory.iterdir()
+        if _LEFTOVER_DIR.match(path.name) and path.is_dir() and _leftover_step(path.name) > newer_than
+    )
+
+
+def _leftover_step(name: str) -> int:
+    match = _LEFTOVER_DIR.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def _hash_file(path: Path, *, sync: bool = False) -> tuple[int, str]:
+    """Size and sha256 of a file; `sync` also fsyncs it (DCP fsyncs its own; a re-sync is cheap)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (fsync(2): the file's fsync does not cover it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _initialized_dist() -> Any:
+    """torch.distributed when the program imported torch and initialized a process group, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = getattr(torch, "distributed", None)
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def _import_torch() -> ModuleType | None:
+    try:
+        return importlib.import_module("torch")
+    except ImportError:
+        return None

@@ -1,0 +1,247 @@
+"""A small DDP trainer wired to gpuwatch: the workload of the quarantine-and-resume drill.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m gpuwatch.trainer.example --steps 400 --ckpt-dir /tmp/ckpt
+
+A 2-layer MLP learns a fixed function from synthetic data that depends only on the step, so
+a run that stops, loses a GPU and resumes on fewer ranks sees the same samples. The global
+batch stays constant when the world shrinks: each rank takes every world_size-th sample and
+accumulates gradients over micro-batches. Each step the ranks all-reduce their
+`TrainerLink.stop_requested` flags (MAX), so they all stop at the same step; then rank 0 saves a
+checkpoint and every rank exits 75. At the end rank 0 prints a JSON summary as its last line.
+
+`progress.json` in the checkpoint directory carries what the summary needs across launches:
+one entry per launch with its world size, the step it resumed from and the furthest step it
+reached. Without torchrun (no RANK in the environment) it runs as a single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuwatch.trainer.checkpoint import load_latest, save_checkpoint
+from gpuwatch.trainer.link import TrainerLink
+
+if TYPE_CHECKING:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+PROGRESS = "progress.json"
+_IN, _HIDDEN = 32, 64
+_SEED = 1234
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, resuming from the checkpoint directory; exit 75 when gpuwatch asks to stop.
+
+    Args:
+        argv: command-line arguments (default sys.argv[1:]).
+
+    Raises:
+        SystemExit: 75 after a stop request (checkpoint saved), 2 on bad arguments.
+        CheckpointError: checkpoints exist but none verifies, or a save failed.
+    """
+    args = _parse_args(argv)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    _default_single_process_env()
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.global_batch < world:
+        raise SystemExit(f"--global-batch {args.global_batch} is smaller than the world size {world}")
+    ckpt_dir = Path(args.ckpt_dir)
+
+    torch.manual_seed(_SEED)
+    net = torch.nn.Sequential(torch.nn.Linear(_IN, _HIDDEN), torch.nn.ReLU(), torch.nn.Linear(_HIDDEN, 1)).to(device)
+    optim = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    with TrainerLink(report_interval_s=args.report_interval) as link:
+        resumed_from = _resume(ckpt_dir, net, optim, rank)
+        step = resumed_from or 0
+        model = DistributedDataParallel(net, device_ids=[local_rank] if use_cuda else None)
+        progress = _load_progress(ckpt_dir)
+        progress["launches"].append({"world_size": world, "resumed_from": resumed_from, "furthest": step})
+        if rank == 0:
+            _save_progress(ckpt_dir, progress)
+            micro_batches = -(-len(range(0, args.global_batch, world)) // args.micro_batch)
+            print(f"rank 0: world {world}, global batch {args.global_batch}, {micro_batches} micro-batch(es) per rank")
+
+        def checkpoint() -> None:
+            save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()})
+            if rank == 0:
+                _save_progress(ckpt_dir, progress)
+
+        saved_step = step
+        warned_ignore = False
+        while step < args.steps:
+            wants_stop = link.stop_requested and not args.ignore_stop
+            if link.stop_requested and args.ignore_stop and not warned_ignore:
+                print(f"rank {rank}: ignoring stop request ({link.stop_reason}): --ignore-stop", file=sys.stderr)
+                warned_ignore = True
+            flag = torch.tensor([1.0 if wants_stop else 0.0], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                link.request_stop("another rank was asked to stop")  # no-op where the request arrived
+                if rank == 0:
+                    print(f"rank 0: stopping at step {step}: {link.stop_reason}", flush=True)
+                if saved_step != step:
+                    checkpoint()
+                dist.barrier()
+                dist.destroy_process_group()
+                link.exit_for_resume()
+
+            loss, grad_norm = _train_step(model, optim, step, args.global_batch, args.micro_batch, rank, world, device)
+            step += 1
+            link.step(step, loss, grad_norm)
+            progress["launches"][-1]["furthest"] = step
+            if rank == 0:
+                _save_progress(ckpt_dir, progress)  # every step, so a killed launch still counts its lost steps
+            if step % args.ckpt_every == 0 or step == args.steps:
+                checkpoint()
+                saved_step = step
+            if args.step_sleep > 0:
+                time.sleep(args.step_sleep)
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(_summary(progress, step)), flush=True)
+    return 0
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.trainer.example", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, required=True, help="train until this step")
+    parser.add_argument("--ckpt-dir", required=True, help="checkpoint directory (also holds progress.json)")
+    parser.add_argument("--global-batch", type=int, default=64, help="samples per step over all ranks")
+    parser.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward on one rank")
+    parser.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every K steps")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
+    parser.add_argument("--report-interval", type=float, default=2.0, help="TrainerLink report interval (s)")
+    parser.add_argument("--ignore-stop", action="store_true", help="never stop on request (grace-period tests)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "global_batch", "micro_batch", "ckpt_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def _default_single_process_env() -> None:
+    """Outside torchrun, be a world of one (init_process_group reads these)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    defaults.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def _resume(ckpt_dir: Path, net: torch.nn.Module, optim: torch.optim.Optimizer, rank: int) -> int | None:
+    """Load the newest verified checkpoint into `net` and `optim`; its step, or None when starting fresh."""
+    loaded = load_latest(ckpt_dir)
+    if rank == 0:
+        for name, reason in loaded.skipped if loaded else ():
+            print(f"rank 0: skipped checkpoint {name}: {reason}")
+        if loaded is not None:
+            print(f"rank 0: resuming from step {loaded.step} ({loaded.path})")
+        elif os.environ.get("GPUWATCH_RESUME") == "1":
+            print(f"rank 0: GPUWATCH_RESUME=1 but no checkpoint in {ckpt_dir}: starting at step 0")
+    if loaded is None:
+        return None
+    net.load_state_dict(loaded.state["model"])
+    optim.load_state_dict(loaded.state["optim"])
+    return loaded.step
+
+
+def _batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step`: the same samples whatever the world size."""
+    import torch
+
+    target = torch.randn(_IN, 1, generator=torch.Generator().manual_seed(_SEED))
+    x = torch.randn(global_batch, _IN, generator=torch.Generator().manual_seed(_SEED + 1 + step))
+    return x, torch.tanh(x @ target)
+
+
+def _train_step(
+    model: DistributedDataParallel,
+    optim: torch.optim.Optimizer,
+    step: int,
+    global_batch: int,
+    micro_batch: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> tuple[float, float]:
+    """One optimizer step on this rank's share of the global batch; its loss share and the grad norm.
+
+    Each micro-batch's summed loss is scaled by world/global_batch: DDP averages gradients over
+    the ranks, so the update is the mean over the global batch whatever world and micro-batch are.
+    """
+    import torch
+
+    x, y = _batch(step, global_batch)
+    xs, ys = x[rank::world].to(device).split(micro_batch), y[rank::world].to(device).split(micro_batch)
+    optim.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
+        with contextlib.nullcontext() if i == len(xs) - 1 else model.no_sync():
+            loss = torch.nn.functional.mse_loss(model(xb), yb, reduction="sum") * world / global_batch
+            loss.backward()
+        total += loss.item() / world
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    optim.step()
+    return total, float(grad_norm)
+
+
+def _load_progress(ckpt_dir: Path) -> dict[str, Any]:
+    try:
+        progress = json.loads((ckpt_dir / PROGRESS).read_text())
+    except FileNotFoundError:
+        return {"launches": []}
+    if not isinstance(progress, dict) or not isinstance(progress.get("launches"), list):
+        raise SystemExit(f"{ckpt_dir / PROGRESS} is not a progress file")
+    return progress
+
+
+def _save_progress(ckpt_dir: Path, progress: dict[str, Any]) -> None:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / f"{PROGRESS}.tmp"
+    tmp.write_text(json.dumps(progress))
+    os.replace(tmp, ckpt_dir / PROGRESS)
+
+
+def _summary(progress: dict[str, Any], step: int) -> dict[str, Any]:
+    """The run across launches; a stop loses the steps between its furthest step and the next resume."""
+    launches = progress["launches"]
+    lost = sum(
+        max(0, before["furthest"] - (after["resumed_from"] or 0))
+        for before, after in zip(launches[:-1], launches[1:], strict=True)
+    )
+    return {
+        "steps_done": step,
+        "restarts": len(launches) - 1,
+        "resumed_from_steps": [launch["resumed_from"] for launch in launches[1:] if launch["resumed_from"] is not None],
+        "world_sizes": [launch["world_size"] for launch in launches],
+        "lost_steps": lost,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

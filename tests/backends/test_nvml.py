@@ -1,0 +1,323 @@
+"""NvmlBackend against the module-shaped fake: units, unsupported fields, error mapping, events, call costs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import pytest
+
+from gpuwatch.backends.base import Backend
+from gpuwatch.backends.nvml import NvmlBackend
+from gpuwatch.config import Config
+from gpuwatch.errors import BackendUnavailable, GpuReadError
+from gpuwatch.model import GpuError, GpuEvent, GpuStatic
+from tests.fakes import fake_pynvml as fake
+from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+
+SLOW_CALLS = (
+    "nvmlDeviceGetTotalEnergyConsumption",
+    "nvmlDeviceGetViolationStatus",
+    "nvmlDeviceGetPcieReplayCounter",
+    "nvmlDeviceGetMaxClockInfo",
+)
+
+
+@pytest.fixture
+def nvml() -> FakeNvml:
+    return FakeNvml()
+
+
+@pytest.fixture
+def backend(nvml: FakeNvml) -> Any:
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    yield backend
+    backend.close()
+
+
+def test_fake_matches_installed_pynvml() -> None:
+    """Every constant and function the fake offers exists in pynvml with the same value."""
+    pynvml = pytest.importorskip("pynvml")
+    for name, value in vars(fake).items():
+        if name.startswith(("NVML_", "nvmlEventType")):
+            assert getattr(pynvml, name) == value, name
+    for name in dir(FakeNvml):
+        if name.startswith("nvml"):
+            assert callable(getattr(pynvml, name)), name
+
+
+def test_is_a_backend() -> None:
+    assert isinstance(NvmlBackend(Config(), nvml=FakeNvml()), Backend)
+
+
+def test_open_reads_statics_in_base_units(nvml: FakeNvml) -> None:
+    backend = NvmlBackend(Config(), nvml=nvml)
+    statics = backend.open()
+    assert statics[0] == GpuStatic(
+        index=0,
+        uuid="GPU-cc1b419f-1257-3993-729d-08492b313adb",
+        name="NVIDIA H200",
+        pci_bus_id="00000000:00:06.0",
+        max_sm_clock_mhz=1980,
+        max_mem_clock_mhz=3201,
+        power_limit_w=700.0,
+        memory_total_bytes=150754820096,
+        slowdown_temp_c=89,
+        shutdown_temp_c=95,
+        mem_max_temp_c=95,
+        gpu_max_temp_c=87,
+    )
+    assert [s.index for s in statics] == [0, 1]
+    assert statics[1].pci_bus_id == "00000000:00:07.0"
+    backend.close()
+
+
+def test_static_fact_not_supported_is_none() -> None:
+    gpu = FakeGpu(thresholds={fake.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: 89}, unsupported={"nvmlDeviceGetMaxClockInfo"})
+    static = NvmlBackend(Config(), nvml=FakeNvml([gpu])).open()[0]
+    assert static.slowdown_temp_c == 89
+    assert static.shutdown_temp_c is None and static.gpu_max_temp_c is None
+    assert static.max_sm_clock_mhz is None and static.max_mem_clock_mhz is None
+    assert static.uuid.startswith("GPU-")
+
+
+def test_sample_maps_every_fast_field(backend: NvmlBackend) -> None:
+    sample = backend.sample(0, 1796037709.5)
+    assert sample.t == 1796037709.5 and sample.index == 0 and sample.uuid.startswith("GPU-cc1b")
+    assert (sample.sm_clock_mhz, sample.mem_clock_mhz) == (1425, 3201)
+    assert sample.power_w == pytest.approx(690.123)
+    assert (sample.temp_c, sample.mem_temp_c) == (61, 66)
+    assert (sample.util_gpu_pct, sample.util_mem_pct) == (100, 45)
+    assert sample.memory_used_bytes == 644939776
+    assert sample.clocks_event_reasons == 0x4 and sample.pstate == 0
+    ecc = (sample.ecc_sbe_volatile, sample.ecc_dbe_volatile, sample.ecc_sbe_aggregate, sample.ecc_dbe_aggregate)
+    assert ecc == (1, 2, 3, 4)
+    remap = (sample.remapped_cor, sample.remapped_unc, sample.remapped_pending, sample.remapped_failure)
+    assert remap == (5, 6, 0, 1)
+    assert sample.power_instant_mw == 689500
+    assert sample.pids == (4242, 4243)
+
+
+def test_slow_fields_only_when_asked(backend: NvmlBackend) -> None:
+    fast = backend.sample(0, 1.0)
+    assert (fast.pcie_replay, fast.violation_power_ns, fast.violation_thermal_ns, fast.energy_mj) == (None,) * 4
+    slow = backend.sample(0, 2.0, slow=True)
+    assert slow.pcie_replay == 7
+    assert slow.violation_power_ns == 61100084832 and slow.violation_thermal_ns == 12
+    assert slow.energy_mj == 47746405
+    assert slow.sm_clock_mhz == 1425
+
+
+def test_fast_path_makes_no_slow_call(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """DESIGN.md: energy 3.1 ms, violations 0.64 ms, PCIe 170 µs, max clocks 1.5 ms must stay off the fast path."""
+    nvml.calls.clear()
+    for t in range(5):
+        backend.sample(0, float(t))
+        backend.sample(1, float(t))
+    assert not {name: nvml.calls[name] for name in SLOW_CALLS if nvml.calls[name]}
+    # per sample: 8 single-field calls, 2 clocks, 4 ECC totals and 1 field-values call
+    assert sum(nvml.calls.values()) == 10 * 15
+    assert nvml.calls["nvmlDeviceGetFieldValues"] == 10
+    nvml.calls.clear()
+    backend.sample(0, 9.0, slow=True)
+    assert [nvml.calls[name] for name in SLOW_CALLS] == [1, 2, 1, 0]
+
+
+def test_not_supported_is_none_and_not_retried() -> None:
+    gpu = FakeGpu(
+        unsupported={
+            "nvmlDeviceGetRemappedRows",
+            "nvmlDeviceGetTotalEccErrors",
+            f"field:{fake.NVML_FI_DEV_MEMORY_TEMP}",
+        }
+    )
+    nvml = FakeNvml([gpu])
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    first = backend.sample(0, 1.0)
+    assert first.remapped_cor is None and first.remapped_failure is None
+    assert first.ecc_dbe_volatile is None and first.ecc_sbe_aggregate is None
+    assert first.mem_temp_c is None and first.power_instant_mw == 689500
+    assert first.sm_clock_mhz == 1425
+    calls = nvml.calls.copy()
+    backend.sample(0, 2.0)
+    assert nvml.calls["nvmlDeviceGetRemappedRows"] == calls["nvmlDeviceGetRemappedRows"]
+    assert nvml.calls["nvmlDeviceGetTotalEccErrors"] == calls["nvmlDeviceGetTotalEccErrors"]
+    assert nvml.calls["nvmlDeviceGetClockInfo"] == calls["nvmlDeviceGetClockInfo"] + 2
+
+
+def test_function_missing_in_driver_is_unsupported() -> None:
+    nvml = FakeNvml([FakeGpu(errors={"nvmlDeviceGetCurrentClocksEventReasons": fake.NVML_ERROR_FUNCTION_NOT_FOUND})])
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    assert backend.sample(0, 1.0).clocks_event_reasons is None
+
+
+def test_unknown_pstate_is_none() -> None:
+    backend = NvmlBackend(Config(), nvml=FakeNvml([FakeGpu(pstate=fake.NVML_PSTATE_UNKNOWN)]))
+    backend.open()
+    assert backend.sample(0, 1.0).pstate is None
+
+
+def test_power_instant_skipped_when_binding_lacks_the_field() -> None:
+    class OldNvml(FakeNvml):
+        def __getattr__(self, name: str) -> Any:
+            if name == "NVML_FI_DEV_POWER_INSTANT":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    nvml = OldNvml()
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    sample = backend.sample(0, 1.0)
+    assert sample.power_instant_mw is None and sample.mem_temp_c == 66
+
+
+def test_lost_gpu_fails_alone(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    nvml.gpus[1].fail_all = fake.NVML_ERROR_GPU_IS_LOST
+    with pytest.raises(GpuReadError) as err:
+        backend.sample(1, 1.0)
+    assert err.value.kind == "gpu_lost"
+    assert backend.sample(0, 1.0).sm_clock_mhz == 1425
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        (fake.NVML_ERROR_RESET_REQUIRED, "reset_required"),
+        (fake.NVML_ERROR_UNKNOWN, "unknown"),
+        (fake.NVML_ERROR_NO_PERMISSION, "unknown"),
+    ],
+)
+def test_error_kinds(nvml: FakeNvml, backend: NvmlBackend, code: int, kind: str) -> None:
+    nvml.gpus[0].errors["nvmlDeviceGetPowerUsage"] = code
+    with pytest.raises(GpuReadError) as err:
+        backend.sample(0, 1.0)
+    assert err.value.kind == kind
+    assert not isinstance(err.value, fake.NVMLError)
+    if kind == "unknown":
+        assert err.value.detail
+    assert backend.sample(1, 1.0).power_w == pytest.approx(690.123)
+
+
+def test_lost_field_value_fails_the_read(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    nvml.gpus[0].errors["nvmlDeviceGetFieldValues"] = fake.NVML_ERROR_GPU_IS_LOST
+    with pytest.raises(GpuReadError, match="gpu_lost"):
+        backend.sample(0, 1.0)
+
+
+def test_gpu_lost_at_open_keeps_its_index() -> None:
+    nvml = FakeNvml()
+    nvml.gpus[1].fail_all = fake.NVML_ERROR_GPU_IS_LOST
+    backend = NvmlBackend(Config(), nvml=nvml)
+    statics = backend.open()
+    assert [s.index for s in statics] == [0, 1] and statics[1].uuid == ""
+    with pytest.raises(GpuReadError) as err:
+        backend.sample(1, 1.0)
+    assert err.value.kind == "gpu_lost"
+    assert backend.sample(0, 1.0).temp_c == 61
+
+
+def test_unknown_index_and_closed_backend(backend: NvmlBackend) -> None:
+    with pytest.raises(GpuReadError, match="index 7"):
+        backend.sample(7, 1.0)
+    backend.close()
+    with pytest.raises(GpuReadError):
+        backend.sample(0, 1.0)
+
+
+@pytest.mark.parametrize("code", [fake.NVML_ERROR_LIBRARY_NOT_FOUND, fake.NVML_ERROR_DRIVER_NOT_LOADED])
+def test_init_failure_is_unavailable(code: int) -> None:
+    nvml = FakeNvml()
+    nvml.init_error = code
+    with pytest.raises(BackendUnavailable) as err:
+        NvmlBackend(Config(), nvml=nvml).open()
+    assert "\n" not in str(err.value) and str(err.value)
+
+
+def test_no_gpu_is_unavailable() -> None:
+    nvml = FakeNvml([])
+    with pytest.raises(BackendUnavailable, match="no GPU"):
+        NvmlBackend(Config(), nvml=nvml).open()
+    assert nvml.initialized == 0
+
+
+def test_missing_pynvml_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(BackendUnavailable, match="pynvml"):
+        NvmlBackend(Config()).open()
+
+
+def test_xid_and_dbe_events(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    assert backend.wait_events(0.5) == []
+    nvml.queue_event(1, fake.nvmlEventTypeXidCriticalError, 31)
+    nvml.queue_event(0, fake.nvmlEventTypeDoubleBitEccError)
+    events = backend.wait_events(0.5)
+    assert [(e.index, e.kind, e.xid) for e in events if isinstance(e, GpuEvent)] == [
+        (1, "xid", 31),
+        (0, "ecc_dbe", None),
+    ]
+    assert events[0].uuid == nvml.gpus[1].uuid
+    assert nvml.waits[:2] == [500, 500] and nvml.waits[2:] == [0, 0]
+
+
+def test_events_register_only_supported_types(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    nvml.gpus[1].supported_events = fake.nvmlEventTypeXidCriticalError | fake.nvmlEventTypePState
+    backend.wait_events(0)
+    assert nvml.event_sets[0].masks == {
+        0: fake.nvmlEventTypeXidCriticalError | fake.nvmlEventTypeDoubleBitEccError,
+        1: fake.nvmlEventTypeXidCriticalError,
+    }
+
+
+def test_timeout_is_empty(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    assert backend.wait_events(0.25) == []
+    assert nvml.waits == [250]
+
+
+def test_events_unsupported_logs_once_and_sleeps(caplog: pytest.LogCaptureFixture) -> None:
+    nvml = FakeNvml([FakeGpu(supported_events=0), FakeGpu(supported_events=fake.nvmlEventTypePState)])
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.backends.nvml"):
+        assert backend.wait_events(0.01) == []
+        assert backend.wait_events(0.01) == []
+    assert len([r for r in caplog.records if "events unavailable" in r.message]) == 1
+    assert nvml.calls["nvmlEventSetWait_v2"] == 0 and nvml.event_sets[0].freed
+
+
+def test_gpu_lost_during_wait(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    backend.wait_events(0)
+    nvml.gpus[1].fail_all = fake.NVML_ERROR_GPU_IS_LOST
+    nvml.wait_error = fake.NVML_ERROR_GPU_IS_LOST
+    items = backend.wait_events(0)
+    assert [(i.index, i.kind) for i in items if isinstance(i, GpuError)] == [(1, "gpu_lost")]
+    assert nvml.event_sets[0].freed
+    nvml.wait_error = None
+    nvml.queue_event(0, fake.nvmlEventTypeXidCriticalError, 79)
+    assert [(e.index, e.xid) for e in backend.wait_events(0) if isinstance(e, GpuEvent)] == [(0, 79)]
+    assert nvml.event_sets[1].masks.keys() == {0}
+
+
+def test_close_is_idempotent(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    backend.wait_events(0)
+    backend.close()
+    backend.close()
+    assert nvml.initialized == 0 and nvml.event_sets[0].freed
+    assert backend.wait_events(0) == []
+
+
+def test_release_and_reacquire(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    backend.wait_events(0)
+    backend.release_handles()
+    assert nvml.initialized == 0 and nvml.event_sets[0].freed
+    with pytest.raises(GpuReadError):
+        backend.sample(0, 1.0)
+    assert backend.wait_events(0) == []
+    statics = backend.reacquire()
+    assert nvml.initialized == 1 and len(statics) == 2
+    assert backend.sample(0, 2.0).sm_clock_mhz == 1425
+    nvml.queue_event(0, fake.nvmlEventTypeXidCriticalError, 13)
+    assert [e.xid for e in backend.wait_events(0) if isinstance(e, GpuEvent)] == [13]

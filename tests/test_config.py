@@ -1,0 +1,83 @@
+"""Config loading: precedence, types, and one-line errors that name where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.config import Config, load
+from gpuwatch.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gpuwatch.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gpuwatch.config.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    config = load(environ={})
+    assert config == Config()
+    assert config.interval_s == 30.0
+    assert config.listen == "127.0.0.1:9835"
+    assert config.backend == "auto"
+
+
+def test_precedence_flag_over_env_over_file(tmp_path: Path) -> None:
+    path = write(tmp_path, 'interval_s = 10\nbackend = "sim"\n[sim]\ngpus = 2\n')
+    config = load(path, environ={"GPUWATCH_INTERVAL_S": "5", "GPUWATCH_SIM_GPUS": "3"}, overrides={"interval_s": 2.0})
+    assert config.interval_s == 2.0
+    assert config.sim.gpus == 3
+    assert config.backend == "sim"
+
+
+def test_env_list_and_bool(tmp_path: Path) -> None:
+    config = load(
+        write(tmp_path, ""),
+        environ={"GPUWATCH_RULES_DISABLED": "power_unstable, thermal", "GPUWATCH_POLICY_QUARANTINE_ON_UNHEALTHY": "no"},
+    )
+    assert config.rules.disabled == ("power_unstable", "thermal")
+    assert config.policy.quarantine_on_unhealthy is False
+
+
+def test_drill_schedule_table_array(tmp_path: Path) -> None:
+    path = write(tmp_path, '[[drills.schedule]]\ncron = "0 15 * * fri"\ndrill = "inject"\ngpu = "idle"\n')
+    (entry,) = load(path, environ={}).drills.schedule
+    assert entry.cron == "0 15 * * fri" and entry.drill == "inject" and entry.gpu == "idle"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("interval_s = [", "invalid TOML"),
+        ("intervall_s = 5", "key intervall_s: unknown key"),
+        ('[sim]\ngpus = "eight"', "key sim.gpus: expected an integer, got 'eight'"),
+        ("interval_s = 0.1", "interval_s: 0.1 is out of range"),
+        ('listen = "localhost"', "listen: 'localhost' is not HOST:PORT"),
+        ("[policy]\nbreaker_max_share = 2.0", "policy.breaker_max_share"),
+        ("sim = 3", "[sim] must be a table"),
+    ],
+)
+def test_bad_file_names_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load(path, environ={})
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_env_names_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="environment variable GPUWATCH_SIM_GPUS: expected an integer"):
+        load(write(tmp_path, ""), environ={"GPUWATCH_SIM_GPUS": "many"})
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load(tmp_path / "absent.toml", environ={})
+
+
+def test_config_env_var_names_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "interval_s = 7\n")
+    assert load(environ={"GPUWATCH_CONFIG": str(path)}).interval_s == 7.0

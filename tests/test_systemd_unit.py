@@ -1,0 +1,153 @@
+"""systemd/gpuwatch.service: systemd itself accepts it, and it holds the directives gpuwatch relies on."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from gpuwatch import config
+
+SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
+UNIT = SYSTEMD_DIR / "gpuwatch.service"
+DROP_IN = SYSTEMD_DIR / "pcie-drill.conf"
+EXAMPLE_CONFIG = SYSTEMD_DIR / "gpuwatch.toml"
+
+Unit = dict[str, dict[str, list[str]]]
+
+
+def parse_unit(text: str) -> Unit:
+    """Section → key → values in order (systemd keys may repeat, e.g. DeviceAllow=)."""
+    unit: Unit = defaultdict(lambda: defaultdict(list))
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, f"not a key=value line: {raw!r}"
+        unit[section][key.strip()].append(value.strip())
+    return unit
+
+
+@pytest.fixture(scope="module")
+def service() -> dict[str, list[str]]:
+    return parse_unit(UNIT.read_text())["Service"]
+
+
+def one(service: dict[str, list[str]], key: str) -> str:
+    values = service.get(key, [])
+    assert len(values) == 1, f"{key}= should be set exactly once, found {values}"
+    return values[0]
+
+
+def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
+    """`systemd-analyze verify` prints nothing about the unit or its drop-in.
+
+    It needs ExecStart's binary to exist, so the copy points at a stand-in. It needs no running
+    systemd; it may still complain about units of the host, so only lines naming ours count.
+    """
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    fake = tmp_path / "bin" / "gpuwatch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    text = UNIT.read_text()
+    assert "ExecStart=/usr/local/bin/gpuwatch " in text
+    unit = tmp_path / "gpuwatch.service"
+    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatch ", f"ExecStart={fake} "))
+    drop_in_dir = tmp_path / "gpuwatch.service.d"
+    drop_in_dir.mkdir()
+    shutil.copy(DROP_IN, drop_in_dir / DROP_IN.name)
+    proc = subprocess.run(
+        [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    output = proc.stdout + proc.stderr
+    ours = [line for line in output.splitlines() if "gpuwatch" in line]
+    assert ours == [], f"systemd-analyze verify complained:\n{output}"
+
+
+def test_verify_would_catch_a_bad_directive(tmp_path: Path) -> None:
+    """The check above is not vacuous: a typo in our unit shows up in the output."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    unit = tmp_path / "gpuwatch.service"
+    unit.write_text(UNIT.read_text().replace("ProtectSystem=strict", "ProtectSystem=stirct"))
+    proc = subprocess.run(
+        [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert "gpuwatch.service" in proc.stdout + proc.stderr
+
+
+def test_lifecycle_directives(service: dict[str, list[str]]) -> None:
+    assert one(service, "Type") == "notify"
+    assert one(service, "NotifyAccess") == "main"
+    assert one(service, "Restart") == "on-failure"
+    assert one(service, "RestartSec") == "5"
+    assert one(service, "TimeoutStartSec") == "120"
+    assert one(service, "KillMode") == "mixed"
+    assert one(service, "TimeoutStopSec")
+
+
+def test_watchdog_allows_three_default_ticks(service: dict[str, list[str]]) -> None:
+    """The daemon pings once per sampling tick; one late tick must not get it killed."""
+    assert float(one(service, "WatchdogSec")) >= 3 * config.Config().interval_s
+
+
+def test_exec_start_uses_the_default_config_path(service: dict[str, list[str]]) -> None:
+    argv = one(service, "ExecStart").split()
+    assert argv[:2] == ["/usr/local/bin/gpuwatch", "run"]
+    assert argv[argv.index("--config") + 1] == str(config.DEFAULT_CONFIG_PATH)
+
+
+def test_directories_match_the_environment(service: dict[str, list[str]]) -> None:
+    """systemd creates and unlocks /var/lib/gpuwatch and /run/gpuwatch; the daemon is pinned to them."""
+    assert one(service, "StateDirectory") == "gpuwatch"
+    assert one(service, "RuntimeDirectory") == "gpuwatch"
+    assert one(service, "RuntimeDirectoryPreserve") == "yes"
+    assert one(service, "RuntimeDirectoryMode") == "0755"
+    assert one(service, "ConfigurationDirectory") == "gpuwatch"
+    env = dict(item.split("=", 1) for value in service["Environment"] for item in value.split())
+    assert env == {"GPUWATCH_STATE_DIR": "/var/lib/gpuwatch", "GPUWATCH_RUNTIME_DIR": "/run/gpuwatch"}
+    assert config.load(environ=env, path=EXAMPLE_CONFIG).state_dir == "/var/lib/gpuwatch"
+    assert one(service, "EnvironmentFile") == "-/etc/default/gpuwatch"
+
+
+def test_sandbox_keeps_the_gpus_reachable(service: dict[str, list[str]]) -> None:
+    assert one(service, "ProtectSystem") == "strict"
+    assert one(service, "NoNewPrivileges") == "yes"
+    assert one(service, "PrivateTmp") == "yes"
+    assert one(service, "ProtectHome") == "yes"
+    assert one(service, "ProtectKernelModules") == "yes"
+    assert one(service, "ProtectControlGroups") == "yes"
+    assert one(service, "RestrictSUIDSGID") == "yes"
+    assert one(service, "LockPersonality") == "yes"
+    assert one(service, "RestrictRealtime") == "yes"
+    assert one(service, "SystemCallArchitectures") == "native"
+    assert service.get("PrivateDevices", ["no"]) == ["no"], "PrivateDevices=yes hides /dev/nvidia*"
+    assert service.get("ProtectKernelLogs", ["no"]) == ["no"], "the drill verifier reads NVRM Xid lines"
+    assert "User" not in service, "runs as root to signal other users' trainer ranks"
+    assert one(service, "DevicePolicy") in {"auto", "closed"}
+    assert "char-nvidia* rw" in service["DeviceAllow"]
+    assert one(service, "MemoryMax")
+    assert one(service, "CPUQuota")
+
+
+def test_pcie_drill_drop_in_only_unlocks_sysfs() -> None:
+    drop_in = parse_unit(DROP_IN.read_text())
+    assert {section: dict(keys) for section, keys in drop_in.items()} == {"Service": {"ProtectKernelTunables": ["no"]}}
+
+
+def test_example_config_loads() -> None:
+    loaded = config.load(EXAMPLE_CONFIG, environ={})
+    assert loaded.listen_port == config.DEFAULT_PORT
+    assert loaded.backend != "sim"
