@@ -90,6 +90,7 @@ class Daemon:
         self.stop_event = threading.Event()
         self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
         self.key_parts: list[Callable[[], object]] = []
+        self._last_prune = 0.0
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
@@ -111,8 +112,6 @@ class Daemon:
         self.monitor.tick()
         self.prune_if_due()
         systemd.watchdog()
-
-    _last_prune = 0.0
 
     def prune_if_due(self) -> None:
         now = self.clock()
@@ -150,7 +149,8 @@ class Daemon:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         self.backend.close()
-        self._event_thread.join(timeout=5)
+        if self._event_thread.is_alive():
+            self._event_thread.join(timeout=5)
         self.store.close()
         log.info("gpuwatch stopped")
 

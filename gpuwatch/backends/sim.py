@@ -223,7 +223,7 @@ class SimBackend:
     def __init__(self, config: Config, clock: Callable[[], float] = time.time) -> None:
         self.scenario = scenario(config.sim.scenario)
         self._seed = config.sim.seed
-        self._clock = clock
+        self.clock = clock
         n = config.sim.gpus
         self._statics = tuple(
             replace(
@@ -258,7 +258,7 @@ class SimBackend:
         )
 
     def open(self) -> tuple[GpuStatic, ...]:
-        self._open_t = self._clock()
+        self._open_t = self.clock()
         return self._statics
 
     def _start(self, now: float) -> float:
@@ -360,7 +360,7 @@ class SimBackend:
         """Return the scripted events whose time has come; else wait for the next one, the timeout or close()."""
         deadline = time.monotonic() + timeout_s
         while not self._closed:
-            now = self._clock()
+            now = self.clock()
             t0 = self._start(self._open_t if self._open_t is not None else now)
             due, next_t = self._take_due(now - t0)
             if due:

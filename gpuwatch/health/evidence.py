@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
+from operator import attrgetter
 
 from gpuwatch.health.history import History
 from gpuwatch.model import Action, Finding, GpuSample, Severity
@@ -46,10 +47,11 @@ def held(history: History, window_s: float, condition: Callable[[GpuSample], boo
     watched for 10 s cannot claim a condition held for half of the last minute.
     """
     start = history.now - window_s
+    first = history.first_since(window_s)
     seconds, count = 0.0, 0
-    previous: float | None = None
-    for sample in history.samples:
-        if sample.t >= start and condition(sample):
+    previous = history.samples[first - 1].t if first > 0 else None
+    for sample in history.samples[first:]:
+        if condition(sample):
             count += 1
             if previous is not None:
                 seconds += sample.t - max(previous, start)
@@ -57,8 +59,8 @@ def held(history: History, window_s: float, condition: Callable[[GpuSample], boo
     return Held(seconds, count, window_s)
 
 
-def growth(history: History, window_s: float, counter: Callable[[GpuSample], int | None]) -> int:
-    """How much a counter grew within the last `window_s` seconds.
+def growth(history: History, window_s: float, counter: str) -> int:
+    """How much the sample field `counter` grew within the last `window_s` seconds.
 
     Growth is the sum of increases between consecutive samples, dated at the later one, so a counter
     that rose before the window no longer counts, and a reset to a lower value (GPU reset clears the
@@ -66,15 +68,15 @@ def growth(history: History, window_s: float, counter: Callable[[GpuSample], int
     the oldest kept sample only while it lies inside the window itself: older than that, the samples
     between it and the kept ones are gone and any increase may predate the window.
     """
-    start = history.now - window_s
-    samples = history.samples
+    first = history.first_since(window_s)
+    samples = history.samples[max(first - 1, 0) :]
     base = history.baseline
-    if base is not None and base.t >= start and (not samples or base.t < samples[0].t):
+    if first == 0 and base is not None and base.t >= history.now - window_s and (not samples or base.t < samples[0].t):
         samples = (base, *samples)
+    values = list(map(attrgetter(counter), samples))
     total = 0
-    for before, after in pairwise(samples):
-        old, new = counter(before), counter(after)
-        if after.t >= start and old is not None and new is not None and new > old:
+    for old, new in pairwise(values):
+        if old is not None and new is not None and new > old:
             total += new - old
     return total
 

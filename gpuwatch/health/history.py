@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
@@ -29,8 +30,11 @@ class History:
 
     def since(self, window_s: float) -> tuple[GpuSample, ...]:
         """Samples no older than `window_s` before `now`."""
-        start = self.now - window_s
-        return tuple(s for s in self.samples if s.t >= start)
+        return self.samples[self.first_since(window_s) :]
+
+    def first_since(self, window_s: float) -> int:
+        """Index of the oldest sample no older than `window_s` before `now` (samples are oldest first)."""
+        return bisect_left(self.samples, self.now - window_s, key=lambda s: s.t)
 
     def events_since(self, window_s: float) -> tuple[GpuEvent, ...]:
         start = self.now - window_s

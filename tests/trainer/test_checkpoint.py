@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -222,6 +223,7 @@ def test_uses_torch_distributed_when_initialized(tmp_path: Path) -> None:
     assert verify_checkpoint(path) is None
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_recipe_from_the_module_docstring(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -248,3 +250,46 @@ def test_commit_of_an_empty_temp_dir_fails(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no files"):
         commit_checkpoint(tmp_path, 1, tmp)
     assert list(tmp_path.iterdir()) == []
+
+
+DCP_WORKER = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from gpuwatch.trainer.checkpoint import commit_checkpoint, load_latest, new_temp_dir
+
+ckpt_dir, step = sys.argv[1], 12
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+state_dict = {f"shard{rank}": torch.full((4,), float(rank + 1))}
+
+name = [str(new_temp_dir(ckpt_dir, step)) if rank == 0 else None]
+dist.broadcast_object_list(name, src=0)
+dcp.save(state_dict, checkpoint_id=name[0])
+dist.barrier()
+if rank == 0:
+    commit_checkpoint(ckpt_dir, step, name[0])
+dist.barrier()
+
+loaded = load_latest(ckpt_dir)
+target = {f"shard{rank}": torch.zeros(4)}
+dcp.load(target, checkpoint_id=loaded.path)
+assert loaded.step == step and torch.equal(target[f"shard{rank}"], state_dict[f"shard{rank}"])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_dcp_recipe_with_two_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "dcp_worker.py"
+    script.write_text(DCP_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    result = subprocess.run(
+        [*command, str(script), str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=180
+    )
+
+    assert result.returncode == 0, result.stderr
+    files = json.loads((tmp_path / "ckpt" / "step-00000012" / MANIFEST).read_text())["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]

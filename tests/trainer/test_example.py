@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
 
-def _torchrun(nproc: int, *args: str, **env: str) -> list[str]:
+def _torchrun(nproc: int, *args: str) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return [*command, "-m", "gpuwatch.trainer.example", *args]
 
@@ -60,7 +60,9 @@ def _reports(runtime_dir: Path) -> dict[int, dict[str, Any]]:
     return reports
 
 
-def _wait_for_steps(proc: subprocess.Popen[str], runtime_dir: Path, ranks: int, step: int) -> dict[int, dict[str, Any]]:
+def _wait_for_steps(
+    proc: subprocess.Popen[str], runtime_dir: Path, *, ranks: int, step: int
+) -> dict[int, dict[str, Any]]:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         reports = _reports(runtime_dir)

@@ -26,8 +26,8 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
 def _uncorrectable(history: History, cfg: RulesConfig) -> Finding | None:
     window = cfg.ecc_window_s
     counted = max(
-        growth(history, window, lambda s: s.ecc_dbe_volatile),
-        growth(history, window, lambda s: s.ecc_dbe_aggregate),
+        growth(history, window, "ecc_dbe_volatile"),
+        growth(history, window, "ecc_dbe_aggregate"),
     )
     events = [e for e in history.events_since(window) if e.kind == "ecc_dbe"]
     if not counted and not events:
@@ -40,8 +40,8 @@ def _uncorrectable(history: History, cfg: RulesConfig) -> Finding | None:
 def _correctable_rate(history: History, cfg: RulesConfig) -> Finding | None:
     window = cfg.ecc_window_s
     counted = max(
-        growth(history, window, lambda s: s.ecc_sbe_volatile),
-        growth(history, window, lambda s: s.ecc_sbe_aggregate),
+        growth(history, window, "ecc_sbe_volatile"),
+        growth(history, window, "ecc_sbe_aggregate"),
     )
     events = [e for e in history.events_since(window) if e.kind == "ecc_sbe"]
     total = max(counted, len(events))

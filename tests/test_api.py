@@ -1,0 +1,102 @@
+"""The HTTP API over a sim daemon: reads, token checks, validation, quarantine persistence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SimNode, start_sim_node
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> SimNode:
+    node = start_sim_node(tmp_path, "healthy", gpus=4)
+    yield node
+    node.close()
+
+
+def test_gpus_lists_every_gpu_with_state_and_sample(node: SimNode) -> None:
+    node.run_for(20)
+    body = node.client.get("/v1/gpus").json()
+    assert [g["index"] for g in body["gpus"]] == [0, 1, 2, 3]
+    for g in body["gpus"]:
+        assert g["state"] == "healthy"
+        assert g["uuid"].startswith("GPU-")
+        assert g["sample"]["sm_clock_mhz"] > 0
+        assert g["quarantined"] is False
+
+
+def test_unknown_gpu_is_404(node: SimNode) -> None:
+    assert node.client.get("/v1/gpus/9").status_code == 404
+    assert node.client.post("/v1/gpus/9/quarantine", json={"reason": "x"}, headers=node.auth).status_code == 404
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}])
+def test_post_without_right_token_is_401_and_changes_nothing(node: SimNode, headers: dict[str, str]) -> None:
+    response = node.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=headers)
+    assert response.status_code == 401
+    assert node.gpu(1)["quarantined"] is False
+
+
+@pytest.mark.parametrize(
+    "body", [{}, {"reason": ""}, {"reason": "x", "extra": 1}, {"reason": 5}, [1, 2]]
+)
+def test_invalid_body_is_422_and_changes_nothing(node: SimNode, body: object) -> None:
+    response = node.client.post("/v1/gpus/1/quarantine", json=body, headers=node.auth)
+    assert response.status_code == 422
+    assert node.gpu(1)["quarantined"] is False
+
+
+def test_quarantine_release_roundtrip_bumps_epoch_and_writes_status_json(node: SimNode, tmp_path: Path) -> None:
+    response = node.client.post("/v1/gpus/2/quarantine", json={"reason": "operator test"}, headers=node.auth)
+    assert response.status_code == 200
+    gpu = node.gpu(2)
+    assert gpu["quarantined"] is True and gpu["quarantine_reason"] == "operator test" and gpu["epoch"] == 1
+    status = (tmp_path / "run" / "status.json").read_text()
+    assert '"quarantined":true' in status
+    node.run_for(3600)
+    assert node.gpu(2)["quarantined"] is True, "an operator quarantine is never burned in"
+    assert node.client.post("/v1/gpus/2/release", json={}, headers=node.auth).status_code == 200
+    assert node.gpu(2)["quarantined"] is False
+
+
+def test_quarantine_survives_restart(tmp_path: Path) -> None:
+    first = start_sim_node(tmp_path, "healthy", gpus=4)
+    first.client.post("/v1/gpus/3/quarantine", json={"reason": "bad fan"}, headers=first.auth)
+    first.close()
+    second = start_sim_node(tmp_path, "healthy", gpus=4)
+    try:
+        gpu = second.gpu(3)
+        assert gpu["quarantined"] is True and gpu["quarantine_reason"] == "bad fan" and gpu["epoch"] == 1
+        assert second.gpu(2)["quarantined"] is False
+    finally:
+        second.close()
+
+
+def test_token_file_is_private(node: SimNode, tmp_path: Path) -> None:
+    token = tmp_path / "state" / "token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    assert token.read_text().strip() == node.daemon.token
+
+
+def test_inject_validates_and_marks_drill(node: SimNode) -> None:
+    bad = node.client.post("/v1/gpus/1/inject", json={"fields": {"no_such": 1}}, headers=node.auth)
+    assert bad.status_code == 422
+    assert node.client.post("/v1/gpus/1/inject", json={}, headers=node.auth).status_code == 422
+    ok = node.client.post(
+        "/v1/gpus/1/inject", json={"fields": {"remapped_pending": 1}, "duration_s": 60}, headers=node.auth
+    )
+    assert ok.status_code == 200, ok.text
+    node.run_for(10)
+    gpu = node.gpu(1)
+    assert gpu["state"] == "unhealthy"
+    assert [f["rule"] for f in gpu["findings"]] == ["row_remap_pending"]
+    assert gpu["findings"][0]["drill"] is True
+    assert node.gpu(0)["findings"] == []
+
+
+def test_healthz_and_status_page(node: SimNode) -> None:
+    assert node.client.get("/healthz").json()["status"] == "ok"
+    page = node.client.get("/")
+    assert page.status_code == 200 and "<table>" in page.text and 'http-equiv="refresh"' in page.text
