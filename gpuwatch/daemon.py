@@ -39,6 +39,8 @@ def setup_logging(level: str) -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # APScheduler logs every job run at INFO: one line per sample is noise in the journal.
+    logging.getLogger("apscheduler").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
@@ -84,7 +86,7 @@ class Daemon:
         self.monitor = Monitor(
             self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
         )
-        self.collector = SnapshotCollector(lambda: self.monitor.snapshot)
+        self.collector = SnapshotCollector(lambda: self.monitor.snapshot, config.expected_gpus)
         self.renderer = MetricsRenderer(self.collector, key=self.metrics_key)
         self.scheduler = BackgroundScheduler(timezone="UTC")
         self.stop_event = threading.Event()

@@ -74,6 +74,8 @@ def growth(history: History, window_s: float, counter: str) -> int:
     if first == 0 and base is not None and base.t >= history.now - window_s and (not samples or base.t < samples[0].t):
         samples = (base, *samples)
     values = list(map(attrgetter(counter), samples))
+    if not values or values.count(values[0]) == len(values):
+        return 0  # the usual case, found at C speed: a counter that never moved
     total = 0
     for old, new in pairwise(values):
         if old is not None and new is not None and new > old:

@@ -59,7 +59,7 @@ def _read_report(path: Path) -> dict[str, object] | None:
 
 
 def _write_status(runtime_dir: Path, quarantined: dict[str, bool]) -> None:
-    gpus = [
+    gpus: list[dict[str, object]] = [
         {"index": i, "uuid": uuid, "state": "unhealthy" if q else "healthy", "quarantined": q, "epoch": int(q),
          "findings": []}
         for i, (uuid, q) in enumerate(quarantined.items())
@@ -141,13 +141,14 @@ def test_stop_signal_sets_stop_requested(tmp_path: Path, restore_sigusr1: None) 
 
 def test_previous_handler_is_chained_and_restored(tmp_path: Path, restore_sigusr1: None) -> None:
     seen: list[tuple[int, bool]] = []
-    link: TrainerLink | None = None
+    links: list[TrainerLink] = []
 
     def previous(signum: int, frame: FrameType | None) -> None:
-        seen.append((signum, link is not None and link.stop_requested))
+        seen.append((signum, links[0].stop_requested))
 
     signal.signal(signal.SIGUSR1, previous)
     with TrainerLink(tmp_path, stop_signal=signal.SIGUSR1) as link:
+        links.append(link)
         os.kill(os.getpid(), signal.SIGUSR1)
         _wait_for(lambda: seen)
     assert seen == [(signal.SIGUSR1, True)]  # called after the flag was set
