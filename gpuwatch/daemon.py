@@ -8,12 +8,14 @@ hung NVML call stops the pings and systemd restarts the daemon.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -69,6 +71,24 @@ def bind_socket(config: Config) -> socket.socket:
         raise ConfigError(f"listen {config.listen}: {exc.strerror or exc}") from None
     sock.set_inheritable(True)
     return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising SIGTERM after its graceful shutdown.
+
+    uvicorn re-raises the captured signal once it has stopped serving, which kills the process
+    before the daemon has stopped its scheduler, closed NVML and told systemd STOPPING=1. The
+    daemon stops everything itself and exits 0 on SIGTERM, as systemd expects of a clean stop.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 class Daemon:
@@ -159,7 +179,7 @@ class Daemon:
     def serve(self) -> None:
         """Run until SIGTERM/SIGINT (uvicorn handles both), then stop everything."""
         sock = bind_socket(self.config)
-        server = uvicorn.Server(
+        server = _Server(
             uvicorn.Config(
                 self.app(),
                 log_level="warning",

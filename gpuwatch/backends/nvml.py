@@ -194,7 +194,7 @@ class NvmlBackend:
         )
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
-        """The costly counters (DESIGN.md: 0.17 + 2 × 0.32 + 3.1 ms per GPU), read only on slow samples."""
+        """The costly counters (DESIGN.md: PCIe 0.17 ms, violations 0.64, energy 3.1), read on slow samples only."""
         nvml = self._nvml
         read = functools.partial(self._read, gpu)
         # ref. nvml.h nvmlViolationTime_t: violationTime is in nanoseconds.

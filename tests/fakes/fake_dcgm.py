@@ -18,8 +18,6 @@ from gpuwatch.backends.dcgm import DcgmBindings
 
 DCGM_ST_OK = 0
 DCGM_ST_NOT_SUPPORTED = -6
-DCGM_ST_TIMEOUT = -11
-DCGM_ST_NO_DATA = -14
 DCGM_ST_NOT_WATCHED = -16
 DCGM_ST_GPU_IS_LOST = -18
 DCGM_ST_RESET_REQUIRED = -19

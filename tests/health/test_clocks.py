@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from gpuwatch.config import RulesConfig
 from gpuwatch.health.rules import clocks
 from gpuwatch.model import Action, Severity
 
-from .helpers import BUSY, IDLE, history, rules, series
+from .helpers import BUSY, H200, IDLE, history, rules, series
 
 CFG = RulesConfig()
 LOW_UNEXPLAINED: dict[str, Any] = {**BUSY, "sm_clock_mhz": 500, "power_w": 250.0, "clocks_event_reasons": 0}
@@ -65,6 +66,7 @@ def test_needs_the_window_not_just_the_samples(interval_s: float) -> None:
 
 def test_fires_once_the_duty_is_reached_at_both_intervals() -> None:
     """Fault from t=120: at 30 s it takes two throttled samples; at 1 s half of the window."""
+
     def fault(t: float) -> dict[str, Any]:
         return hw(0x8) if t >= 120 else BUSY
 
@@ -91,6 +93,7 @@ def test_reason_names_duty_and_clocks() -> None:
 
 def test_low_clock_needs_most_of_the_window() -> None:
     """level_duty 0.8: low for 40 of 60 s is not enough, 50 of 60 s is."""
+
     def low_from(start: float) -> list[Any]:
         return series(120, 1.0, lambda t: LOW_UNEXPLAINED if t > start else BUSY)
 
@@ -99,9 +102,5 @@ def test_low_clock_needs_most_of_the_window() -> None:
 
 
 def test_unknown_max_clock_judges_no_low_clock() -> None:
-    from dataclasses import replace
-
-    from .helpers import H200
-
-    found = clocks.evaluate(history(series(120, 1.0, LOW_UNEXPLAINED), static=replace(H200, max_sm_clock_mhz=None)), CFG)
-    assert found == []
+    static = replace(H200, max_sm_clock_mhz=None)
+    assert clocks.evaluate(history(series(120, 1.0, LOW_UNEXPLAINED), static=static), CFG) == []

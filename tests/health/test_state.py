@@ -182,14 +182,15 @@ def test_release_of_a_free_gpu_does_nothing() -> None:
 
 
 def test_operator_release_holds_off_auto_quarantine_for_the_episode() -> None:
-    node, _ = advance(state.initial([0]), 0, {0: [UNHEALTHY]})
+    policy = replace(POLICY, breaker_max_share=1.0)  # room for a second auto quarantine within the hour
+    node, _ = advance(state.initial([0, 1]), 0, {0: [UNHEALTHY]}, policy)
     node, _ = state.release(node, 0, 10)
-    node, decisions = advance(node, 20, {0: [UNHEALTHY]})
+    node, decisions = advance(node, 20, {0: [UNHEALTHY]}, policy)
     assert not gpu(node).quarantined and decisions == []
-    node, _ = advance(node, 30, {0: []})
-    node, _ = advance(node, 200, {0: []})
+    node, _ = advance(node, 30, {0: []}, policy)
+    node, _ = advance(node, 200, {0: []}, policy)
     assert gpu(node).state is Health.HEALTHY
-    node, decisions = advance(node, 210, {0: [UNHEALTHY]})
+    node, decisions = advance(node, 210, {0: [UNHEALTHY]}, policy)
     assert kinds(decisions) == [("state", 0), ("quarantine", 0)]
     assert gpu(node).epoch == 2
 
