@@ -228,7 +228,7 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str) -> Any:
+def _build(cls: Any, data: Mapping[str, Any], source: str, prefix: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: [{prefix.rstrip('.')}] must be a table")
     hints = _hints(cls)
@@ -256,12 +256,18 @@ def _coerce(hint: Any, raw: Any, where: str, *, from_string: bool, prefix: str =
             raw = [part.strip() for part in str(raw).split(",") if part.strip()]
         if not isinstance(raw, list):
             raise ConfigError(f"{where}: expected a list, got {raw!r}")
-        return tuple(_coerce(item_hint, item, where, from_string=from_string, prefix=prefix, source=source) for item in raw)
+        return tuple(
+            _coerce(item_hint, item, where, from_string=from_string, prefix=prefix, source=source) for item in raw
+        )
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         return _coerce(options[0], raw, where, from_string=from_string)
     if hint is bool:
-        if from_string and isinstance(raw, str) and raw.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+        if (
+            from_string
+            and isinstance(raw, str)
+            and raw.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}
+        ):
             return raw.lower() in {"1", "true", "yes", "on"}
         if isinstance(raw, bool):
             return raw
@@ -319,6 +325,6 @@ def _set_dotted(config: Config, dotted: str, value: Any, where: str, from_string
     return dataclasses.replace(config, **{head: coerced})
 
 
-def sections() -> dict[str, type]:
+def sections() -> dict[str, Any]:
     """Section name → dataclass, for the example config test and docs."""
     return {name: hint for name, hint in _hints(Config).items() if dataclasses.is_dataclass(hint)}

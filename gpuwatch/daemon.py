@@ -47,12 +47,13 @@ def setup_logging(level: str) -> None:
 
 def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
     """The sim demo may shorten rule windows so a newcomer sees faults within two minutes; say so."""
-    overrides: dict[str, Any] = dict(getattr(getattr(backend, "scenario", None), "rules_overrides", {}) or {})
+    scenario = getattr(backend, "scenario", None)
+    overrides: dict[str, Any] = dict(getattr(scenario, "rules_overrides", None) or {})
     if not overrides:
         return rules
     log.warning(
         "sim scenario %r shortens rule windows for the demo: %s",
-        getattr(backend, "scenario").name,
+        getattr(scenario, "name", "?"),
         ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())),
     )
     return dataclasses.replace(rules, **overrides)

@@ -75,13 +75,16 @@ class SnapshotCollector(Collector):
             value=int(snap.breaker_tripped),
         )
         yield CounterMetricFamily(
-            "gpuwatch_breaker_refusals", "Automatic quarantines refused by the circuit breaker.",
+            "gpuwatch_breaker_refusals",
+            "Automatic quarantines refused by the circuit breaker.",
             value=snap.breaker_refusals_total,
         )
 
     def _gpus(self, gpus: tuple[GpuStatus, ...]) -> Iterator[Metric]:
         g_labels = ["gpu", "uuid"]
-        info = GaugeMetricFamily("gpuwatch_gpu_info", "Static facts of each GPU.", labels=[*g_labels, "name", "pci_bus_id"])
+        info = GaugeMetricFamily(
+            "gpuwatch_gpu_info", "Static facts of each GPU.", labels=[*g_labels, "name", "pci_bus_id"]
+        )
         health = GaugeMetricFamily(
             "gpuwatch_gpu_health_state", "1 on the GPU's current health state.", labels=[*g_labels, "state", "drill"]
         )

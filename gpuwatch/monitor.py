@@ -324,7 +324,13 @@ class Monitor:
         elif decision.kind == "release":
             self.store.clear_quarantine(static.uuid)
         self.store.add_decision(
-            decision.t, decision.index, static.uuid, decision.kind, decision.state.value, decision.reason, decision.drill
+            decision.t,
+            decision.index,
+            static.uuid,
+            decision.kind,
+            decision.state.value,
+            decision.reason,
+            decision.drill,
         )
 
     def _position(self, index: int) -> int:
@@ -345,7 +351,9 @@ class Monitor:
             record = records.get(uuid)
             epoch = epochs.get(uuid, 0)
             if record is not None:
-                log.warning("GPU %d (%s) stays quarantined from before the restart: %s", gpu_state.index, uuid, record.reason)
+                log.warning(
+                    "GPU %d (%s) stays quarantined from before the restart: %s", gpu_state.index, uuid, record.reason
+                )
                 gpu_state = dataclasses.replace(
                     gpu_state,
                     quarantined=True,

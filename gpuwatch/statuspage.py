@@ -20,7 +20,8 @@ table{border-collapse:collapse;width:100%;background:#fff;box-shadow:0 1px 2px #
 th,td{padding:.45rem .6rem;border-bottom:1px solid #e3e6ea;text-align:left;vertical-align:top;font-size:.9rem}
 th{background:#eef1f4}.state{font-weight:600;border-radius:3px;padding:.1rem .4rem;color:#fff}
 .healthy{background:#2e7d32}.degraded{background:#b26a00}.unhealthy{background:#c62828}.unknown{background:#6b7280}
-.q{color:#c62828;font-weight:600}.drill{background:#6a1b9a;color:#fff;border-radius:3px;padding:0 .3rem;font-size:.75rem}
+.q{color:#c62828;font-weight:600}
+.drill{background:#6a1b9a;color:#fff;border-radius:3px;padding:0 .3rem;font-size:.75rem}
 ul{margin:0;padding-left:1rem}.mono{font-family:ui-monospace,monospace;font-size:.8rem}
 """
 
@@ -55,9 +56,9 @@ def _row(g: GpuStatus, now: float) -> str:
         f'<span class="q">yes</span><br><small>{escape(g.quarantine_reason)}</small>' if g.quarantined else "no"
     )
     return (
-        f"<tr data-gpu=\"{g.index}\" data-state=\"{g.state.value}\"><td>{g.index}</td>"
-        f"<td class=\"mono\">{escape(g.uuid)}<br>{escape(g.static.name)}</td>"
-        f"<td><span class=\"state {g.state.value}\">{g.state.value}</span></td>"
+        f'<tr data-gpu="{g.index}" data-state="{g.state.value}"><td>{g.index}</td>'
+        f'<td class="mono">{escape(g.uuid)}<br>{escape(g.static.name)}</td>'
+        f'<td><span class="state {g.state.value}">{g.state.value}</span></td>'
         f"<td>{_findings(g)}</td><td>{escape(g.suggested_action.value)}</td><td>{quarantined}</td>"
         f"<td>{_trainers(g)}</td><td>{age}</td></tr>"
     )

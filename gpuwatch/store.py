@@ -175,7 +175,8 @@ class Store:
     def add_drill_run(self, t: float, drill: str, result: str, body: dict[str, Any]) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO drill_run (t, drill, result, body) VALUES (?, ?, ?, ?)", (t, drill, result, json.dumps(body))
+                "INSERT INTO drill_run (t, drill, result, body) VALUES (?, ?, ?, ?)",
+                (t, drill, result, json.dumps(body)),
             )
 
     def drill_runs(self, limit: int = 100) -> list[dict[str, Any]]:

@@ -39,9 +39,7 @@ def test_post_without_right_token_is_401_and_changes_nothing(node: SimNode, head
     assert node.gpu(1)["quarantined"] is False
 
 
-@pytest.mark.parametrize(
-    "body", [{}, {"reason": ""}, {"reason": "x", "extra": 1}, {"reason": 5}, [1, 2]]
-)
+@pytest.mark.parametrize("body", [{}, {"reason": ""}, {"reason": "x", "extra": 1}, {"reason": 5}, [1, 2]])
 def test_invalid_body_is_422_and_changes_nothing(node: SimNode, body: object) -> None:
     response = node.client.post("/v1/gpus/1/quarantine", json=body, headers=node.auth)
     assert response.status_code == 422

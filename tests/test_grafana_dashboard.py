@@ -89,12 +89,9 @@ def metric_names(expr: str) -> set[str]:
 
 def _populated_snapshot() -> Snapshot:
     """One GPU with every optional field set, so every family gpuwatch.metrics can emit is emitted."""
-    static = GpuStatic(
-        **{
-            f.name: (0 if f.name == "index" else "GPU-0" if f.type == "str" else 1)
-            for f in dataclasses.fields(GpuStatic)
-        }
-    )
+    text = {"index", "uuid", "name", "pci_bus_id"}
+    limits = {f.name: 1 for f in dataclasses.fields(GpuStatic) if f.name not in text}
+    static = GpuStatic(0, "GPU-0", name="NVIDIA H200", pci_bus_id="00000000:19:00.0", **limits)
     numeric = {f.name: 1 for f in dataclasses.fields(GpuSample) if f.name not in {"t", "index", "uuid", "pids"}}
     sample = GpuSample(t=1.0, index=0, uuid="GPU-0", pids=(4242,), **numeric)
     finding = Finding("xid_critical", Severity.UNHEALTHY, "XID 79", Action.REBOOT, t=1.0, index=0, uuid="GPU-0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from gpuwatch.config import Config
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 
 
@@ -16,6 +17,8 @@ class Backend(Protocol):
     """One source of GPU readings. Constructed as `Cls(config)`; nothing is touched until open()."""
 
     name: str
+
+    def __init__(self, config: Config) -> None: ...
 
     def open(self) -> tuple[GpuStatic, ...]:
         """Initialise the library and read each GPU's static facts once.

@@ -44,12 +44,17 @@ def held(history: History, window_s: float, condition: Callable[[GpuSample], boo
 
     Each sample vouches for the time since the sample before it (clipped to the window); the oldest
     sample in the history vouches for nothing. The share is of the whole window, so a daemon that has
-    watched for 10 s cannot claim a condition held for half of the last minute.
+    watched for 10 s cannot claim a condition held for half of the last minute. The samples counted
+    are those in the window and the one just before it, whose interval the window's first one shares:
+    so a window as short as the sampling interval can still see two readings agree.
     """
     start = history.now - window_s
     first = history.first_since(window_s)
     seconds, count = 0.0, 0
-    previous = history.samples[first - 1].t if first > 0 else None
+    previous: float | None = None
+    if first > 0:
+        before = history.samples[first - 1]
+        previous, count = before.t, int(condition(before))
     for sample in history.samples[first:]:
         if condition(sample):
             count += 1

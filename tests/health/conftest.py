@@ -16,11 +16,11 @@ TRACE = "h200-healthy-workload.jsonl"
 
 @pytest.fixture(scope="session")
 def healthy_trace() -> tuple[GpuStatic, list[GpuSample]]:
-    """GPU 0's static facts and samples from shared/traces (skipped when the shared folder is absent)."""
-    candidates = [REPO / "shared" / "traces" / TRACE, REPO.parent / "shared" / "traces" / TRACE]
-    path = next((p for p in candidates if p.is_file()), None)
+    """GPU 0's static facts and samples from ../shared/traces (or the repo's copy; skipped when absent)."""
+    candidates = [REPO.parent / "shared" / "traces", REPO / "shared" / "traces", REPO / "tests" / "data"]
+    path = next((p / TRACE for p in candidates if (p / TRACE).is_file()), None)
     if path is None:
-        pytest.skip(f"{TRACE} not found under shared/traces or ../shared/traces")
+        pytest.skip(f"{TRACE} not found in ../shared/traces, shared/traces or tests/data")
     lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     known = {f.name for f in dataclasses.fields(GpuStatic)}
     static = GpuStatic(**{k: v for k, v in lines[0]["static"][0].items() if k in known})

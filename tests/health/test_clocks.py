@@ -104,3 +104,18 @@ def test_low_clock_needs_most_of_the_window() -> None:
 def test_unknown_max_clock_judges_no_low_clock() -> None:
     static = replace(H200, max_sm_clock_mhz=None)
     assert clocks.evaluate(history(series(120, 1.0, LOW_UNEXPLAINED), static=static), CFG) == []
+
+
+def test_window_as_short_as_the_interval() -> None:
+    """The sim's fast scenarios use a 30 s window; at 30 s sampling two throttled readings in a row suffice."""
+    fast = replace(CFG, clock_window_s=30.0)
+    samples = series(240, 30.0, lambda t: hw(0x8) if t >= 180 else BUSY)
+    assert clocks.evaluate(history(samples[:7]), fast) == []  # t=180: one throttled reading
+    assert rules(clocks.evaluate(history(samples[:8]), fast)) == {"clocks_hw_slowdown"}  # t=210
+
+
+def test_sampling_jitter() -> None:
+    """Real ticks drift: 30 s ± 0.4 s leaves two or three samples in a 60 s window, and the verdict stands."""
+    samples = [replace(s, t=s.t + (0.4 if i % 2 else -0.4)) for i, s in enumerate(series(300, 30.0, hw(0x8)))]
+    for end in range(3, len(samples) + 1):
+        assert rules(clocks.evaluate(history(samples[:end]), CFG)) == {"clocks_hw_slowdown"}

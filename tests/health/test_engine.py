@@ -47,7 +47,7 @@ def test_findings_carry_their_modules_ids() -> None:
         1.0,
         lambda t: {
             **BUSY,
-            "sm_clock_mhz": 500,
+            "sm_clock_mhz": 500 if t % 2 else 1455,
             "clocks_event_reasons": 0xE8,
             "power_w": 120.0 if t % 2 else 690.0,
             "temp_c": 88,

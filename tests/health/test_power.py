@@ -46,6 +46,8 @@ def test_ddp_power_swing_never_fires(interval_s: float, reasons: tuple[int, ...]
         (lambda t, i: COLLAPSED if i % 2 else BUSY, True),
         # a power brake that comes and goes is instability too
         (lambda t, i: {**COLLAPSED, "clocks_event_reasons": 0x80} if i % 2 else BUSY, True),
+        # a card throttled throughout whose power wanders across the line is never at speed: no fall
+        (lambda t, i: {**COLLAPSED, "clocks_event_reasons": 0x40, "power_w": 300.0 if i % 2 else 400.0}, False),
         # a collapse that holds is one fall (sm_clock_low_unexplained's business), not instability
         (lambda t, i: COLLAPSED if t >= 30 else BUSY, False),
         # bursty job: each ramp-up from idle starts low, which is not a fall

@@ -52,7 +52,7 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
     return [f for f in found if f is not None]
 
 
-def low_unexplained(sample: GpuSample, cfg: RulesConfig, max_mhz: int) -> bool:
+def _low_unexplained(sample: GpuSample, cfg: RulesConfig, max_mhz: int) -> bool:
     """Busy, clock under `clock_low_ratio` of max, and no reason bit explains it (False when unknown)."""
     util, clock, reasons = sample.util_gpu_pct, sample.sm_clock_mhz, sample.clocks_event_reasons
     if util is None or clock is None or reasons is None:
@@ -66,7 +66,7 @@ def _low_clock(history: History, cfg: RulesConfig) -> Finding | None:
     max_mhz = history.static.max_sm_clock_mhz
     if not max_mhz:
         return None
-    evidence = held(history, cfg.clock_window_s, lambda s: low_unexplained(s, cfg, max_mhz))
+    evidence = held(history, cfg.clock_window_s, lambda s: _low_unexplained(s, cfg, max_mhz))
     if not evidence.sustained(cfg.level_duty):
         return None
     clock = clock_text(history.last, max_mhz)

@@ -10,10 +10,12 @@ power falls but the clock rises to its maximum, and a capped or idle card says s
 
 A collapse that holds is `sm_clock_low_unexplained` or a `clocks_*` rule. This rule catches the
 intermittent form those duty-based rules miss: the card keeps dropping out and recovering under a
-busy load (a power brake that comes and goes counts). It counts falls: a busy sample at normal
-power followed straight by a collapsed one (a ramp-up from idle is no fall, so bursty jobs stay
-quiet), and fires on at least `MIN_DROPS` falls within `power_window_s`. Two falls are visible at a
-30 s interval in a 120 s window (5 samples), and at 1 s just the same.
+busy load (a power brake that comes and goes counts). It counts falls: a busy sample with the SM
+clock at speed followed straight by a collapsed one. A ramp-up from idle is no fall, so bursty jobs
+stay quiet, and a card throttled throughout whose power wanders across the line is never at speed,
+so it stays the throttle rule's business. It fires on at least `MIN_DROPS` falls within
+`power_window_s`. Two falls are visible at a 30 s interval in a 120 s window (5 samples), and at
+1 s just the same.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
         return []
     floor_w, floor_mhz = cfg.power_unstable_drop_ratio * limit_w, cfg.clock_low_ratio * max_mhz
     drops = 0
-    previous: bool | None = None  # the last sample collapsed (True), ran normally (False), or judged nothing
+    previous: bool | None = None
     for sample in history.since(cfg.power_window_s):
-        current = _collapsed(sample, floor_w, floor_mhz) if _busy(sample, cfg) else None
+        current = _collapsed(sample, cfg, floor_w, floor_mhz)
         if current and previous is False:
             drops += 1
         previous = current
@@ -51,15 +53,13 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
     return [finding(history, RULE, Severity.DEGRADED, Action.HARDWARE_INSPECTION, reason)]
 
 
-def _busy(sample: GpuSample, cfg: RulesConfig) -> bool:
-    """Busy and fully read: only such samples are judged."""
-    fields = (sample.power_w, sample.sm_clock_mhz, sample.clocks_event_reasons)
-    return sample.util_gpu_pct is not None and sample.util_gpu_pct >= cfg.power_min_util_pct and None not in fields
-
-
-def _collapsed(sample: GpuSample, floor_w: float, floor_mhz: float) -> bool:
-    return (
-        (sample.power_w or 0.0) < floor_w
-        and (sample.sm_clock_mhz or 0) < floor_mhz
-        and not (sample.clocks_event_reasons or 0) & BENIGN_REASONS
-    )
+def _collapsed(sample: GpuSample, cfg: RulesConfig, floor_w: float, floor_mhz: float) -> bool | None:
+    """True: collapsed; False: busy with the clock at speed; None: anything else (judges nothing)."""
+    util, power, clock, reasons = sample.util_gpu_pct, sample.power_w, sample.sm_clock_mhz, sample.clocks_event_reasons
+    if util is None or power is None or clock is None or reasons is None or util < cfg.power_min_util_pct:
+        return None
+    if clock >= floor_mhz:
+        return False
+    if power < floor_w and not reasons & BENIGN_REASONS:
+        return True
+    return None

@@ -34,5 +34,5 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
     now = ""
     if last is not None:
         now = f"; now GPU {last.temp_c} °C (slowdown {gpu_limit} °C), HBM {last.mem_temp_c} °C (max {mem_limit} °C)"
-    reason = f"within {cfg.thermal_margin_c} °C of the slowdown or HBM maximum temperature {evidence.describe()}{now}"
+    reason = f"GPU or HBM within {cfg.thermal_margin_c} °C of its limit {evidence.describe()}{now}"
     return [finding(history, RULE, Severity.DEGRADED, Action.HARDWARE_INSPECTION, reason)]
