@@ -92,6 +92,8 @@ class ToolsConfig:
     nvidia_smi: str = "nvidia-smi"
     dcgmi: str = "dcgmi"
     sysfs_root: str = "/sys"
+    kmsg: str = "/dev/kmsg"  # the kernel log the xid_fault drill reads for the driver's "NVRM: Xid" line
+    xid_fault: str = ""  # the sacrificial CUDA process; "" is fault_injection/xid_fault.py of this checkout
     dcgm_bindings: tuple[str, ...] = (
         "/usr/share/datacenter-gpu-manager-4/bindings/python3",
         "/usr/local/dcgm/bindings/python3",
@@ -107,7 +109,8 @@ class DrillSchedule:
     gpu: str = "idle"
     args: str = ""
     require_healthy_share: float = 1.0
-    skip_if_trainers: bool = True
+    skip_if_trainers: bool = True  # kill_rank ignores it: its target must have a trainer
+    allow_destructive: bool = False  # reset_gpu and pcie_remove run on a schedule only with this set
 
 
 @dataclass(frozen=True)
@@ -115,8 +118,14 @@ class DrillsConfig:
     """Fault-injection drills and their schedule."""
 
     schedule: tuple[DrillSchedule, ...] = ()
-    detect_timeout_s: float = 30.0
-    burn_in_timeout_s: float = 3600.0
+    detect_timeout_s: float = 30.0  # slack after a sampled fault's rule window for the finding to show
+    event_detect_timeout_s: float = 2.0  # deadline for the finding of an event fault (XID, ECC), judged at once
+    resume_timeout_s: float = 300.0  # deadline for a stopped or killed job to run again
+    burn_in_s: float = 300.0  # clean seconds a reset or re-plugged GPU shows before the drill releases it
+    burn_in_timeout_s: float = 3600.0  # beyond the burn-in itself, how long a drill waits for the release
+    await_release: bool = False  # inject-type drills also wait for the daemon's burn-in release
+    poll_s: float = 0.25  # how often a verdict step looks at the daemon
+    misfire_grace_s: float = 300.0  # a scheduled run this late is dropped, never replayed
 
 
 @dataclass(frozen=True)
