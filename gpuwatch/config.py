@@ -76,13 +76,16 @@ class TrainerConfig:
     """How the daemon talks to the trainers beside it and judges their reports."""
 
     stop_signal: str = "SIGUSR1"
-    grace_period_s: float = 60.0
+    grace_period_s: float = 60.0  # stop signal → SIGTERM for a rank that has not exited
+    kill_after_s: float = 5.0  # SIGTERM → SIGKILL
     stale_after_s: float = 60.0
     fragmentation_ratio: float = 0.3
     fragmentation_window_s: float = 300.0
     alloc_retries_per_min: float = 10.0
+    alloc_retries_window_s: float = 300.0
     straggler_ratio: float = 1.25
     grad_var_jump: float = 10.0
+    grad_var_history_s: float = 1800.0  # the running level the latest grad-norm variance is compared to
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuwatch.health.xid_catalog import CATALOG
+from gpuwatch.model import Severity
 from tests.test_grafana_dashboard import known_metric_names, metric_names
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
@@ -188,6 +190,15 @@ def test_rules_use_known_metrics() -> None:
         names = metric_names(rule["expr"])
         assert names, rule
         assert names <= known, f"unknown metric {sorted(names - known)} in {rule.get('alert') or rule['record']}"
+
+
+def test_xid_counter_codes_match_the_catalog() -> None:
+    """The counter branch of GpuwatchXidCritical pages for exactly the XIDs the daemon rates unhealthy."""
+    expr = next(rule["expr"] for rule in alert_rules() if rule["alert"] == "GpuwatchXidCritical")
+    regexes = set(re.findall(r'xid=~"([^"]+)"', expr))
+    assert len(regexes) == 1, regexes
+    unhealthy = {xid for xid, info in CATALOG.items() if info.severity is Severity.UNHEALTHY}
+    assert {int(code) for code in regexes.pop().split("|")} == unhealthy
 
 
 def test_github_anchor() -> None:

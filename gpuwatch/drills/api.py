@@ -1,0 +1,59 @@
+"""How a drill sees the daemon: the same HTTP API an operator or Alertmanager sees, nothing private.
+
+A drill proves the chain a fault goes through (finding, /metrics, quarantine, incident), so it
+reads what the outside world reads. Tests plug an in-process client in behind `DrillApi`.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from typing import Any, Protocol
+
+from gpuwatch.client import DaemonClient
+from gpuwatch.errors import DaemonError
+
+
+class DrillApi(Protocol):
+    """The three calls a drill makes; JSON in and out, except /metrics."""
+
+    def get(self, path: str) -> Any: ...
+
+    def text(self, path: str) -> str: ...
+
+    def post(self, path: str, body: dict[str, Any]) -> Any: ...
+
+
+class HttpApi(DaemonClient):
+    """DrillApi over HTTP: the CLI against a running daemon, and scheduled drills against their own daemon."""
+
+    def get(self, path: str) -> Any:
+        return self.request("GET", path)
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        return self.request("POST", path, body)
+
+    def text(self, path: str) -> str:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=self.timeout_s) as resp:
+                return str(resp.read().decode())
+        except (urllib.error.URLError, OSError) as exc:
+            raise DaemonError(f"GET {path}: {getattr(exc, 'reason', exc)}") from None
+
+
+def gpus(api: DrillApi) -> list[dict[str, Any]]:
+    return list(api.get("/v1/gpus")["gpus"])
+
+
+def gpu(api: DrillApi, index: int) -> dict[str, Any]:
+    return dict(api.get(f"/v1/gpus/{index}"))
+
+
+def pids(g: dict[str, Any]) -> list[int]:
+    """Every process NVML last listed on the GPU and every trainer that reports from it."""
+    listed = (g.get("sample") or {}).get("pids") or []
+    return sorted({*listed, *(t["pid"] for t in g.get("trainers", []))})
+
+
+def describe_trainers(g: dict[str, Any]) -> str:
+    return ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("trainers", [])) or "none"

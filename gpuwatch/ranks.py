@@ -1,0 +1,204 @@
+"""Which trainer ranks run on which GPU: NVML's process list, /proc/PID/environ and the trainers' reports.
+
+* NVML lists host PIDs per GPU (the truth for where a process has a context); used only for the
+  `nvml` and `dcgm` backends: the simulator's and a trace's PIDs are not processes of this host.
+* /proc/PID/environ (the environment at exec) gives torchrun's RANK, LOCAL_RANK, WORLD_SIZE,
+  LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID (or GPUWATCH_JOB_ID), and CUDA_VISIBLE_DEVICES to resolve
+  a rank's GPU by UUID: the entry at LOCAL_RANK is a UUID (prefix) or an NVML index.
+* A trainer's own report (TrainerLink) wins where it says something: torch knows its device's UUID.
+
+Anything the daemon may signal must be a trainer (a report, or torchrun's variables in its
+environment), and a report only counts when its file's owner is root or the process's own user,
+so one user cannot point the daemon at another user's process. The start time from /proc/PID/stat
+travels with each rank so a recycled PID is never signalled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpuwatch.model import GpuStatus, TrainerInfo
+
+log = logging.getLogger("gpuwatch.ranks")
+
+PID_BACKENDS = frozenset({"nvml", "dcgm"})
+_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GPUWATCH_JOB_ID")
+_ENV_INTS = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE", "local_world_size": "LOCAL_WORLD_SIZE"}
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One trainer process: what is known of it (merged), its GPU, and how to recognise the same process later."""
+
+    info: TrainerInfo
+    gpu: int | None
+    uid: int | None
+    start_time: int | None
+    sources: tuple[str, ...]
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    @property
+    def job(self) -> str | None:
+        return self.info.job_id
+
+
+class ProcFs:
+    """Reads /proc (a root given for tests); environments are cached per process, as they never change."""
+
+    def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
+        self.root = Path(root)
+        self._environ: dict[tuple[int, int | None], dict[str, str] | None] = {}
+
+    def start_time(self, pid: int) -> int | None:
+        """Field 22 of /proc/PID/stat (clock ticks after boot): with the PID, a process's identity."""
+        fields = self._stat_fields(pid)
+        return int(fields[19]) if fields else None
+
+    def alive(self, pid: int, start_time: int | None) -> bool:
+        """The same process still runs (a zombie has finished; a different start time is a recycled PID)."""
+        fields = self._stat_fields(pid)
+        if fields is None or fields[0] in {"Z", "X"}:
+            return False
+        return start_time is None or int(fields[19]) == start_time
+
+    def uid(self, pid: int) -> int | None:
+        try:
+            return (self.root / str(pid)).stat().st_uid
+        except OSError:
+            return None
+
+    def environ(self, pid: int) -> dict[str, str] | None:
+        """The trainer variables of PID's environment at exec; None when unreadable (gone, other user)."""
+        key = (pid, self.start_time(pid))
+        if key not in self._environ:
+            if len(self._environ) > 4096:
+                self._environ.clear()
+            self._environ[key] = self._read_environ(pid)
+        return self._environ[key]
+
+    def _read_environ(self, pid: int) -> dict[str, str] | None:
+        try:
+            raw = (self.root / str(pid) / "environ").read_bytes()
+        except OSError:
+            return None
+        env = {}
+        for entry in raw.split(b"\0"):
+            name, sep, value = entry.partition(b"=")
+            if sep and name.decode(errors="replace") in (*_ENV_KEYS, "CUDA_VISIBLE_DEVICES"):
+                env[name.decode()] = value.decode(errors="replace")
+        return env
+
+    def _stat_fields(self, pid: int) -> list[str] | None:
+        """/proc/PID/stat after the command name (which may hold spaces): state is [0], starttime [19]."""
+        try:
+            text = (self.root / str(pid) / "stat").read_text()
+        except OSError:
+            return None
+        fields = text.rpartition(")")[2].split()
+        return fields if len(fields) > 19 else None
+
+
+def map_ranks(
+    gpus: Sequence[GpuStatus],
+    reports: Iterable[TrainerInfo],
+    proc: ProcFs,
+    *,
+    use_pids: bool,
+    report_owner: Mapping[int, int | None],
+) -> list[Rank]:
+    """Every trainer rank on this node, with its GPU resolved by UUID.
+
+    Args:
+        gpus: the Snapshot's GPUs (their samples' `pids` are NVML's process lists).
+        reports: the trainers' live reports.
+        proc: where to read environments, owners and start times.
+        use_pids: trust the samples' PIDs (only real backends: nvml, dcgm).
+        report_owner: pid → uid of the report file; a report whose owner is neither root nor the
+            process's user is ignored.
+    """
+    on_gpus: dict[int, list[GpuStatus]] = {}
+    if use_pids:
+        for gpu in gpus:
+            for pid in gpu.sample.pids if gpu.sample is not None else ():
+                on_gpus.setdefault(pid, []).append(gpu)
+    by_report = {}
+    for report in reports:
+        uid, owner = proc.uid(report.pid), report_owner.get(report.pid)
+        if owner not in {0, uid}:
+            log.warning("ignoring trainers/%d.json: owned by uid %s, the process by uid %s", report.pid, owner, uid)
+            continue
+        by_report[report.pid] = report
+    ranks = []
+    for pid in sorted({*on_gpus, *by_report}):
+        env = proc.environ(pid) or {}
+        report = by_report.get(pid)
+        if report is None and not ("RANK" in env or "LOCAL_RANK" in env):
+            continue  # a CUDA process that is no trainer: never ours to signal
+        info = _merge(report or TrainerInfo(pid=pid), env)
+        gpu = _own_gpu(info, env, on_gpus.get(pid, []), gpus)
+        if gpu is not None:
+            info = replace(info, gpu_uuid=gpu.uuid)
+        sources = ("report",) * (report is not None) + ("environ",) * bool(env) + ("nvml",) * (pid in on_gpus)
+        ranks.append(Rank(info, gpu.index if gpu else None, proc.uid(pid), proc.start_time(pid), sources))
+    return ranks
+
+
+def resolve_gpu(env: Mapping[str, str], gpus: Sequence[GpuStatus]) -> GpuStatus | None:
+    """The GPU a torchrun worker uses: CUDA_VISIBLE_DEVICES at LOCAL_RANK (the one entry if only one).
+
+    An entry is a UUID or an unambiguous UUID prefix ("GPU-8932f937"), or an NVML index; unset means
+    every GPU, in NVML's order. MIG instances are not resolved.
+    """
+    local = _int(env.get("LOCAL_RANK")) or 0
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        entry = str(local)
+    else:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if not entries:
+            return None
+        entry = entries[0] if len(entries) == 1 else (entries[local] if local < len(entries) else "")
+    if entry.startswith("GPU-"):
+        matches = [g for g in gpus if g.uuid.startswith(entry)]
+        return matches[0] if len(matches) == 1 else None
+    index = _int(entry)
+    return next((g for g in gpus if g.index == index), None) if index is not None else None
+
+
+def _own_gpu(
+    info: TrainerInfo, env: Mapping[str, str], listed: Sequence[GpuStatus], gpus: Sequence[GpuStatus]
+) -> GpuStatus | None:
+    """The report's UUID; else the one GPU NVML lists; else (a stray context elsewhere) the environ's pick."""
+    if info.gpu_uuid:
+        return next((g for g in gpus if g.uuid == info.gpu_uuid), None)
+    if len(listed) == 1:
+        return listed[0]
+    from_env = resolve_gpu(env, gpus)
+    if listed and from_env not in listed:
+        return listed[0]
+    return from_env
+
+
+def _merge(report: TrainerInfo, env: Mapping[str, str]) -> TrainerInfo:
+    """Fill what the report does not say from the environment."""
+    values: dict[str, object] = {}
+    for name, key in _ENV_INTS.items():
+        if getattr(report, name) is None and _int(env.get(key)) is not None:
+            values[name] = _int(env.get(key))
+    if report.job_id is None and (env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID")):
+        values["job_id"] = env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID")
+    return replace(report, **values) if values else report  # type: ignore[arg-type]
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
