@@ -257,6 +257,8 @@ class Monitor:
     def _judge_and_publish(self, now: float) -> Snapshot:
         findings: dict[int, list[Finding]] = {}
         for index, static in self.statics.items():
+            if not self._samples[index] and not self._errors[index] and not self._events[index]:
+                continue  # never read yet: the state machine keeps it unknown
             history = History(
                 static=static,
                 now=now,

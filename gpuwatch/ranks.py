@@ -27,7 +27,12 @@ log = logging.getLogger("gpuwatch.ranks")
 
 PID_BACKENDS = frozenset({"nvml", "dcgm"})
 _ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GPUWATCH_JOB_ID")
-_ENV_INTS = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world_size": "WORLD_SIZE", "local_world_size": "LOCAL_WORLD_SIZE"}
+_ENV_INTS = {
+    "rank": "RANK",
+    "local_rank": "LOCAL_RANK",
+    "world_size": "WORLD_SIZE",
+    "local_world_size": "LOCAL_WORLD_SIZE",
+}
 
 
 @dataclass(frozen=True)
@@ -128,25 +133,28 @@ def map_ranks(
         for gpu in gpus:
             for pid in gpu.sample.pids if gpu.sample is not None else ():
                 on_gpus.setdefault(pid, []).append(gpu)
-    by_report = {}
+    by_report: dict[int, TrainerInfo] = {}
     for report in reports:
         uid, owner = proc.uid(report.pid), report_owner.get(report.pid)
-        if owner not in {0, uid}:
+        if owner is None or owner not in {0, uid}:
             log.warning("ignoring trainers/%d.json: owned by uid %s, the process by uid %s", report.pid, owner, uid)
             continue
         by_report[report.pid] = report
     ranks = []
     for pid in sorted({*on_gpus, *by_report}):
         env = proc.environ(pid) or {}
-        report = by_report.get(pid)
-        if report is None and not ("RANK" in env or "LOCAL_RANK" in env):
+        own_report = by_report.get(pid)
+        if own_report is None and not ("RANK" in env or "LOCAL_RANK" in env):
             continue  # a CUDA process that is no trainer: never ours to signal
-        info = _merge(report or TrainerInfo(pid=pid), env)
-        gpu = _own_gpu(info, env, on_gpus.get(pid, []), gpus)
-        if gpu is not None:
-            info = replace(info, gpu_uuid=gpu.uuid)
-        sources = ("report",) * (report is not None) + ("environ",) * bool(env) + ("nvml",) * (pid in on_gpus)
-        ranks.append(Rank(info, gpu.index if gpu else None, proc.uid(pid), proc.start_time(pid), sources))
+        info = _merge(own_report or TrainerInfo(pid=pid), env)
+        own_gpu = _own_gpu(info, env, on_gpus.get(pid, []), gpus)
+        if own_gpu is not None:
+            info = replace(info, gpu_uuid=own_gpu.uuid)
+        sources = [
+            name for name, present in (("report", own_report), ("environ", env), ("nvml", on_gpus.get(pid))) if present
+        ]
+        index = own_gpu.index if own_gpu is not None else None
+        ranks.append(Rank(info, index, proc.uid(pid), proc.start_time(pid), tuple(sources)))
     return ranks
 
 
@@ -188,13 +196,18 @@ def _own_gpu(
 
 def _merge(report: TrainerInfo, env: Mapping[str, str]) -> TrainerInfo:
     """Fill what the report does not say from the environment."""
-    values: dict[str, object] = {}
-    for name, key in _ENV_INTS.items():
-        if getattr(report, name) is None and _int(env.get(key)) is not None:
-            values[name] = _int(env.get(key))
-    if report.job_id is None and (env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID")):
-        values["job_id"] = env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID")
-    return replace(report, **values) if values else report  # type: ignore[arg-type]
+    return replace(
+        report,
+        rank=_first(report.rank, env.get("RANK")),
+        local_rank=_first(report.local_rank, env.get("LOCAL_RANK")),
+        world_size=_first(report.world_size, env.get("WORLD_SIZE")),
+        local_world_size=_first(report.local_world_size, env.get("LOCAL_WORLD_SIZE")),
+        job_id=report.job_id or env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID") or None,
+    )
+
+
+def _first(value: int | None, fallback: str | None) -> int | None:
+    return value if value is not None else _int(fallback)
 
 
 def _int(value: str | None) -> int | None:

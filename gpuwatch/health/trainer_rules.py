@@ -163,7 +163,9 @@ def hardware_state(gpu: GpuStatus | None) -> tuple[bool, str]:
     return False, "its GPU looks healthy"
 
 
-def grad_variance_jump(job: str, series: Sequence[tuple[float, float]], cfg: TrainerConfig, now: float) -> Finding | None:
+def grad_variance_jump(
+    job: str, series: Sequence[tuple[float, float]], cfg: TrainerConfig, now: float
+) -> Finding | None:
     """The latest variance (series oldest first, (t, variance)) far above the median of the earlier ones."""
     if not series:
         return None
