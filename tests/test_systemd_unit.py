@@ -116,9 +116,15 @@ def test_directories_match_the_environment(service: dict[str, list[str]]) -> Non
     assert one(service, "RuntimeDirectoryPreserve") == "yes"
     assert one(service, "RuntimeDirectoryMode") == "0755"
     assert one(service, "ConfigurationDirectory") == "gpuwatch"
+    assert one(service, "CacheDirectory") == "gpuwatch"
     env = dict(item.split("=", 1) for value in service["Environment"] for item in value.split())
-    assert env == {"GPUWATCH_STATE_DIR": "/var/lib/gpuwatch", "GPUWATCH_RUNTIME_DIR": "/run/gpuwatch"}
-    assert config.load(environ=env, path=EXAMPLE_CONFIG).state_dir == "/var/lib/gpuwatch"
+    assert env == {
+        "GPUWATCH_STATE_DIR": "/var/lib/gpuwatch",
+        "GPUWATCH_RUNTIME_DIR": "/run/gpuwatch",
+        "HOME": "/var/cache/gpuwatch",  # ProtectHome hides /root; drill tools cache under $HOME
+    }
+    loaded = config.load(environ=env, path=EXAMPLE_CONFIG)
+    assert (loaded.state_dir, loaded.runtime_dir) == ("/var/lib/gpuwatch", "/run/gpuwatch")
     assert one(service, "EnvironmentFile") == "-/etc/default/gpuwatch"
 
 
@@ -138,7 +144,8 @@ def test_sandbox_keeps_the_gpus_reachable(service: dict[str, list[str]]) -> None
     assert "User" not in service, "runs as root to signal other users' trainer ranks"
     assert one(service, "DevicePolicy") in {"auto", "closed"}
     assert "char-nvidia* rw" in service["DeviceAllow"]
-    assert one(service, "MemoryMax")
+    memory_max = one(service, "MemoryMax")
+    assert memory_max.endswith("G") and float(memory_max[:-1]) >= 1, "a drill's torch process peaks at 760 MB"
     assert one(service, "CPUQuota")
 
 

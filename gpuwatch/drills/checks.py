@@ -84,14 +84,18 @@ def quarantined(run: Run) -> Step:
         g = gpu(run.api, run.gpu)
         if g["quarantined"]:
             return f"quarantined (epoch {g['epoch']}): {g['quarantine_reason']}"
-        return Pending(f"GPU {run.gpu} is {g['state']} and not quarantined (circuit breaker? see gpuwatch_breaker_tripped)")
+        return Pending(
+            f"GPU {run.gpu} is {g['state']} and not quarantined (circuit breaker? see gpuwatch_breaker_tripped)"
+        )
 
     def deadline() -> float:
         degraded = run.finding is not None and run.finding["severity"] == Severity.DEGRADED.value
         wait = run.config.policy.quarantine_degraded_after_s if degraded else 0.0
         return wait + run.config.drills.detect_timeout_s
 
-    return Step("quarantined", f"wait for GPU {run.gpu} to be quarantined when its finding calls for it", check, deadline)
+    return Step(
+        "quarantined", f"wait for GPU {run.gpu} to be quarantined when its finding calls for it", check, deadline
+    )
 
 
 def trainer_steps(run: Run) -> list[Step]:

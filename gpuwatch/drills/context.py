@@ -34,7 +34,6 @@ class Run:
     started: float = 0.0
     finding: dict[str, Any] | None = None
     quarantine_expected: bool = False
-    quarantined_by_drill: bool = False
     handles_released: bool = False
     back_since: float = 0.0
     clean_since: float | None = None

@@ -39,12 +39,12 @@ class Kind:
 KINDS: dict[str, Kind] = {
     k.name: k
     for k in (
-        Kind("inject", "--inject", "override readings or inject an event through the API (findings marked drill)", False, False),
-        Kind("dcgm_inject", "--dcgm-inject", "dcgmi test --inject a value into DCGM's cache (dcgm backend)", False, False),
+        Kind("inject", "--inject", "override readings or inject an event through the API", False, False),
+        Kind("dcgm_inject", "--dcgm-inject", "dcgmi test --inject a value into DCGM's cache", False, False),
         Kind("xid_fault", "--xid-fault", "a sacrificial CUDA process raises a real, harmless XID 31", True, False),
         Kind("kill_rank", "--kill-rank", "SIGKILL one trainer rank on the GPU; the job must come back", True, False),
-        Kind("reset_gpu", "--reset-gpu", "quarantine, let trainers leave, nvidia-smi -r, burn in, release", True, True),
-        Kind("pcie_remove", "--pcie-remove", "quarantine, let trainers leave, sysfs remove + rescan, burn in", True, True),
+        Kind("reset_gpu", "--reset-gpu", "quarantine, trainers leave, nvidia-smi -r, burn in, release", True, True),
+        Kind("pcie_remove", "--pcie-remove", "quarantine, trainers leave, sysfs remove + rescan, burn in", True, True),
     )
 }
 
@@ -154,7 +154,7 @@ def expectation(spec: InjectSpec | DcgmSpec, config: Config) -> Expectation:
         found = _dcgm_expectation(spec, config)
         return Expectation((spec.expect,), found.lag_s, found.event) if spec.expect else found
     if spec.event == "xid" and spec.xid is not None:
-        found = _xid_expectation(spec.xid)
+        found = xid_expectation(spec.xid)
     elif spec.event == "ecc_dbe":
         found = Expectation(("ecc_uncorrectable",), event=True)
     elif spec.event is not None:
@@ -164,7 +164,7 @@ def expectation(spec: InjectSpec | DcgmSpec, config: Config) -> Expectation:
     return Expectation((spec.expect,), found.lag_s, found.event) if spec.expect else found
 
 
-def _xid_expectation(xid: int) -> Expectation:
+def xid_expectation(xid: int) -> Expectation:
     if lookup(xid).severity is Severity.UNHEALTHY:
         return Expectation(("xid_critical",), event=True)
     return Expectation(("xid_app", "xid_app_repeated"), event=True)
@@ -193,7 +193,7 @@ def _fields_expectation(fields: Mapping[str, Any], config: Config) -> Expectatio
 
 def _dcgm_expectation(spec: DcgmSpec, config: Config) -> Expectation:
     if spec.field_id == XID_FIELD:
-        return _xid_expectation(int(spec.value))
+        return xid_expectation(int(spec.value))
     names = {number: name for name, number in DCGM_FIELDS.items()}
     name = names.get(spec.field_id)
     if name in {"ecc_dbe_volatile", "ecc_dbe_aggregate"}:

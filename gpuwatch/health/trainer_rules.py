@@ -87,16 +87,16 @@ def fragmentation_ratio(report: TrainerInfo) -> float | None:
 def fragmentation(
     timeline: Sequence[TrainerInfo], gpu: GpuStatus | None, cfg: TrainerConfig, now: float
 ) -> Finding | None:
-    """Above the ratio in every report since at least `fragmentation_window_s` ago: not one bad moment."""
+    """Above the ratio in every report over at least `fragmentation_window_s` up to the latest: not one bad moment."""
+    last = timeline[-1]
     since = None
     for report in reversed(timeline):
         ratio = fragmentation_ratio(report)
         if ratio is None or ratio <= cfg.fragmentation_ratio:
             break
         since = report.updated_t
-    if since is None or now - since < cfg.fragmentation_window_s:
+    if since is None or last.updated_t is None or last.updated_t - since < cfg.fragmentation_window_s:
         return None
-    last = timeline[-1]
     ratio = fragmentation_ratio(last) or 0.0
     split = f", {_gib(last.inactive_split_bytes)} in inactive split blocks" if last.inactive_split_bytes else ""
     reason = (

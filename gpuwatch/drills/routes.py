@@ -1,0 +1,179 @@
+"""The drill routes of the API, added through the daemon's route hooks.
+
+GET /v1/drills                 stored verdicts, skips, the schedule with its next runs
+POST /v1/drills                a verdict from `gpuwatch drill` (stored and exported like a scheduled one)
+POST /v1/drills/run            run a drill inside the daemon now (202; the verdict shows in GET /v1/drills)
+POST /v1/drills/window         mark findings on one GPU as a drill's for a while, readings untouched
+POST /v1/backend/release       let go of NVML/DCGM handles for a reset (GPUs read as drill meanwhile)
+POST /v1/backend/reacquire     open the library again
+Every POST needs the bearer token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from gpuwatch.config import DrillSchedule
+from gpuwatch.drills.book import DrillBook
+from gpuwatch.drills.scheduler import DrillScheduler, validate
+from gpuwatch.drills.spec import KINDS
+from gpuwatch.errors import BackendError, ConfigError
+from gpuwatch.model import GpuStatic
+from gpuwatch.monitor import Monitor
+
+
+
+def _known_drill(name: str) -> str:
+    if name not in KINDS:
+        raise ValueError(f"not one of {', '.join(KINDS)}")
+    return name
+
+
+DrillName = Annotated[str, AfterValidator(_known_drill)]
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """A backend that can let go of its library for a GPU reset (nvml, dcgm)."""
+
+    def release_handles(self) -> None: ...
+
+    def reacquire(self) -> tuple[GpuStatic, ...]: ...
+
+
+class StepBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    result: Literal["pass", "fail", "skip", "not_run"]
+    duration_s: float = Field(ge=0)
+    detail: str = Field(max_length=2000)
+    deadline_s: float | None = None
+
+
+class VerdictBody(BaseModel):
+    """A verdict as `Verdict.as_dict()` writes it; `result` and `broke_at` must agree with the steps."""
+
+    model_config = ConfigDict(extra="forbid")
+    drill: DrillName
+    gpu: int = Field(ge=0)
+    uuid: str
+    spec: str = Field(max_length=500)
+    trigger: Literal["cli", "schedule", "api"]
+    started: float
+    finished: float
+    steps: list[StepBody] = Field(min_length=1, max_length=50)
+    result: Literal["pass", "fail"]
+    broke_at: str | None
+
+    @model_validator(mode="after")
+    def consistent(self) -> VerdictBody:
+        failed = next((s.name for s in self.steps if s.result == "fail"), None)
+        if (self.result == "fail") != (failed is not None) or self.broke_at != failed:
+            raise ValueError("result and broke_at must match the first failed step")
+        return self
+
+
+class RunBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    drill: DrillName
+    gpu: str = Field(default="idle", max_length=16)
+    args: str = Field(default="", max_length=500)
+    require_healthy_share: float = Field(default=1.0, ge=0, le=1)
+    skip_if_trainers: bool = True
+    yes: bool = False
+
+
+class WindowBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gpu: int = Field(ge=0)
+    duration_s: float = Field(gt=0, le=86400)
+
+
+class ReleaseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    duration_s: float = Field(default=600.0, gt=0, le=86400)
+
+
+def add_routes(
+    app: FastAPI,
+    require_token: Callable[..., None],
+    monitor: Monitor,
+    book: DrillBook,
+    drills: DrillScheduler,
+    submit: Callable[[DrillSchedule], None],
+) -> None:
+    token = [Depends(require_token)]
+
+    @app.get("/v1/drills")
+    def list_drills(limit: int = 100) -> dict[str, Any]:
+        return {
+            "runs": book.runs(max(1, min(limit, 1000))),
+            "skipped": book.skipped(),
+            "schedule": drills.schedule_view(datetime.fromtimestamp(monitor.clock(), tz=timezone.utc)),
+            "running": drills.busy,
+        }
+
+    @app.post("/v1/drills", dependencies=token)
+    def store_verdict(body: VerdictBody) -> dict[str, Any]:
+        book.record(body.model_dump())
+        return {"stored": True, "drill": body.drill, "result": body.result}
+
+    @app.post("/v1/drills/run", dependencies=token, status_code=202)
+    def run_drill(body: RunBody) -> dict[str, Any]:
+        schedule = DrillSchedule(
+            cron="",
+            drill=body.drill,
+            gpu=body.gpu,
+            args=body.args,
+            require_healthy_share=body.require_healthy_share,
+            skip_if_trainers=body.skip_if_trainers,
+            allow_destructive=body.yes,
+        )
+        if KINDS[body.drill].needs_yes and not body.yes:
+            raise HTTPException(status_code=422, detail=f'{body.drill} does something real: send "yes": true')
+        try:
+            validate(schedule, "drill")
+        except ConfigError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
+        if drills.busy:
+            raise HTTPException(status_code=409, detail="a drill is running; see GET /v1/drills")
+        submit(schedule)
+        return {"accepted": True, "drill": body.drill, "gpu": body.gpu}
+
+    @app.post("/v1/drills/window", dependencies=token)
+    def window(body: WindowBody) -> dict[str, Any]:
+        if body.gpu not in monitor.statics:
+            raise HTTPException(status_code=404, detail=f"no GPU with index {body.gpu}")
+        injection = monitor.inject(body.gpu, {}, body.duration_s)
+        return {"gpu": body.gpu, "until": injection.until}
+
+    @app.post("/v1/backend/release", dependencies=token)
+    def release(body: ReleaseBody) -> dict[str, Any]:
+        backend = monitor.backend
+        if not isinstance(backend, Releasable):
+            return {"released": False, "detail": f"the {backend.name} backend holds no handles"}
+        for index in monitor.statics:
+            monitor.inject(index, {}, body.duration_s)
+        backend.release_handles()
+        return {"released": True, "detail": f"{backend.name} released; every GPU reads as a drill for {body.duration_s:g} s"}
+
+    @app.post("/v1/backend/reacquire", dependencies=token)
+    def reacquire() -> JSONResponse:
+        backend = monitor.backend
+        if not isinstance(backend, Releasable):
+            return JSONResponse({"reacquired": False, "detail": f"the {backend.name} backend holds no handles"})
+        try:
+            statics = backend.reacquire()
+        except BackendError as exc:
+            return JSONResponse({"reacquired": False, "detail": str(exc)}, status_code=503)
+        moved = [s.index for s in statics if s.index in monitor.statics and monitor.statics[s.index].uuid != s.uuid]
+        detail = f"{backend.name} open again with {len(statics)} GPU(s)"
+        if moved:
+            detail += f"; GPU(s) {moved} now have another UUID: restart gpuwatch"
+        return JSONResponse({"reacquired": True, "detail": detail})

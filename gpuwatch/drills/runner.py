@@ -1,0 +1,241 @@
+"""A drill from request to verdict: look at the target, refuse what the guards forbid, build the steps
+of its kind, run them.
+
+Guards run in a dry run too, so `--dry-run` says whether the real run would be refused. A refusal
+is not a verdict: nothing happened, so nothing is stored (a scheduled one is counted as skipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuwatch.config import Config
+from gpuwatch.drills import checks, injectors, takedown
+from gpuwatch.drills.api import DrillApi, describe_trainers, gpu, gpus, pids
+from gpuwatch.drills.context import Run
+from gpuwatch.drills.spec import KINDS, DcgmSpec, InjectSpec, expectation, parse_dcgm, parse_inject, xid_expectation
+from gpuwatch.drills.steps import Clock, Outcome, Pending, Progress, Skip, Step, Verdict, deadline_of, execute
+from gpuwatch.errors import DaemonError, DrillError
+
+XID_FAULT = 31
+FAULT_WINDOW_S = 600.0  # how long findings on the GPU count as the drill's after a real fault
+
+
+class DrillRefused(DrillError):
+    """A guard said no. `reason` is a short label for gpuwatch_drill_skipped_total."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to drill: `gpu` is None when the spec names it (`--inject 'gpu=1,...'`)."""
+
+    kind: str
+    gpu: int | None
+    spec: str = ""
+    rank: int | None = None
+    await_release: bool = False
+    trigger: str = "cli"
+
+
+def prepare(request: Request, api: DrillApi, config: Config, clock: Clock) -> Run:
+    """Parse, look at the target GPU, and apply the guards.
+
+    Raises:
+        ConfigError: the spec is malformed.
+        DrillRefused: a guard refuses the drill.
+        DaemonError: the daemon cannot be reached.
+    """
+    kind = KINDS[request.kind]
+    spec: InjectSpec | DcgmSpec | None = None
+    if kind.name == "inject":
+        spec = parse_inject(request.spec, need_gpu=request.gpu is None)
+    elif kind.name == "dcgm_inject":
+        spec = parse_dcgm(request.spec, need_gpu=request.gpu is None)
+    index = request.gpu if request.gpu is not None else spec.gpu if spec is not None else None
+    assert index is not None, "a request names its GPU or its spec does"
+    run = Run(kind, index, api, config, clock, spec, request.spec, request.rank, request.await_release, request.trigger)
+    run.before = _target(api, index)
+    if spec is not None:
+        run.expect = expectation(spec, config)
+    elif kind.name == "xid_fault":
+        run.expect = xid_expectation(XID_FAULT)
+    _guard(run)
+    return run
+
+
+def build(run: Run) -> list[Step]:
+    """The ordered steps of the run's kind: the fault, then everything that must follow it."""
+    name = run.kind.name
+    if name == "inject":
+        return [_inject(run), *checks.after_fault(run)]
+    if name == "dcgm_inject":
+        return [_dcgm(run), *checks.after_fault(run)]
+    if name == "xid_fault":
+        return [_xid_fault(run), *checks.after_fault(run), _kernel_log(run)]
+    if name == "kill_rank":
+        return _kill_rank(run)
+    deed = takedown.reset(run) if name == "reset_gpu" else takedown.pcie(run)
+    return [*takedown.hands_off(run), *deed, *takedown.come_back(run)]
+
+
+def plan(run: Run) -> list[str]:
+    """The dry run: one line per step, with its deadline."""
+    lines = []
+    for number, step in enumerate(build(run), 1):
+        deadline = deadline_of(step)
+        limit = f" (deadline {deadline:g} s)" if deadline is not None else ""
+        lines.append(f"{number:2d}. {step.name:<24} {step.plan}{limit}")
+    return lines
+
+
+def run_drill(run: Run, progress: Progress | None = None) -> Verdict:
+    run.started = run.clock.now()
+    results = execute(build(run), run.clock, progress)
+    return Verdict(run.kind.name, run.gpu, run.uuid, run.spec_text, run.trigger, run.started, run.clock.now(), results)
+
+
+def _target(api: DrillApi, index: int) -> dict[str, object]:
+    try:
+        return gpu(api, index)
+    except DaemonError as exc:
+        if "HTTP 404" in str(exc):
+            raise DrillRefused("no_such_gpu", f"the daemon has no GPU {index}") from None
+        raise
+
+
+def _guard(run: Run) -> None:
+    """Refuse a target where the drill would prove nothing or hurt something."""
+    g, n, name = run.before, run.gpu, run.kind.name
+    if g["quarantined"]:
+        raise DrillRefused("target_quarantined", f"GPU {n} is quarantined ({g['quarantine_reason']})")
+    if g["state"] != "healthy":
+        raise DrillRefused("target_unhealthy", f"GPU {n} is {g['state']}: a drill on it would prove nothing")
+    present = [f["rule"] for f in g["findings"] if f["rule"] in run.expect.rules]
+    if present:
+        raise DrillRefused("target_has_finding", f"GPU {n} already has {', '.join(present)}")
+    trainer_pids = {t["pid"] for t in run.trainers}
+    if name == "xid_fault":
+        if pids(g):
+            raise DrillRefused("target_busy", f"GPU {n} has processes on it ({pids(g)})")
+        if not injectors.xid_script(run.config).exists():
+            raise DrillRefused("not_supported", f"{injectors.xid_script(run.config)} not found (set tools.xid_fault)")
+    elif name in {"reset_gpu", "pcie_remove"}:
+        nvidia_smi = run.config.tools.nvidia_smi
+        others = sorted({*pids(g), *injectors.compute_pids(nvidia_smi, run.uuid)} - trainer_pids)
+        if others:
+            raise DrillRefused("target_busy", f"GPU {n} has processes that are not trainers on it ({others})")
+        if name == "pcie_remove":
+            try:
+                injectors.pci_paths(run.config.tools.sysfs_root, str(g.get("pci_bus_id", "")))
+            except DrillError as exc:
+                raise DrillRefused("not_supported", str(exc)) from None
+    elif name == "kill_rank":
+        run.victim = _victim(run)
+    elif name == "dcgm_inject":
+        backend = run.api.get("/v1/gpus")["backend"]
+        if backend != "dcgm":
+            raise DrillRefused("not_supported", f"the daemon reads {backend}, so it never sees DCGM's cache")
+
+
+def _victim(run: Run) -> dict[str, object]:
+    ranks = sorted(run.trainers, key=lambda t: (t.get("rank") is None, t.get("rank") or 0))
+    if run.rank is not None:
+        ranks = [t for t in ranks if t.get("rank") == run.rank]
+    if not ranks:
+        on = describe_trainers(run.before)
+        wanted = f"rank {run.rank}" if run.rank is not None else "trainer"
+        raise DrillRefused("no_trainer", f"no {wanted} on GPU {run.gpu} (trainers: {on})")
+    return dict(ranks[0])
+
+
+def _mark(run: Run) -> None:
+    """Tell the daemon that findings on the GPU are the drill's for a while (drill="true" on metrics)."""
+    run.api.post("/v1/drills/window", {"gpu": run.gpu, "duration_s": FAULT_WINDOW_S})
+
+
+def _inject(run: Run) -> Step:
+    spec = run.spec
+    assert spec is not None and not isinstance(spec, DcgmSpec)
+
+    def check() -> Outcome:
+        body = run.api.post(f"/v1/gpus/{run.gpu}/inject", spec.body())
+        return f"injection {body['id']} on GPU {run.gpu} for {spec.duration_s:g} s: {spec.body()}"
+
+    return Step("inject", f"POST /v1/gpus/{run.gpu}/inject {spec.body()}", check)
+
+
+def _dcgm(run: Run) -> Step:
+    spec = run.spec
+    assert isinstance(spec, DcgmSpec)
+    dcgmi = run.config.tools.dcgmi
+
+    def check() -> Outcome:
+        _mark(run)
+        return injectors.dcgm_inject(dcgmi, run.gpu, spec.field_id, spec.value)
+
+    plan = f"{dcgmi} test --inject --gpuid {run.gpu} -f {spec.field_id} -v {spec.value:g}"
+    return Step("inject", plan, check)
+
+
+def _xid_fault(run: Run) -> Step:
+    script = injectors.xid_script(run.config)
+
+    def check() -> Outcome:
+        _mark(run)
+        report = injectors.run_xid_fault(script, run.gpu)
+        run.fault_report = report
+        took = report["exited_t"] - report["started_t"]
+        return f"child pid {report['pid']} died of the fault (exit {report['returncode']}) after {took:.1f} s"
+
+    return Step("fault", f"run {script} --gpu {run.gpu} --yes (a real XID 31)", check)
+
+
+def _kernel_log(run: Run) -> Step:
+    kmsg = run.config.tools.kmsg
+
+    def check() -> Outcome:
+        pid = run.fault_report.get("pid")
+        try:
+            line = injectors.kernel_xid_line(kmsg, int(pid or 0))
+        except OSError as exc:
+            return Skip(f"{kmsg} cannot be read: {exc.strerror or exc}")
+        return line or Pending(f"no 'NVRM: Xid ... pid={pid},' line in {kmsg}")
+
+    deadline = run.config.drills.event_detect_timeout_s
+    return Step("kernel_log", f"find the driver's NVRM: Xid line for the child in {kmsg}", check, deadline)
+
+
+def _kill_rank(run: Run) -> list[Step]:
+    victim = run.victim or {}
+    pid, rank, job = int(str(victim.get("pid", 0))), victim.get("rank"), victim.get("job_id")
+    drills = run.config.drills
+    reported = victim.get("updated_t")
+
+    def kill() -> Outcome:
+        return injectors.kill(pid, float(str(reported)) if reported is not None else None)
+
+    def exited() -> Outcome:
+        return Pending(f"pid {pid} still runs") if injectors.running(pid) else f"pid {pid} exited"
+
+    def gone() -> Outcome:
+        holders = [g["index"] for g in gpus(run.api) if pid in {t["pid"] for t in g["trainers"]}]
+        return Pending(f"GPU {holders} still lists pid {pid}") if holders else f"no GPU lists pid {pid} any more"
+
+    def resumed() -> Outcome:
+        for g in gpus(run.api):
+            for t in g["trainers"]:
+                if t["pid"] != pid and t.get("rank") == rank and t.get("job_id") == job:
+                    return f"rank {rank} of job {job} runs again as pid {t['pid']} on GPU {g['index']}"
+        return Pending(f"rank {rank} of job {job} has not come back")
+
+    within = run.config.interval_s + drills.detect_timeout_s
+    return [
+        Step("kill", f"SIGKILL rank {rank} (pid {pid}, job {job}) on GPU {run.gpu}", kill),
+        Step("rank_exited", f"wait for pid {pid} to exit", exited, drills.detect_timeout_s),
+        Step("rank_gone", "wait for the daemon to drop the rank from /v1/gpus", gone, within),
+        Step("job_resumed", f"wait for rank {rank} of job {job} to run again", resumed, drills.resume_timeout_s),
+    ]
