@@ -74,7 +74,9 @@ class DrillBook:
             "How long each step of the last run of each drill took (steps that ran).",
             labels=["drill", "step"],
         )
-        runs = CounterMetricFamily("gpuwatch_drill_runs", "Drill runs with a verdict, by result.", labels=["drill", "result"])
+        runs = CounterMetricFamily(
+            "gpuwatch_drill_runs", "Drill runs with a verdict, by result.", labels=["drill", "result"]
+        )
         skipped = CounterMetricFamily(
             "gpuwatch_drill_skipped", "Scheduled drill runs a guard skipped, by reason.", labels=["drill", "reason"]
         )

@@ -28,7 +28,6 @@ from gpuwatch.model import GpuStatic
 from gpuwatch.monitor import Monitor
 
 
-
 def _known_drill(name: str) -> str:
     if name not in KINDS:
         raise ValueError(f"not one of {', '.join(KINDS)}")
@@ -161,7 +160,10 @@ def add_routes(
         for index in monitor.statics:
             monitor.inject(index, {}, body.duration_s)
         backend.release_handles()
-        return {"released": True, "detail": f"{backend.name} released; every GPU reads as a drill for {body.duration_s:g} s"}
+        return {
+            "released": True,
+            "detail": f"{backend.name} released; every GPU reads as a drill for {body.duration_s:g} s",
+        }
 
     @app.post("/v1/backend/reacquire", dependencies=token)
     def reacquire() -> JSONResponse:

@@ -157,7 +157,9 @@ class DrillScheduler:
                 misfire_grace_time=max(1, round(self.config.drills.misfire_grace_s)),
                 max_instances=1,
             )
-            log.info("drill %s scheduled (%s UTC) on GPU %s", entry.schedule.drill, entry.schedule.cron, entry.schedule.gpu)
+            log.info(
+                "drill %s scheduled (%s UTC) on GPU %s", entry.schedule.drill, entry.schedule.cron, entry.schedule.gpu
+            )
 
     def submit(self, scheduler: BaseScheduler, schedule: DrillSchedule) -> None:
         """Run one drill now, in the scheduler's threads (POST /v1/drills/run)."""

@@ -1,0 +1,189 @@
+"""`gpuwatch drill`: run one drill against the running daemon, show each step as it runs, print the
+verdict and hand it to the daemon to store and export.
+
+Exit status: 0 the drill passed (or a dry run), 1 it failed, 2 it was refused or misused. Drills that
+do something real (kill a rank, raise an XID, reset or unplug a GPU) only print their plan unless
+--yes is given.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+from rich.console import Console
+
+from gpuwatch.config import Config, load
+from gpuwatch.drills.api import HttpApi
+from gpuwatch.drills.runner import Request, plan, prepare, run_drill
+from gpuwatch.drills.spec import KINDS, PRESETS
+from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
+from gpuwatch.errors import DaemonError, GpuwatchError
+
+_MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
+
+
+@click.command("drill", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--inject", "inject_spec", metavar="SPEC", help="e.g. 'gpu=1,sm_clock_mhz=500,for=600' or 'gpu=0,preset=xid79'."
+)
+@click.option("--dcgm-inject", "dcgm_spec", metavar="SPEC", help="e.g. 'gpu=0,field=230,value=79' (dcgm backend).")
+@click.option(
+    "--xid-fault", type=click.IntRange(min=0), metavar="GPU", help="Raise a real XID 31 on GPU (needs --yes)."
+)
+@click.option("--kill-rank", type=click.IntRange(min=0), metavar="GPU", help="SIGKILL a trainer rank on GPU (--yes).")
+@click.option("--reset-gpu", type=click.IntRange(min=0), metavar="GPU", help="nvidia-smi -r the GPU (needs --yes).")
+@click.option("--pcie-remove", type=click.IntRange(min=0), metavar="GPU", help="sysfs remove + rescan (needs --yes).")
+@click.option("--rank", type=click.IntRange(min=0), help="--kill-rank: which rank (default: the lowest on the GPU).")
+@click.option(
+    "--list", "show_list", is_flag=True, help="List drill kinds and the next scheduled runs; no daemon needed."
+)
+@click.option("--dry-run", is_flag=True, help="Print the plan, check the guards, change nothing.")
+@click.option("--yes", is_flag=True, help="Really do a drill that kills, faults, resets or unplugs something.")
+@click.option("--await-release", is_flag=True, help="Also wait for the burn-in release after a quarantine.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
+@click.option("--listen", help="HOST:PORT of the daemon's API (default 127.0.0.1:9835).")
+@click.option("--state-dir", help="Where the daemon's token lives (default /var/lib/gpuwatch).")
+def drill(
+    inject_spec: str | None,
+    dcgm_spec: str | None,
+    xid_fault: int | None,
+    kill_rank: int | None,
+    reset_gpu: int | None,
+    pcie_remove: int | None,
+    rank: int | None,
+    show_list: bool,
+    dry_run: bool,
+    yes: bool,
+    await_release: bool,
+    as_json: bool,
+    config_path: str | None,
+    listen: str | None,
+    state_dir: str | None,
+) -> None:
+    """Inject a fault and check that detection, alerting, quarantine and resume follow in time."""
+    chosen = [
+        (name, value)
+        for name, value in (
+            ("inject", inject_spec),
+            ("dcgm_inject", dcgm_spec),
+            ("xid_fault", xid_fault),
+            ("kill_rank", kill_rank),
+            ("reset_gpu", reset_gpu),
+            ("pcie_remove", pcie_remove),
+        )
+        if value is not None
+    ]
+    if len(chosen) + show_list != 1:
+        _fail("give one of --list, " + ", ".join(k.option for k in KINDS.values()))
+    try:
+        config = load(config_path, overrides={"listen": listen, "state_dir": state_dir})
+        if show_list:
+            _list(config, datetime.now(timezone.utc))
+            return
+        name, value = chosen[0]
+        spec = value if isinstance(value, str) else ""
+        request = Request(
+            name, value if isinstance(value, int) else None, spec, rank, await_release or config.drills.await_release
+        )
+        code = _drill(config, request, dry_run or (KINDS[name].needs_yes and not yes), as_json)
+    except GpuwatchError as exc:
+        _fail(str(exc))
+    sys.exit(code)
+
+
+def run_as_script(option: str, argv: Sequence[str] | None = None) -> int:
+    """fault_injection/<name>.py ARG [options] is `gpuwatch drill <option> ARG [options]`; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        drill.main(args=[option, *args], prog_name=f"gpuwatch drill {option}", standalone_mode=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+def _drill(config: Config, request: Request, dry_run: bool, as_json: bool) -> int:
+    api = HttpApi(config)
+    run = prepare(request, api, config, Clock(time.time, time.sleep, config.drills.poll_s))
+    title = f"drill {run.kind.name} on GPU {run.gpu} ({run.uuid})"
+    if dry_run:
+        click.echo(f"plan: {title}")
+        for line in plan(run):
+            click.echo(f"  {line}")
+        hint = "; add --yes to do it" if run.kind.needs_yes else ""
+        click.echo(f"dry run: nothing was done{hint}")
+        return 0
+    console = Console(stderr=True)
+    with console.status(title) as status:
+        verdict = run_drill(run, _progress(title, console, status.update, time.time()))
+    _print(verdict, title, as_json)
+    try:
+        api.post("/v1/drills", verdict.as_dict())
+    except DaemonError as exc:
+        click.echo(f"gpuwatch: warning: the daemon did not store the verdict: {exc}", err=True)
+    return 0 if verdict.result == PASS else 1
+
+
+def _progress(title: str, console: Console, update: Callable[[str], None], started: float) -> Progress:
+    """Show the step and its elapsed time: a live line on a terminal, one line per step elsewhere."""
+    shown: list[str] = []
+
+    def progress(step: str, elapsed: float, deadline: float | None) -> None:
+        limit = f" of {deadline:g}" if deadline is not None else ""
+        if console.is_terminal:
+            update(f"{title} · {time.time() - started:.0f} s · step {step}: {elapsed:.1f}{limit} s")
+        elif not shown or shown[-1] != step:
+            shown.append(step)
+            click.echo(f"step {step}...", err=True)
+
+    return progress
+
+
+def _print(verdict: Verdict, title: str, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(verdict.as_dict(), indent=2))
+        return
+    took = verdict.finished - verdict.started
+    click.echo(f"{title}: {verdict.result.upper()} in {took:.1f} s")
+    for step in verdict.steps:
+        duration = f"{step.duration_s:8.2f} s" if step.result in (PASS, FAIL) else f"{'-':>10}"
+        click.echo(f"  {_MARKS[step.result]:<8} {step.name:<24} {duration}  {step.detail}")
+    if verdict.broke_at:
+        failed = next(s for s in verdict.steps if s.name == verdict.broke_at)
+        click.echo(f"drill {verdict.drill} FAILED at step {failed.name}: {failed.detail}", err=True)
+
+
+def _list(config: Config, now: datetime) -> None:
+    from gpuwatch.drills.scheduler import entries, next_runs
+
+    click.echo("drill kinds (--yes: dry run without it; destructive: a schedule needs allow_destructive = true):")
+    for kind in KINDS.values():
+        flags = ", ".join(f for f, on in (("--yes", kind.needs_yes), ("destructive", kind.destructive)) if on)
+        usage = f"{kind.option} {'SPEC' if kind.name.endswith('inject') else 'GPU'}"
+        click.echo(f"  {kind.name:<12} {usage:<19} {kind.summary}" + (f" [{flags}]" if flags else ""))
+    click.echo("--inject presets: " + "; ".join(f"{n} ({_spec(p)})" for n, p in PRESETS.items()))
+    scheduled = entries(config)
+    if not scheduled:
+        click.echo("no scheduled drills ([[drills.schedule]] in the config)")
+        return
+    click.echo("scheduled drills (UTC):")
+    for entry in scheduled:
+        s = entry.schedule
+        upcoming = ", ".join(t.strftime("%Y-%m-%d %H:%M") for t in next_runs(entry, now)) or "never"
+        args = f", args {s.args!r}" if s.args else ""
+        click.echo(f"  [{entry.number}] {s.drill} on GPU {s.gpu}, cron {s.cron!r}{args}: next {upcoming}")
+
+
+def _spec(values: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def _fail(message: str) -> None:
+    click.echo(f"gpuwatch: error: {message}", err=True)
+    sys.exit(2)
