@@ -29,7 +29,7 @@ RECORDING = PROMETHEUS / "gpuwatch-recording.yml"
 RULE_TESTS = sorted((PROMETHEUS / "tests").glob("*.yml"))
 ALERTMANAGER = DASHBOARDS / "alertmanager" / "alertmanager.yml"
 RUNBOOK = DASHBOARDS / "RUNBOOK.md"
-RUNBOOK_BASE = "https://github.com/gpuwatch/gpuwatch/blob/main/README.md#"
+RUNBOOK_BASE = "https://github.com/gpuwatch/gpuwatch/blob/main/dashboards/RUNBOOK.md#"
 SEVERITIES = {"critical", "warning", "info"}
 PER_GPU = re.compile(r"\bgpuwatch_(?:gpu|trainer)_\w+")
 

@@ -10,6 +10,7 @@ false`): a quarantine signals the processes on that GPU, and on a real node thos
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import math
 import os
@@ -235,3 +236,19 @@ class Daemon(Service):
     def __enter__(self) -> Daemon:
         super().__enter__()
         return self
+
+
+def nvitop_exporter(ctx: Context, name: str, interval_s: float = 1.0) -> Service | None:
+    """nvitop-exporter as its own process (`python -m nvitop_exporter`) on a free port; None when not installed."""
+    if importlib.util.find_spec("nvitop_exporter") is None:
+        return None
+    port = free_port()
+    args = [sys.executable, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", str(port)]
+    args += ["--interval", f"{interval_s:g}"]
+    return Service(f"nvitop-exporter ({name})", args, port, ctx.workdir / f"nvitop-{name}.log")
+
+
+def exposition_size(body: bytes) -> dict[str, int]:
+    """Bytes and series (non-comment lines) of one Prometheus exposition."""
+    series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    return {"bytes": len(body), "series": series}

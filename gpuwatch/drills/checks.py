@@ -15,6 +15,7 @@ from gpuwatch.drills.api import gpu
 from gpuwatch.drills.context import Run
 from gpuwatch.drills.spec import InjectSpec
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
+from gpuwatch.errors import DrillError
 from gpuwatch.model import Severity
 
 _BAD = (Severity.DEGRADED.value, Severity.UNHEALTHY.value)
@@ -122,18 +123,25 @@ def trainer_steps(run: Run) -> list[Step]:
         if isinstance(found, Skip):
             return found
         took = found.get("time_to_stop_s") if found else None
-        if took is None:
-            return Pending("the ranks have not stopped with a checkpoint yet")
-        return f"the ranks saved a checkpoint and stopped {took:.1f} s after the stop request"
+        if found is None or took is None:
+            return Pending("the ranks have not stopped yet")
+        asked = found.get("stop_signal")
+        forced = [r for r in found.get("ranks", []) if asked and r.get("ended") not in (None, asked)]
+        if forced:
+            how = ", ".join(f"rank {r.get('rank')} by {r.get('ended')}" for r in forced)
+            raise DrillError(f"not every rank left on {asked} with a checkpoint: stopped {how}")
+        return f"the ranks checkpointed and exited on {asked or 'the stop request'}, {took:.1f} s after the quarantine"
 
     def resumed() -> Outcome:
         found = look()
         if isinstance(found, Skip):
             return found
+        if found is not None and found.get("status") == "not_resumed":
+            raise DrillError(f"the job did not resume (incident status not_resumed, job {found.get('job')})")
         took = found.get("time_to_resume_s") if found else None
         if found is None or took is None:
             return Pending("the job has not resumed yet")
-        return f"the job resumed {took:.1f} s after the fault, {found.get('steps_lost')} step(s) lost"
+        return f"the job resumed {took:.1f} s after the quarantine, {found.get('steps_lost')} step(s) lost"
 
     grace = run.config.trainer.grace_period_s + drills.detect_timeout_s
     return [

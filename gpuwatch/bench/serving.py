@@ -1,0 +1,183 @@
+"""Serving: /metrics latency and throughput under 1, 10 and 50 concurrent scrapers, side by side with peers.
+
+Each client is a thread with its own keep-alive connection (as Prometheus keeps one per target); a
+level stops after a bounded number of requests or seconds, whichever comes first. The daemon runs at
+a 1 s interval, so its Snapshot (and the cached exposition) changes every second while it is scraped.
+Peers on the same machine: nvitop-exporter as its own process at a 1 s interval, and one
+`nvidia-smi --query-gpu=… --format=csv` call per scrape (what nvidia_gpu_exporter does), timed bare.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+import threading
+import time
+from typing import Any
+
+from gpuwatch.bench.harness import Context, Daemon, Http, exposition_size, nvitop_exporter, progress, summarize
+from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, ratio, target
+
+LEVELS = (1, 10, 50)
+P99_TARGET_MS = 5.0
+NVITOP_RATIO_TARGET = 8.0
+TARGET_LEVEL = 10
+NVIDIA_SMI_FIELDS = (
+    "timestamp,index,uuid,name,driver_version,pstate,temperature.gpu,temperature.memory,utilization.gpu,"
+    "utilization.memory,memory.total,memory.used,memory.free,power.draw,power.limit,clocks.sm,clocks.mem,"
+    "clocks.max.sm,fan.speed,ecc.errors.corrected.aggregate.total,ecc.errors.uncorrected.aggregate.total,"
+    "pcie.link.gen.current,pcie.link.width.current"
+)
+
+
+def run(ctx: Context) -> Section:
+    section = Section("serving")
+    with Daemon(ctx, "serving", interval_s=1.0) as daemon:
+        progress(f"serving: gpuwatch /metrics at {', '.join(map(str, LEVELS))} clients")
+        ours = _measure(ctx, daemon.port)
+    theirs = _nvitop(ctx)
+    smi = _nvidia_smi(ctx)
+    section.figures = {"gpuwatch": ours, "nvitop_exporter": theirs, "nvidia_smi": smi}
+    rows = section.rows
+    rows.append(Row("gpuwatch exposition", ours["exposition"]["bytes"] / 1e3, f"KB, {ours['exposition']['series']} series"))
+    measured_peer = theirs["status"] == "ok"
+    if measured_peer:
+        size = theirs["exposition"]
+        rows.append(Row("nvitop-exporter exposition", size["bytes"] / 1e3, f"KB, {size['series']} series"))
+    else:
+        rows.append(Row("nvitop-exporter", theirs["status"]))
+    for clients in LEVELS:
+        level = ours["levels"][str(clients)]
+        p99 = level["p99_ms"]
+        at = f"@ {clients} client{'s' if clients > 1 else ''}"
+        rows.append(Row(f"gpuwatch p50 {at}", level["p50_ms"], "ms"))
+        if clients == TARGET_LEVEL:
+            rows.append(target(f"gpuwatch p99 {at}", p99, "ms", P99_TARGET_MS))
+        else:
+            rows.append(Row(f"gpuwatch p99 {at}", p99, "ms"))
+        rows.append(Row(f"gpuwatch throughput {at}", level["throughput_rps"], "req/s"))
+        if measured_peer:
+            peer = theirs["levels"][str(clients)]
+            level["nvitop_p99_ratio"] = ratio(peer["p99_ms"], p99)
+            rows.append(Row(f"nvitop-exporter p99 {at}", peer["p99_ms"], "ms"))
+            rows.append(Row(f"nvitop-exporter throughput {at}", peer["throughput_rps"], "req/s"))
+            label = f"nvitop-exporter p99 / gpuwatch p99 {at}"
+            if clients == TARGET_LEVEL:
+                rows.append(target(label, level["nvitop_p99_ratio"], "×", NVITOP_RATIO_TARGET, at_most=False))
+            else:
+                rows.append(Row(label, level["nvitop_p99_ratio"], "×"))
+        elif clients == TARGET_LEVEL:
+            reference = REFERENCE["nvitop_p99_ms_10_clients"]
+            label = f"nvitop-exporter p99 ({reference:g} ms) / gpuwatch p99 {at}"
+            value = ratio(reference, p99)
+            rows.append(target(label, value, "×", NVITOP_RATIO_TARGET, at_most=False, against=REFERENCE_SOURCE))
+    if smi["status"] == "ok":
+        one = ours["levels"]["1"]
+        rows.append(Row("nvidia-smi --query-gpu call p50", smi["p50_ms"], "ms"))
+        rows.append(Row("nvidia-smi --query-gpu call p99", smi["p99_ms"], "ms"))
+        smi["p50_ratio"] = ratio(smi["p50_ms"], one["p50_ms"])
+        smi["p99_ratio"] = ratio(smi["p99_ms"], one["p99_ms"])
+        rows.append(Row("nvidia-smi p50 / gpuwatch p50 @ 1 client", smi["p50_ratio"], "×"))
+        rows.append(Row("nvidia-smi p99 / gpuwatch p99 @ 1 client", smi["p99_ratio"], "×"))
+    else:
+        rows.append(Row("nvidia-smi --query-gpu", smi["status"]))
+    return section
+
+
+def _measure(ctx: Context, port: int) -> dict[str, Any]:
+    """Every level against one server, after a warm-up; plus the size of what it serves."""
+    http = Http(port)
+    try:
+        body = b""
+        for _ in range(20):
+            body = http.request("GET", "/metrics")[1]
+    finally:
+        http.close()
+    max_requests, max_s = int(ctx.pick(3000, 300)), ctx.pick(15.0, 2.0)
+    levels = {str(c): _load(port, c, max_requests, max_s) for c in LEVELS}
+    return {"status": "ok", "exposition": exposition_size(body), "levels": levels}
+
+
+def _load(port: int, clients: int, max_requests: int, max_s: float) -> dict[str, Any]:
+    """`clients` threads scraping /metrics back to back until `max_requests` in all or `max_s` seconds."""
+    issued = itertools.count()
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    errors = [0] * clients
+    barrier = threading.Barrier(clients + 1)
+    deadline = [0.0]
+
+    def client(k: int) -> None:
+        http = Http(port)
+        try:
+            http.request("GET", "/metrics")  # connect outside the measurement
+            barrier.wait()
+            perf = time.perf_counter
+            while perf() < deadline[0] and next(issued) < max_requests:
+                start = perf()
+                try:
+                    status, _ = http.request("GET", "/metrics")
+                except OSError:
+                    errors[k] += 1
+                    continue
+                if status == 200:
+                    latencies[k].append(perf() - start)
+                else:
+                    errors[k] += 1
+        finally:
+            http.close()
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
+    for thread in threads:
+        thread.start()
+    deadline[0] = time.perf_counter() + max_s
+    barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    done = [x for per_client in latencies for x in per_client]
+    if not done:
+        raise RuntimeError(f"no successful /metrics request at {clients} clients ({sum(errors)} errors)")
+    return {
+        "clients": clients,
+        **summarize(done, "ms"),
+        "errors": sum(errors),
+        "seconds": elapsed,
+        "throughput_rps": len(done) / elapsed,
+    }
+
+
+def _nvitop(ctx: Context) -> dict[str, Any]:
+    service = nvitop_exporter(ctx, "serving")
+    if service is None:
+        return {"status": "not installed"}
+    progress("serving: nvitop-exporter (interval 1 s) at the same levels")
+    try:
+        service.start()
+    except RuntimeError as exc:
+        service.stop()
+        return {"status": f"failed to start: {exc}"}
+    try:
+        return _measure(ctx, service.port)
+    finally:
+        service.stop()
+
+
+def _nvidia_smi(ctx: Context) -> dict[str, Any]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"status": "not installed"}
+    args = [exe, f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv"]
+    calls = int(ctx.pick(50, 10))
+    progress(f"serving: nvidia-smi --query-gpu ({NVIDIA_SMI_FIELDS.count(',') + 1} fields) × {calls}")
+    first = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+    if first.returncode != 0:
+        lines = (first.stderr or first.stdout).strip().splitlines()
+        return {"status": f"failed (exit {first.returncode}): {lines[-1] if lines else ''}"}
+    durations = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        subprocess.run(args, capture_output=True, timeout=60, check=False)
+        durations.append(time.perf_counter() - start)
+    return {"status": "ok", "fields": NVIDIA_SMI_FIELDS.count(",") + 1, **summarize(durations, "ms")}

@@ -1,0 +1,289 @@
+"""`gpuwatch launch`: the launch loop with a fake daemon and a fake torchrun, its guards, and signal forwarding."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from gpuwatch.client import DaemonClient
+from gpuwatch.launch import (
+    EXIT_RESUME,
+    Launcher,
+    LaunchStopped,
+    Plan,
+    launch,
+    rendezvous_args,
+    root_cause,
+    run_torchrun,
+    usable,
+)
+
+
+def gpu(index: int, state: str = "healthy", quarantined: bool = False, reason: str | None = None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "uuid": f"GPU-{index}{index}{index}",
+        "state": state,
+        "quarantined": quarantined,
+        "quarantine_reason": reason,
+    }
+
+
+def plan(**overrides: Any) -> Plan:
+    values: dict[str, Any] = {
+        "nproc": None,
+        "min_nproc": 1,
+        "max_restarts": 3,
+        "runtime_dir": "/tmp/run",
+        "job_id": "job-7",
+        "rendezvous": ("--nnodes", "1"),
+        "command": ("-m", "train", "--lr", "3"),
+    }
+    return Plan(**{**values, **overrides})
+
+
+class FakeTorchrun:
+    """Ends each launch as scripted: 0, or (rc, root-cause errorCode) written to the error file as torchrun does."""
+
+    def __init__(self, *outcomes: int | tuple[int, int]) -> None:
+        self.outcomes = list(outcomes)
+        self.calls: list[tuple[list[str], dict[str, str]]] = []
+
+    def __call__(self, argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+        self.calls.append((argv, env))
+        outcome = self.outcomes.pop(0)
+        if outcome == 0:
+            return 0, None
+        assert isinstance(outcome, tuple)
+        rc, code = outcome
+        error = {"message": {"message": f"worker said {code}\ntraceback", "errorCode": code, "extraInfo": {}}}
+        Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(error))
+        return rc, None
+
+
+class FakeDaemon:
+    """GET /v1/gpus answers, one list per call (the last repeats)."""
+
+    def __init__(self, *answers: list[dict[str, Any]]) -> None:
+        self.answers = list(answers)
+
+    def __call__(self) -> list[dict[str, Any]]:
+        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+
+
+def test_stop_for_resume_relaunches_on_the_gpus_left_with_resume_set() -> None:
+    daemon = FakeDaemon([gpu(0), gpu(1), gpu(2, "unhealthy")], [gpu(0), gpu(1, "degraded", True, "test"), gpu(2)])
+    torchrun = FakeTorchrun((1, EXIT_RESUME), 0)
+    lines: list[str] = []
+
+    assert Launcher(plan(), daemon, torchrun, lines.append).run() == 0
+
+    (argv1, env1), (argv2, env2) = torchrun.calls
+    assert argv1[1:] == [
+        "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2", "--nnodes", "1",
+        "-m", "train", "--lr", "3",
+    ]  # fmt: skip
+    assert argv1[0] == sys.executable
+    assert env1["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-111" and "GPUWATCH_RESUME" not in env1
+    assert argv2[argv2.index("--nproc-per-node") + 1] == "2"  # GPU 2 came back; GPU 1 left
+    assert env2["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-222" and env2["GPUWATCH_RESUME"] == "1"
+    for env in (env1, env2):
+        assert (env["GPUWATCH_JOB_ID"], env["GPUWATCH_RUNTIME_DIR"]) == ("job-7", "/tmp/run")
+    assert env1["TORCHELASTIC_ERROR_FILE"] != env2["TORCHELASTIC_ERROR_FILE"]
+    assert lines == [
+        "gpuwatch launch: launch 1 (first launch): job job-7, 2 rank(s) on GPU 0,1",
+        "gpuwatch launch: relaunch 1/3: GPU 1 (GPU-111) left, quarantined: test",
+        "gpuwatch launch: launch 2 (GPU 1 (GPU-111) left, quarantined: test): job job-7, 2 rank(s) on GPU 0,2",
+        "gpuwatch launch: job job-7 finished after 1 relaunch(es)",
+    ]
+
+
+def test_nproc_caps_the_ranks_and_a_stop_with_every_gpu_usable_says_so() -> None:
+    torchrun = FakeTorchrun((1, EXIT_RESUME), 0)
+    lines: list[str] = []
+
+    Launcher(plan(nproc=1), FakeDaemon([gpu(0), gpu(1)]), torchrun, lines.append).run()
+
+    assert [c[1]["CUDA_VISIBLE_DEVICES"] for c in torchrun.calls] == ["GPU-000", "GPU-000"]
+    assert (
+        lines[1]
+        == "gpuwatch launch: relaunch 1/3: the job stopped for resume (worker said 75) with all its GPUs usable"
+    )
+
+
+def test_fewer_usable_gpus_than_min_nproc_stops_with_3() -> None:
+    daemon = FakeDaemon([gpu(0), gpu(1)], [gpu(0), gpu(1, quarantined=True)])
+    torchrun = FakeTorchrun((1, EXIT_RESUME))
+
+    with pytest.raises(LaunchStopped) as stopped:
+        Launcher(plan(min_nproc=2), daemon, torchrun, lambda _: None).run()
+
+    assert (stopped.value.code, str(stopped.value)) == (3, "1 usable GPU(s) on this node, fewer than --min-nproc 2")
+    assert len(torchrun.calls) == 1
+
+
+def test_max_restarts_stops_with_3() -> None:
+    torchrun = FakeTorchrun((1, EXIT_RESUME), (1, EXIT_RESUME))
+
+    with pytest.raises(LaunchStopped) as stopped:
+        Launcher(plan(max_restarts=1), FakeDaemon([gpu(0)]), torchrun, lambda _: None).run()
+
+    assert stopped.value.code == 3
+    assert str(stopped.value) == "the job stopped for resume, but --max-restarts 1 is used up"
+
+
+def test_any_other_failure_exits_with_torchruns_code_and_the_root_cause() -> None:
+    with pytest.raises(LaunchStopped) as stopped:
+        Launcher(plan(), FakeDaemon([gpu(0)]), FakeTorchrun((1, 7)), lambda _: None).run()
+
+    assert (stopped.value.code, str(stopped.value)) == (1, "torchrun exited 1 (root cause exit code 7: worker said 7)")
+
+
+def test_a_failure_without_an_error_file_points_at_the_log() -> None:
+    def torchrun(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+        return 2, None
+
+    with pytest.raises(LaunchStopped, match=r"torchrun exited 2 \(see torchrun's log above\)"):
+        Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lambda _: None).run()
+
+
+def test_a_forwarded_signal_never_relaunches() -> None:
+    def torchrun(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+        Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": {"errorCode": 75}}))
+        return 1, signal.SIGTERM
+
+    with pytest.raises(LaunchStopped) as stopped:
+        Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lambda _: None).run()
+
+    assert (stopped.value.code, str(stopped.value)) == (1, "stopped by SIGTERM; torchrun exited 1")
+
+
+def test_usable_skips_quarantined_and_unhealthy_keeps_degraded_and_sorts() -> None:
+    gpus = [gpu(3), gpu(0, "unhealthy"), gpu(2, "degraded"), gpu(1, quarantined=True)]
+
+    assert [g["index"] for g in usable(gpus)] == [2, 3]
+
+
+def test_rendezvous_single_node_pins_the_run_id() -> None:
+    common: dict[str, Any] = dict.fromkeys(
+        ("nnodes", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "node_rank", "master_addr", "master_port")
+    )
+    expected = ("--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "j")
+
+    assert rendezvous_args(**common, standalone=False, job_id="j") == expected
+    assert rendezvous_args(**common, standalone=True, job_id="j") == expected
+    multi = {**common, "nnodes": "2:4", "rdzv_backend": "c10d", "rdzv_endpoint": "head:29400", "rdzv_conf": "a=1"}
+    assert rendezvous_args(**multi, standalone=False, job_id="j") == (
+        "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "j",
+        "--rdzv-conf", "a=1",
+    )  # fmt: skip
+    static = {**common, "master_addr": "10.0.0.1", "master_port": 29500, "node_rank": 0}
+    assert rendezvous_args(**static, standalone=False, job_id="j") == (
+        "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29500", "--rdzv-id", "j",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"message": {"message": "gpuwatch: stopped\nmore", "errorCode": 75}}, (75, "gpuwatch: stopped")),
+        ({"message": "plain text", "errorCode": 3}, (3, "plain text")),
+        ({"message": {"message": "no code"}}, (None, "no code")),
+        ([1, 2], (None, "")),
+    ],
+)
+def test_root_cause(tmp_path: Path, body: Any, expected: tuple[int | None, str]) -> None:
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps(body))
+
+    assert root_cause(path) == expected
+    assert root_cause(tmp_path / "missing.json") == (None, "")
+
+
+# -- the click command: every refusal is one line -------------------------------------------------
+
+
+@pytest.fixture
+def daemon_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    gpus = [gpu(0), gpu(1)]
+    monkeypatch.setattr(DaemonClient, "gpus", lambda self: list(gpus))
+    yield gpus
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(launch, list(args))
+    return result.exit_code, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc-per-node", "zero", "--", "train.py"], "'zero' is neither a positive number nor 'auto'"),
+        (["--min-nproc", "0", "--", "train.py"], "--min-nproc"),
+        ([], "Missing argument"),
+        (["--", "--lr", "3"], "expected [-m] SCRIPT after the options, not '--lr'"),
+        (["--", "-m"], "-m needs a module name"),
+        (["--standalone", "--nnodes", "2", "--rdzv-id", "x", "--", "t.py"], "--standalone cannot be combined"),
+        (["--nnodes", "2", "--", "train.py"], "a multi-node job needs --rdzv-id"),
+        (["--listen", "nowhere", "--", "train.py"], "listen: 'nowhere' is not HOST:PORT"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(
+    daemon_gpus: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    monkeypatch.delenv("GPUWATCH_JOB_ID", raising=False)
+
+    code, stderr = invoke(*args)
+
+    assert code == 2
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith("gpuwatch launch: error: ") and message in stderr
+
+
+def test_too_few_gpus_is_one_line_and_exit_3(daemon_gpus: list[dict[str, Any]], tmp_path: Path) -> None:
+    code, stderr = invoke("--min-nproc", "3", "--state-dir", str(tmp_path), "--", "train.py")
+
+    assert (code, stderr) == (3, "gpuwatch launch: error: 2 usable GPU(s) on this node, fewer than --min-nproc 3\n")
+
+
+def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    code, stderr = invoke("--listen", "127.0.0.1:1", "--state-dir", str(tmp_path), "--", "train.py")
+
+    assert code == 2
+    assert stderr.startswith("gpuwatch launch: error: cannot reach the gpuwatch daemon at http://127.0.0.1:1")
+    assert len(stderr.splitlines()) == 1
+
+
+# -- signals reach torchrun ---------------------------------------------------------------------------
+
+
+def test_sigterm_to_the_launcher_is_forwarded_to_torchrun_once(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    child = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(30)\n"
+    )
+
+    def terminate_us() -> None:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=terminate_us, daemon=True).start()
+
+    assert run_torchrun([sys.executable, "-c", child], dict(os.environ)) == (7, signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == previous
