@@ -313,9 +313,8 @@ def launch(
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
 
-    gpuwatch launch [OPTIONS] -- [-m] SCRIPT [ARGS]...  Workers that stop for gpuwatch exit 75
-    (gpuwatch.trainer.TrainerLink); the relaunch sets GPUWATCH_RESUME=1. Exit 3: too few GPUs or
-    restarts used up; otherwise torchrun's code.
+    Workers that stop for gpuwatch exit 75 (gpuwatch.trainer.TrainerLink); the relaunch sets
+    GPUWATCH_RESUME=1. Exit 3: too few GPUs or restarts used up; otherwise torchrun's code.
     """
     if command[0].startswith("-") and command[0] not in {"-m", "--module"}:
         _fail(2, f"expected [-m] SCRIPT after the options, not {command[0]!r} (put the job after --)")

@@ -17,8 +17,7 @@ report of the new launch that carries a step; reports come every few seconds, so
 to one report interval) and steps lost (the last step seen before the stop minus the first step
 reported after the resume, at least 0: a lower bound, since the first report may come a few steps in).
 
-This module sits beside monitor, store and runtime (independent layers): it talks to them through
-the small protocols below, and `install(daemon)` wires it in.
+`install(daemon)` wires it into a Daemon (listener, routes, metric families, render-cache key).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import FastAPI
@@ -42,7 +40,10 @@ from gpuwatch.errors import ConfigError, GpuwatchError
 from gpuwatch.health import trainer_rules
 from gpuwatch.health.state import Decision
 from gpuwatch.model import Snapshot, TrainerInfo
+from gpuwatch.monitor import Monitor
 from gpuwatch.ranks import PID_BACKENDS, ProcFs, Rank, map_ranks
+from gpuwatch.runtime import RuntimeDir
+from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.remediation")
 
@@ -52,23 +53,6 @@ FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later on
 SLOW_POLL_S = 5.0
 RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
 LABELS = ["gpu", "uuid", "rank", "job"]
-
-
-class IncidentStore(Protocol):
-    def add_incident(self, t: float, body: dict[str, Any]) -> int: ...
-    def update_incident(self, incident_id: int, body: dict[str, Any]) -> None: ...
-    def incidents(self, limit: int = 100) -> list[dict[str, Any]]: ...
-
-
-class ReportSource(Protocol):
-    @property
-    def trainers(self) -> Path: ...
-    def read_trainers(self, now: float, stale_after_s: float) -> list[TrainerInfo]: ...
-
-
-class _Monitor(Protocol):
-    @property
-    def listeners(self) -> list[Callable[[Snapshot, list[Decision]], None]]: ...
 
 
 class _Collector(Protocol):
@@ -84,11 +68,11 @@ class DaemonParts(Protocol):
     @property
     def clock(self) -> Callable[[], float]: ...
     @property
-    def store(self) -> IncidentStore: ...
+    def store(self) -> Store: ...
     @property
-    def runtime(self) -> ReportSource: ...
+    def runtime(self) -> RuntimeDir: ...
     @property
-    def monitor(self) -> _Monitor: ...
+    def monitor(self) -> Monitor: ...
     @property
     def collector(self) -> _Collector: ...
     @property
@@ -168,8 +152,8 @@ class Remediation:
     def __init__(
         self,
         config: Config,
-        store: IncidentStore,
-        runtime: ReportSource,
+        store: Store,
+        runtime: RuntimeDir,
         *,
         clock: Callable[[], float] = time.time,
         proc: ProcFs | None = None,

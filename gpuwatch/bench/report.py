@@ -74,9 +74,7 @@ class Section:
         return body
 
 
-def target(
-    label: str, value: float | None, unit: str, limit: float, *, at_most: bool = True, against: str = ""
-) -> Row:
+def target(label: str, value: float | None, unit: str, limit: float, *, at_most: bool = True, against: str = "") -> Row:
     """A row with its target: `value` ≤ `limit` (or ≥ with at_most=False); no verdict without a value."""
     text = f"{'≤' if at_most else '≥'} {fmt(limit)} {unit}".rstrip()
     passed = None if value is None else (value <= limit if at_most else value >= limit)

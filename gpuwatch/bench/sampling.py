@@ -48,7 +48,9 @@ def bench_config(ctx: Context, interval_s: float = 1.0) -> Config:
     return Config(backend=ctx.backend, interval_s=interval_s, sim=SimConfig(gpus=ctx.gpus, scenario="healthy"))
 
 
-def open_backend(ctx: Context, config: Config, clock: Callable[[], float] = time.time) -> tuple[Backend, list[GpuStatic]]:
+def open_backend(
+    ctx: Context, config: Config, clock: Callable[[], float] = time.time
+) -> tuple[Backend, list[GpuStatic]]:
     """The bench's backend, opened, and the statics of the GPUs it measures (the first ctx.gpus).
 
     Raises:
@@ -122,7 +124,8 @@ def _floor_calls(ctx: Context, backend: Backend, statics: list[GpuStatic]) -> di
     import pynvml
 
     nv: Any = pynvml
-    fields = [getattr(nv, name) for name in ("NVML_FI_DEV_MEMORY_TEMP", "NVML_FI_DEV_POWER_INSTANT") if hasattr(nv, name)]
+    names = ("NVML_FI_DEV_MEMORY_TEMP", "NVML_FI_DEV_POWER_INSTANT")
+    fields = [getattr(nv, name) for name in names if hasattr(nv, name)]
     corrected, uncorrected = nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
     ecc = nv.nvmlDeviceGetTotalEccErrors
     floors: dict[int, list[Call]] = {}

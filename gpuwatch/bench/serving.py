@@ -40,7 +40,8 @@ def run(ctx: Context) -> Section:
     smi = _nvidia_smi(ctx)
     section.figures = {"gpuwatch": ours, "nvitop_exporter": theirs, "nvidia_smi": smi}
     rows = section.rows
-    rows.append(Row("gpuwatch exposition", ours["exposition"]["bytes"] / 1e3, f"KB, {ours['exposition']['series']} series"))
+    size = ours["exposition"]
+    rows.append(Row("gpuwatch exposition", size["bytes"] / 1e3, f"KB, {size['series']} series"))
     measured_peer = theirs["status"] == "ok"
     if measured_peer:
         size = theirs["exposition"]

@@ -136,9 +136,9 @@ class DrillScheduler:
     def __init__(self, config: Config, api: Callable[[], DrillApi], book: DrillBook, clock: Clock) -> None:
         self.config = config
         self.entries = entries(config)
-        self._api = api
+        self.api = api
         self._book = book
-        self._clock = clock
+        self.clock = clock
         self._running = threading.Lock()
 
     @property
@@ -184,7 +184,7 @@ class DrillScheduler:
             self._book.skip(schedule.drill, "drill_running", "another drill is running")
             return None
         try:
-            api = self._api()
+            api = self.api()
             target = pick_target(schedule, gpus(api))
             request = Request(
                 schedule.drill,
@@ -193,7 +193,7 @@ class DrillScheduler:
                 await_release=self.config.drills.await_release,
                 trigger="schedule" if entry.trigger is not None else "api",
             )
-            run = prepare(request, api, self.config, self._clock)
+            run = prepare(request, api, self.config, self.clock)
             log.warning("drill %s starts on GPU %d (%s)", schedule.drill, target, request.trigger)
             verdict = run_drill(run)
             self._book.record(verdict.as_dict())

@@ -9,23 +9,36 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from fastapi.testclient import TestClient
 
-from gpuwatch.config import Config
+from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.daemon import Daemon
 from gpuwatch.drills import install
+from gpuwatch.drills.cli import drill
+from gpuwatch.drills.service import DrillService
 from gpuwatch.drills.steps import Clock
 from gpuwatch.errors import DaemonError
 from tests.helpers import FakeClock, SimNode, sim_config
 
-UUID = "GPU-00000000-0000-0000-0000-000000000000"
+
+@click.group()
+def main() -> None:
+    """Stands in for gpuwatch.cli.main, which registers the command with `main.add_command(drill)`."""
 
 
-def start_drill_node(tmp_path: Path, gpus: int = 4, **overrides: Any) -> SimNode:
+main.add_command(drill)
+
+
+def start_drill_node(
+    tmp_path: Path, gpus: int = 4, schedule: tuple[DrillSchedule, ...] = (), **overrides: Any
+) -> SimNode:
     """A sim daemon (healthy scenario) with drills installed, before its app is built."""
     clock = FakeClock()
-    daemon = Daemon(sim_config(tmp_path, "healthy", gpus, **overrides), clock=clock)
+    config = sim_config(tmp_path, "healthy", gpus, **overrides)
+    config = dataclasses.replace(config, drills=dataclasses.replace(config.drills, schedule=schedule))
+    daemon = Daemon(config, clock=clock)
     daemon.backend.clock = clock  # type: ignore[attr-defined]
     install(daemon)
     daemon.monitor.tick()
@@ -58,6 +71,16 @@ class ClientApi:
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
         return self._check("POST", path, self.node.client.post(path, json=body, headers=self.node.auth)).json()
+
+
+def drill_service(node: SimNode) -> DrillService:
+    """The node's installed drills, pointed at its in-process client and fake clock."""
+    service = next(
+        h.__self__ for h in node.daemon.route_hooks if isinstance(getattr(h, "__self__", None), DrillService)
+    )
+    service.drills.api = lambda: ClientApi(node)
+    service.drills.clock = sim_clock(node)
+    return service
 
 
 def sim_clock(node: SimNode, poll_s: float = 1.0, hook: Callable[[], None] | None = None) -> Clock:
@@ -140,6 +163,8 @@ class FakeDaemon:
             self.gpu(int(path.split("/")[3])).update(quarantined=True, quarantine_reason=body["reason"])
         elif path.endswith("/release") and path.startswith("/v1/gpus/"):
             self.gpu(int(path.split("/")[3])).update(quarantined=False, quarantine_reason=None)
+        elif path.endswith("/inject"):
+            answer = {"id": len(self.posts)}
         elif path == "/v1/backend/release":
             answer = {"released": True, "detail": "nvml released"}
         elif path == "/v1/backend/reacquire":

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpuwatch.errors import ConfigError
-from gpuwatch.remediation import Remediation, install, parse_signal
+from gpuwatch.remediation import Remediation, parse_signal
 from tests.helpers import SimNode, metric_samples, start_sim_node
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -48,11 +48,9 @@ def spawn() -> Iterator[Spawn]:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[SimNode, TestClient, Remediation]]:
+    """A sim daemon; Daemon installs remediation itself (remediation.install in Daemon.__init__)."""
     sim = start_sim_node(tmp_path, gpus=4, **{"trainer.grace_period_s": 0.5, "trainer.kill_after_s": 0.5})
-    remediation = install(sim.daemon)
-    client = TestClient(sim.daemon.app())  # the routes hooks run when the app is built
-    yield sim, client, remediation
-    client.close()
+    yield sim, sim.client, sim.daemon.remediation
     sim.close()
 
 
@@ -178,7 +176,6 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
 
 def test_incident_counter_survives_a_restart(tmp_path: Path) -> None:
     first = start_sim_node(tmp_path, gpus=2)
-    install(first.daemon)
     first.daemon.monitor.quarantine(0, "before restart")
     deadline = time.monotonic() + 5
     while not first.daemon.store.incidents() and time.monotonic() < deadline:
@@ -187,8 +184,7 @@ def test_incident_counter_survives_a_restart(tmp_path: Path) -> None:
 
     second = start_sim_node(tmp_path, gpus=2)
     try:
-        remediation = install(second.daemon)
-        totals = [m for m in remediation.collect() if m.name == "gpuwatch_incidents"]
+        totals = [m for m in second.daemon.remediation.collect() if m.name == "gpuwatch_incidents"]
         assert [s.value for s in totals[0].samples] == [1.0]
     finally:
         second.close()
@@ -200,9 +196,5 @@ def test_parse_signal(name: str, expected: str) -> None:
 
 
 def test_a_bad_stop_signal_is_a_config_error(tmp_path: Path) -> None:
-    sim = start_sim_node(tmp_path, gpus=1, **{"trainer.stop_signal": "SIGNOPE"})
-    try:
-        with pytest.raises(ConfigError, match="trainer.stop_signal: 'SIGNOPE' is not a signal"):
-            install(sim.daemon)
-    finally:
-        sim.close()
+    with pytest.raises(ConfigError, match="trainer.stop_signal: 'SIGNOPE' is not a signal"):
+        start_sim_node(tmp_path, gpus=1, **{"trainer.stop_signal": "SIGNOPE"})

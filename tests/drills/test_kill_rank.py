@@ -1,0 +1,100 @@
+"""kill_rank against the sim daemon with a real (sleeping) process as the trainer rank, its report in the
+runtime dir, and a stand-in for torchrun that starts the rank again after the kill."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from gpuwatch.drills import injectors
+from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
+from tests.drills.conftest import ClientApi, sim_clock
+from tests.helpers import SimNode
+
+
+class Ranks:
+    """Sleeping processes that report as trainer ranks; reaped as they die, killed at the end."""
+
+    def __init__(self, node: SimNode) -> None:
+        self.node = node
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    def start(self, gpu: int, rank: int, job: str = "job-7") -> int:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        self.children.append(child)
+        threading.Thread(target=child.wait, daemon=True).start()  # reap it: a zombie still "runs" for kill(0)
+        report = {
+            "pid": child.pid,
+            "t": self.node.clock.t,
+            "rank": rank,
+            "local_rank": rank,
+            "world_size": 2,
+            "job_id": job,
+            "gpu_uuid": self.node.gpu(gpu)["uuid"],
+        }
+        (self.node.daemon.runtime.trainers / f"{child.pid}.json").write_text(json.dumps(report))
+        return child.pid
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.kill()
+
+
+@pytest.fixture
+def ranks(node: SimNode) -> Iterator[Ranks]:
+    ranks = Ranks(node)
+    yield ranks
+    ranks.stop()
+
+
+def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, ranks: Ranks) -> None:
+    victim = ranks.start(gpu=1, rank=1)
+    ranks.start(gpu=0, rank=0)
+    node.run_for(5)
+    restarted: list[int] = []
+
+    def torchrun() -> None:
+        if not injectors.running(victim) and not restarted:
+            restarted.append(ranks.start(gpu=1, rank=1))
+
+    run = prepare(Request("kill_rank", 1), ClientApi(node), node.daemon.config, sim_clock(node, hook=torchrun))
+    assert run.victim is not None and run.victim["pid"] == victim
+    verdict = run_drill(run)
+    assert verdict.result == "pass", verdict.as_dict()
+    assert [(s.name, s.result) for s in verdict.steps] == [
+        ("kill", "pass"),
+        ("rank_exited", "pass"),
+        ("rank_gone", "pass"),
+        ("job_resumed", "pass"),
+    ]
+    assert verdict.steps[-1].detail == f"rank 1 of job job-7 runs again as pid {restarted[0]} on GPU 1"
+
+
+def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, ranks: Ranks) -> None:
+    ranks.start(gpu=2, rank=0)
+    node.run_for(5)
+    config = node.daemon.config
+    config = dataclasses.replace(config, drills=dataclasses.replace(config.drills, resume_timeout_s=20.0))
+    verdict = run_drill(prepare(Request("kill_rank", 2), ClientApi(node), config, sim_clock(node)))
+    assert verdict.broke_at == "job_resumed"
+    assert verdict.steps[-1].detail == "not within 20 s: rank 0 of job job-7 has not come back"
+
+
+def test_kill_rank_picks_the_rank_asked_for_and_refuses_a_gpu_without_one(node: SimNode, ranks: Ranks) -> None:
+    ranks.start(gpu=3, rank=4)
+    second = ranks.start(gpu=3, rank=5)
+    node.run_for(5)
+    api, config, clock = ClientApi(node), node.daemon.config, sim_clock(node)
+    assert prepare(Request("kill_rank", 3, rank=5), api, config, clock).victim["pid"] == second  # type: ignore[index]
+    with pytest.raises(DrillRefused, match=r"no rank 9 on GPU 3 \(trainers: rank 4 \(pid \d+\), rank 5"):
+        prepare(Request("kill_rank", 3, rank=9), api, config, clock)
+    with pytest.raises(DrillRefused, match=r"no trainer on GPU 0 \(trainers: none\)") as refused:
+        prepare(Request("kill_rank", 0), api, config, clock)
+    assert refused.value.reason == "no_trainer"
+    assert all(injectors.running(c.pid) for c in ranks.children), "a refusal kills nothing"

@@ -1,0 +1,174 @@
+"""Quarantine and resume end to end on the CPU: a real sim daemon, `gpuwatch launch`, torchrun, 2 gloo ranks.
+
+`gpuwatch quarantine 1` mid-run: the daemon signals the job's ranks, rank 0 checkpoints, both exit
+75, launch relaunches on the one GPU left and the job resumes where it stopped. With the sim backend
+the "GPUs" are the simulated ones: launch puts their UUIDs in CUDA_VISIBLE_DEVICES, and each rank
+reports CUDA_VISIBLE_DEVICES[LOCAL_RANK] as its GPU, which is how the daemon finds the ranks of GPU 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 90
+
+
+@dataclass
+class Node:
+    """A `gpuwatch run` subprocess on the sim backend, and where it lives."""
+
+    listen: str
+    state_dir: Path
+    runtime_dir: Path
+    env: dict[str, str]
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://{self.listen}{path}", timeout=5) as response:
+            return json.loads(response.read())
+
+    def gpuwatch(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "gpuwatch", *args, "--listen", self.listen, "--state-dir", str(self.state_dir)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_"))}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def start_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
+    daemons: list[subprocess.Popen[str]] = []
+    log = (tmp_path / "daemon.log").open("w")
+
+    def start(**env: str) -> Node:
+        node = Node(f"127.0.0.1:{_free_port()}", tmp_path / "state", tmp_path / "run", _env(**env))
+        command = [
+            *("run", "--backend", "sim", "--sim-scenario", "healthy", "--sim-gpus", "2", "--interval", "1"),
+            *("--runtime-dir", str(node.runtime_dir)),
+        ]
+        daemons.append(subprocess.Popen(node.gpuwatch(*command), env=node.env, stdout=log, stderr=log, text=True))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                node.get("/healthz")
+                return node
+            except OSError:
+                assert daemons[-1].poll() is None, (tmp_path / "daemon.log").read_text()
+                time.sleep(0.1)
+        raise AssertionError("the daemon did not come up: " + (tmp_path / "daemon.log").read_text())
+
+    yield start
+    for daemon in daemons:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+    log.close()
+
+
+def _launch(node: Node, ckpt: Path, *example_args: str) -> subprocess.Popen[str]:
+    command = node.gpuwatch("launch", "--runtime-dir", str(node.runtime_dir), "--max-restarts", "2")
+    example = ["-m", "gpuwatch.trainer.example", "--ckpt-dir", str(ckpt), "--report-interval", "0.2"]
+    return subprocess.Popen(
+        [*command, "--", *example, *example_args],
+        env=node.env,
+        cwd=ckpt.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_ranks(node: Node, proc: subprocess.Popen[str], *, ranks: int, step: int) -> list[dict[str, Any]]:
+    """The ranks' reports once each has passed `step`, as the daemon maps them (GET /v1/trainers)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = node.get("/v1/trainers")["ranks"]
+        if len(found) == ranks and all((r.get("step") or 0) >= step for r in found):
+            return list(found)
+        assert proc.poll() is None, f"launch exited {proc.returncode} early: {proc.communicate()}"
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"ranks did not reach step {step}: {proc.communicate()}")
+
+
+def _incident(node: Node, status: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        incidents = node.get("/v1/incidents")["incidents"]
+        if incidents and incidents[0]["status"] == status:
+            return dict(incidents[0])
+        time.sleep(0.1)
+    raise AssertionError(f"no incident reached {status!r}: {incidents}")
+
+
+def test_quarantine_mid_run_checkpoints_relaunches_on_one_gpu_and_resumes(
+    start_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    node = start_node()
+    gpu1 = node.get("/v1/gpus/1")["uuid"]
+    proc = _launch(node, tmp_path / "ckpt", "--steps", "150", "--step-sleep", "0.05")
+    ranks = _wait_for_ranks(node, proc, ranks=2, step=20)
+    assert sorted((r["gpu"], r["rank"]) for r in ranks) == [(0, 0), (1, 1)]
+    job = ranks[0]["job_id"]
+
+    subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
+    stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["world_sizes"] == [2, 1] and summary["lost_steps"] == 0, summary
+    assert (summary["steps_done"], summary["restarts"]) == (150, 1)
+    assert f"gpuwatch launch: relaunch 1/2: GPU 1 ({gpu1}) left, quarantined: test" in stderr
+    assert f"job {job}, 1 rank(s) on GPU 0" in stderr
+
+    incident = _incident(node, "resumed")
+    assert (incident["gpu"], incident["uuid"], incident["cause"], incident["job"]) == (1, gpu1, "test", job)
+    assert sorted((r["rank"], r["gpu"], r["ended"]) for r in incident["ranks"]) == [(0, 0, "exited"), (1, 1, "exited")]
+    assert incident["steps_lost"] == 0
+    assert incident["resumed_step"] >= summary["resumed_from_steps"][0]
+    assert 0 < incident["time_to_stop_s"] < 10
+    assert incident["time_to_stop_s"] < incident["time_to_resume_s"] < 60
+    print(
+        f"\nquarantine-and-resume on the CPU: time to stop {incident['time_to_stop_s']:.2f} s, "
+        f"time to resume {incident['time_to_resume_s']:.2f} s, steps lost {incident['steps_lost']} "
+        f"(example: lost_steps {summary['lost_steps']}, resumed from step {summary['resumed_from_steps'][0]})"
+    )
+
+
+def test_a_rank_that_ignores_the_stop_is_terminated_after_the_grace_period(
+    start_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    node = start_node(GPUWATCH_TRAINER_GRACE_PERIOD_S="1")
+    proc = _launch(node, tmp_path / "ckpt", "--steps", "5000", "--step-sleep", "0.02", "--ignore-stop")
+    _wait_for_ranks(node, proc, ranks=2, step=10)
+
+    subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
+    _, stderr = proc.communicate(timeout=TIMEOUT_S)
+
+    assert proc.returncode == 1
+    assert stderr.strip().splitlines()[-1].startswith("gpuwatch launch: error: torchrun exited 1 (")
+    incident = _incident(node, "stopped")
+    assert {r["ended"] for r in incident["ranks"]} == {"SIGTERM"}
+    assert len(incident["ranks"]) == 2
+    assert 1.0 <= incident["time_to_stop_s"] < 10
