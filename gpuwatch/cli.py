@@ -20,6 +20,7 @@ from rich.table import Table
 from gpuwatch import __version__
 from gpuwatch.config import Config, load
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.launch import launch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -235,3 +236,6 @@ def release(index: int, reason: str, config_path: str | None, **flags: Any) -> N
 
     g = DaemonClient(build_config(config_path, **flags)).release(index, reason)
     click.echo(f"GPU {g['index']} {g['uuid']} released; state {g['state']}")
+
+
+main.add_command(launch)

@@ -22,7 +22,7 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
-from gpuwatch import __version__, systemd
+from gpuwatch import __version__, remediation, systemd
 from gpuwatch.api import create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
@@ -113,6 +113,7 @@ class Daemon:
         self.stop_event = threading.Event()
         self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
         self.key_parts: list[Callable[[], object]] = []
+        self.remediation = remediation.install(self)
         self._last_prune = 0.0
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True

@@ -52,7 +52,7 @@ REPORT_POLL_S = 0.1  # how often a stop or a resume watch re-reads the trainers'
 FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later ones to SLOW_POLL_S
 SLOW_POLL_S = 5.0
 RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
-LABELS = ["gpu", "uuid", "rank", "job"]
+LABELS = ["gpu", "uuid", "rank", "job_id"]
 
 
 class _Collector(Protocol):
@@ -99,11 +99,9 @@ def parse_signal(name: str) -> signal.Signals:
     """
     text = name.strip().upper()
     try:
-        return (
-            signal.Signals(int(text))
-            if text.isdigit()
-            else signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
-        )
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
     except (KeyError, ValueError):
         raise ConfigError(f"trainer.stop_signal: {name!r} is not a signal") from None
 
@@ -156,15 +154,12 @@ class Remediation:
         runtime: RuntimeDir,
         *,
         clock: Callable[[], float] = time.time,
-        proc: ProcFs | None = None,
-        kill: Callable[[int, int], None] = os.kill,
     ) -> None:
         self.cfg = config.trainer
         self.store = store
         self.runtime = runtime
         self.clock = clock
-        self.proc = proc or ProcFs()
-        self.kill = kill
+        self.proc = ProcFs()
         self.stop_signal = parse_signal(self.cfg.stop_signal)
         self._keep_s = max(
             self.cfg.fragmentation_window_s, self.cfg.alloc_retries_window_s, self.cfg.grad_var_history_s
@@ -183,7 +178,10 @@ class Remediation:
     # -- the listener ---------------------------------------------------------------------------
 
     def on_publish(self, snapshot: Snapshot, decisions: list[Decision]) -> None:
-        """After each publish: map and judge the ranks; start a stop for each quarantine. Never waits."""
+        """After each publish: map and judge the ranks; start a stop for each quarantine. Never waits.
+
+        The monitor calls its listeners under its lock, so two calls never overlap.
+        """
         ranks = self._map(snapshot, self._read_reports(snapshot.t))
         verdict = self._judge(snapshot, ranks)
         with self._lock:
@@ -222,7 +220,7 @@ class Remediation:
             timeline = self._timelines.setdefault(rank.pid, deque())
             if not timeline or timeline[-1].updated_t != rank.info.updated_t:
                 timeline.append(rank.info)
-            while timeline[0].updated_t is not None and timeline[0].updated_t < snapshot.t - self._keep_s:
+            while timeline and (timeline[0].updated_t or 0.0) < snapshot.t - self._keep_s:
                 timeline.popleft()
         verdict = trainer_rules.evaluate(self._timelines, snapshot.gpus, self.cfg, snapshot.t)
         active = {(f.rule, f.index) for f in verdict.findings}
@@ -341,7 +339,7 @@ class Remediation:
         if not self.proc.alive(pid, target.rank.start_time):
             return  # gone, or the PID now belongs to another process: never signal that one
         try:
-            self.kill(pid, sig)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
         except PermissionError:
@@ -471,7 +469,7 @@ class Remediation:
         variance = GaugeMetricFamily(
             "gpuwatch_trainer_grad_norm_variance",
             "Variance of the job's gradient norm over its last 100 steps.",
-            labels=["job"],
+            labels=["job_id"],
         )
         for job, value in _job_variances(ranks).items():
             variance.add_metric([job], value)

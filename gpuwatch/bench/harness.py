@@ -94,7 +94,11 @@ def toml_text(tables: ConfigTables) -> str:
 
 
 class Http:
-    """One keep-alive HTTP/1.1 connection to 127.0.0.1:port; reconnects after an error."""
+    """One keep-alive HTTP/1.1 connection to 127.0.0.1:port; reconnects after an error.
+
+    A GET on a connection the server closed while it sat idle (uvicorn drops idle ones after 5 s) is
+    sent again once on a new connection, as HTTP clients do; anything else is raised.
+    """
 
     def __init__(self, port: int, timeout_s: float = 10.0) -> None:
         self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
@@ -103,6 +107,15 @@ class Http:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        try:
+            return self._send(method, path, body, headers)
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            if method != "GET":
+                raise
+            return self._send(method, path, body, headers)
+
+    def _send(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> tuple[int, bytes]:
+        """One request; on any failure the connection is closed, so the next request opens a new one."""
         try:
             self._conn.request(method, path, body=body, headers=headers)
             response = self._conn.getresponse()

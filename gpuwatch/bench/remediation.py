@@ -50,7 +50,7 @@ def run(ctx: Context) -> Section:
         ckpt = daemon.root / "ckpt"
         args = [sys.executable, "-m", "gpuwatch", "launch", "--nproc-per-node", "2", "--min-nproc", "1"]
         args += ["--max-restarts", "3", "--runtime-dir", str(daemon.runtime_dir), "--listen", daemon.listen]
-        args += ["--state-dir", str(daemon.state_dir), "--", sys.executable, "-m", "gpuwatch.trainer.example"]
+        args += ["--state-dir", str(daemon.state_dir), "--", "-m", "gpuwatch.trainer.example"]  # torchrun runs it
         args += ["--steps", str(steps), "--ckpt-dir", str(ckpt), "--step-sleep", "0.05"]
         out_path, log_path = daemon.root / "launch.out", daemon.root / "launch.log"
         progress(f"remediation: example trainer, {steps} steps on 2 GPUs under gpuwatch launch")
@@ -87,7 +87,8 @@ def run(ctx: Context) -> Section:
     section.rows += [
         Row("decision → trainers stopped", _number(incident.get("time_to_stop_s")), "s"),
         target("decision → first resumed step", _number(incident.get("time_to_resume_s")), "s", RESUME_TARGET_S),
-        Row("steps lost", _number(incident.get("steps_lost")), "steps"),
+        Row("steps lost (incident)", _number(incident.get("steps_lost")), "steps"),
+        Row("steps lost (the trainer's own count)", _number((summary or {}).get("lost_steps")), "steps"),
         Row("injection → resume seen by the bench", seen_s, "s"),
     ]
     if ctx.backend == "sim":

@@ -26,7 +26,8 @@ def after_fault(run: Run) -> list[Step]:
     return [finding(run), alert_metric(run), quarantined(run), *trainer_steps(run), released(run)]
 
 
-def finding_deadline(run: Run) -> float:
+def _finding_deadline(run: Run) -> float:
+    """`within=` when given, else the rule window's lag plus the time to see it (at once for events)."""
     drills = run.config.drills
     spec_within = getattr(run.spec, "within_s", None)
     if spec_within:
@@ -50,7 +51,7 @@ def finding(run: Run) -> Step:
         seen = ", ".join(f["rule"] + ("" if f["drill"] else " (not drill)") for f in findings)
         return Pending(f"GPU {run.gpu} findings: {seen or 'none'}")
 
-    deadline = finding_deadline(run)
+    deadline = _finding_deadline(run)
     return Step("finding", f"wait up to {deadline:g} s for {wanted} marked drill on GPU {run.gpu}", check, deadline)
 
 
@@ -165,9 +166,13 @@ def released(run: Run) -> Step:
             return f"released; GPU {run.gpu} is {g['state']}"
         return Pending(f"GPU {run.gpu} is still quarantined ({g['state']})")
 
-    lasts = run.spec.duration_s if isinstance(run.spec, InjectSpec) and run.spec.fields else 0.0
-    deadline = lasts + policy.recovery_s + policy.burn_in_s + drills.burn_in_timeout_s
+    deadline = _lasts(run) + policy.recovery_s + policy.burn_in_s + drills.burn_in_timeout_s
     return Step("released_after_burn_in", "wait for the daemon's burn-in to release the GPU", check, deadline)
+
+
+def _lasts(run: Run) -> float:
+    """How long the fault lasts: an injection of readings lasts `for`; an event or a real fault is one-off."""
+    return run.spec.duration_s if isinstance(run.spec, InjectSpec) and run.spec.fields else 0.0
 
 
 def _found(run: Run) -> dict[str, Any]:
@@ -182,7 +187,7 @@ def _no_quarantine(run: Run) -> str | None:
         return f"{f['rule']} is a {f['severity']} finding: nothing is quarantined for it"
     if f["severity"] == Severity.UNHEALTHY.value:
         return None if policy.quarantine_on_unhealthy else "policy.quarantine_on_unhealthy is off"
-    lasts = run.spec.duration_s if isinstance(run.spec, InjectSpec) and run.spec.fields else 0.0
+    lasts = _lasts(run)
     if lasts >= run.expect.lag_s + policy.quarantine_degraded_after_s:
         return None
     return (

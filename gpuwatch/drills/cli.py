@@ -13,17 +13,20 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 
 from gpuwatch.config import Config, load
-from gpuwatch.drills.api import HttpApi
-from gpuwatch.drills.runner import Request, plan, prepare, run_drill
-from gpuwatch.drills.spec import KINDS, PRESETS
 from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
+
+if TYPE_CHECKING:
+    from gpuwatch.drills.runner import Request
+
+# The runner, the API client and the specs are imported when a drill runs, so that registering this
+# command costs `gpuwatch status` and friends nothing at start.
 
 _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 
@@ -68,6 +71,9 @@ def drill(
     state_dir: str | None,
 ) -> None:
     """Inject a fault and check that detection, alerting, quarantine and resume follow in time."""
+    from gpuwatch.drills.runner import Request
+    from gpuwatch.drills.spec import KINDS
+
     chosen = [
         (name, value)
         for name, value in (
@@ -109,6 +115,9 @@ def run_as_script(option: str, argv: Sequence[str] | None = None) -> int:
 
 
 def _drill(config: Config, request: Request, dry_run: bool, as_json: bool) -> int:
+    from gpuwatch.drills.api import HttpApi
+    from gpuwatch.drills.runner import plan, prepare, run_drill
+
     api = HttpApi(config)
     run = prepare(request, api, config, Clock(time.time, time.sleep, config.drills.poll_s))
     title = f"drill {run.kind.name} on GPU {run.gpu} ({run.uuid})"
@@ -161,6 +170,7 @@ def _print(verdict: Verdict, title: str, as_json: bool) -> None:
 
 def _list(config: Config, now: datetime) -> None:
     from gpuwatch.drills.scheduler import entries, next_runs
+    from gpuwatch.drills.spec import KINDS, PRESETS
 
     click.echo("drill kinds (--yes: dry run without it; destructive: a schedule needs allow_destructive = true):")
     for kind in KINDS.values():

@@ -7,6 +7,7 @@ is not a verdict: nothing happened, so nothing is stored (a scheduled one is cou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatch.config import Config
@@ -109,7 +110,7 @@ def _target(api: DrillApi, index: int) -> dict[str, object]:
 
 def _guard(run: Run) -> None:
     """Refuse a target where the drill would prove nothing or hurt something."""
-    g, n, name = run.before, run.gpu, run.kind.name
+    g, n = run.before, run.gpu
     if g["quarantined"]:
         raise DrillRefused("target_quarantined", f"GPU {n} is quarantined ({g['quarantine_reason']})")
     if g["state"] != "healthy":
@@ -117,28 +118,51 @@ def _guard(run: Run) -> None:
     present = [f["rule"] for f in g["findings"] if f["rule"] in run.expect.rules]
     if present:
         raise DrillRefused("target_has_finding", f"GPU {n} already has {', '.join(present)}")
+    kind_guard = _KIND_GUARDS.get(run.kind.name)
+    if kind_guard is not None:
+        kind_guard(run)
+
+
+def _no_process(run: Run) -> None:
+    """xid_fault: the sacrificial process must be the only one on the GPU."""
+    if pids(run.before):
+        raise DrillRefused("target_busy", f"GPU {run.gpu} has processes on it ({pids(run.before)})")
+    script = injectors.xid_script(run.config)
+    if not script.exists():
+        raise DrillRefused("not_supported", f"{script} not found (set tools.xid_fault)")
+
+
+def _only_trainers(run: Run) -> None:
+    """reset_gpu, pcie_remove: trainers will be stopped; any other process makes the GPU off limits."""
     trainer_pids = {t["pid"] for t in run.trainers}
-    if name == "xid_fault":
-        if pids(g):
-            raise DrillRefused("target_busy", f"GPU {n} has processes on it ({pids(g)})")
-        if not injectors.xid_script(run.config).exists():
-            raise DrillRefused("not_supported", f"{injectors.xid_script(run.config)} not found (set tools.xid_fault)")
-    elif name in {"reset_gpu", "pcie_remove"}:
-        nvidia_smi = run.config.tools.nvidia_smi
-        others = sorted({*pids(g), *injectors.compute_pids(nvidia_smi, run.uuid)} - trainer_pids)
-        if others:
-            raise DrillRefused("target_busy", f"GPU {n} has processes that are not trainers on it ({others})")
-        if name == "pcie_remove":
-            try:
-                injectors.pci_paths(run.config.tools.sysfs_root, str(g.get("pci_bus_id", "")))
-            except DrillError as exc:
-                raise DrillRefused("not_supported", str(exc)) from None
-    elif name == "kill_rank":
-        run.victim = _victim(run)
-    elif name == "dcgm_inject":
-        backend = run.api.get("/v1/gpus")["backend"]
-        if backend != "dcgm":
-            raise DrillRefused("not_supported", f"the daemon reads {backend}, so it never sees DCGM's cache")
+    listed = injectors.compute_pids(run.config.tools.nvidia_smi, run.uuid)
+    others = sorted({*pids(run.before), *listed} - trainer_pids)
+    if others:
+        raise DrillRefused("target_busy", f"GPU {run.gpu} has processes that are not trainers on it ({others})")
+    if run.kind.name == "pcie_remove":
+        try:
+            injectors.pci_paths(run.config.tools.sysfs_root, str(run.before.get("pci_bus_id", "")))
+        except DrillError as exc:
+            raise DrillRefused("not_supported", str(exc)) from None
+
+
+def _pick_victim(run: Run) -> None:
+    run.victim = _victim(run)
+
+
+def _dcgm_backend(run: Run) -> None:
+    backend = run.api.get("/v1/gpus")["backend"]
+    if backend != "dcgm":
+        raise DrillRefused("not_supported", f"the daemon reads {backend}, so it never sees DCGM's cache")
+
+
+_KIND_GUARDS: dict[str, Callable[[Run], None]] = {
+    "xid_fault": _no_process,
+    "reset_gpu": _only_trainers,
+    "pcie_remove": _only_trainers,
+    "kill_rank": _pick_victim,
+    "dcgm_inject": _dcgm_backend,
+}
 
 
 def _victim(run: Run) -> dict[str, object]:

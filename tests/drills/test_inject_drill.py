@@ -3,14 +3,17 @@ reacts, fails loudly at the step where it does not, and verdicts are stored, exp
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.config import Config
+from gpuwatch.config import Config, DrillSchedule
+from gpuwatch.drills import install
 from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
 from gpuwatch.drills.steps import Verdict
-from tests.drills.conftest import ClientApi, sim_clock, start_drill_node
+from tests.drills.conftest import ClientApi, drill_service, sim_clock, start_drill_node
 from tests.helpers import SimNode, metric_samples
 
 
@@ -190,3 +193,41 @@ def test_sim_backend_has_no_handles_to_release(node: SimNode) -> None:
     body = node.client.post("/v1/backend/release", json={}, headers=node.auth).json()
     assert body == {"released": False, "detail": "the sim backend holds no handles"}
     assert node.client.post("/v1/backend/reacquire", json={}, headers=node.auth).json()["reacquired"] is False
+
+
+def test_install_twice_is_once(node: SimNode) -> None:
+    hooks, extras, parts = (
+        len(node.daemon.route_hooks),
+        len(node.daemon.collector.extras),
+        len(node.daemon.key_parts),
+    )
+    install(node.daemon)
+    assert (len(node.daemon.route_hooks), len(node.daemon.collector.extras), len(node.daemon.key_parts)) == (
+        hooks,
+        extras,
+        parts,
+    )
+
+
+def test_a_new_verdict_invalidates_the_metrics_render_cache(node: SimNode) -> None:
+    before = node.daemon.renderer.render()
+    assert node.daemon.renderer.render() is before
+    node.client.post("/v1/drills", json=inject(node, "gpu=1,preset=xid79").as_dict(), headers=node.auth)
+    assert b"gpuwatch_drill_runs_total" in node.daemon.renderer.render()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_accepts_the_drill_metrics(tmp_path: Path) -> None:
+    node = start_drill_node(tmp_path, schedule=(DrillSchedule(cron="0 15 * * fri", drill="xid_fault"),))
+    try:
+        empty = node.client.get("/metrics").text
+        node.client.post("/v1/drills", json=inject(node, "gpu=1,preset=xid79").as_dict(), headers=node.auth)
+        (entry,) = drill_service(node).drills.entries
+        assert drill_service(node).drills.run(entry) is None  # every sim GPU is busy: a counted skip
+        full = node.client.get("/metrics").text
+    finally:
+        node.close()
+    assert "gpuwatch_drill_skipped_total{" in full
+    for text in (empty, full):
+        done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr

@@ -162,7 +162,7 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     assert finding["reason"].startswith("rank 2 of job job-9 is 80% slower than its peers")
 
     metrics = client.get("/metrics").text
-    labels = {"gpu": "2", "uuid": uuid(sim, 2), "rank": "2", "job": "job-9"}
+    labels = {"gpu": "2", "uuid": uuid(sim, 2), "rank": "2", "job_id": "job-9"}
     assert (labels, 0.6) in metric_samples(metrics, "gpuwatch_trainer_memory_fragmentation_ratio")
     assert (labels, 0.9) in metric_samples(metrics, "gpuwatch_trainer_step_time_seconds")
     assert (labels, 3.0) in metric_samples(metrics, "gpuwatch_trainer_alloc_retries_total")
@@ -170,7 +170,7 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     assert ({**labels, "rank": "0", "gpu": "0", "uuid": uuid(sim, 0), "gpu_throttling": "false"}, 0.0) in (
         metric_samples(metrics, "gpuwatch_trainer_straggler")
     )
-    assert metric_samples(metrics, "gpuwatch_trainer_grad_norm_variance") == [({"job": "job-9"}, 0.25)]
+    assert metric_samples(metrics, "gpuwatch_trainer_grad_norm_variance") == [({"job_id": "job-9"}, 0.25)]
     assert metric_samples(metrics, "gpuwatch_incidents_total") == [({}, 0.0)]
 
 
