@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import shutil
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpuwatch import config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 UNIT = SYSTEMD_DIR / "gpuwatch.service"
@@ -158,3 +167,36 @@ def test_example_config_loads() -> None:
     loaded = config.load(EXAMPLE_CONFIG, environ={})
     assert loaded.listen_port == config.DEFAULT_PORT
     assert loaded.backend != "sim"
+
+
+def example_entries() -> list[tuple[str, str, str, bool]]:
+    """(section, key, value, commented) for every assignment in the example config ('' is the top level)."""
+    entries = []
+    section = ""
+    for line in EXAMPLE_CONFIG.read_text().splitlines():
+        commented = line.startswith("#")
+        text = line.lstrip("# ").strip()
+        header = re.fullmatch(r"\[\[?([\w.]+)\]\]?", text)
+        if header:
+            section = header.group(1)
+            continue
+        assignment = re.fullmatch(r"(\w+) = (.+)", text)
+        if assignment:
+            entries.append((section, assignment.group(1), assignment.group(2), commented))
+    return entries
+
+
+def test_example_config_names_every_option_with_its_default() -> None:
+    defaults = config.Config()
+    sections = config.sections()
+    owners: dict[str, Any] = {"": defaults, **{name: getattr(defaults, name) for name in sections}}
+    owners["drills.schedule"] = config.DrillSchedule(cron="", drill="")
+    named: dict[str, set[str]] = defaultdict(set)
+    for section, key, value, commented in example_entries():
+        named[section].add(key)
+        if commented and section != "drills.schedule":
+            parsed = tomllib.loads(f"v = {value}")["v"]
+            assert (tuple(parsed) if isinstance(parsed, list) else parsed) == getattr(owners[section], key), key
+    for section, owner in owners.items():
+        expected = {f.name for f in dataclasses.fields(owner)} - set(sections) - {"schedule"}
+        assert named[section] == expected, section
