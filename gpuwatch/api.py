@@ -118,7 +118,7 @@ def create_app(
         return HTMLResponse(statuspage.render(snapshot(), clock(), socket.gethostname()))
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    async def metrics() -> Response:  # async: cached bytes need no threadpool hop
         return Response(renderer.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")

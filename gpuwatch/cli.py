@@ -18,7 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from gpuwatch import __version__
+from gpuwatch.bench.cli import bench
 from gpuwatch.config import Config, load
+from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launch import launch
 
@@ -239,3 +241,5 @@ def release(index: int, reason: str, config_path: str | None, **flags: Any) -> N
 
 
 main.add_command(launch)
+main.add_command(drill)
+main.add_command(bench)

@@ -223,6 +223,9 @@ def validate(config: Config) -> None:
     for name, value in dataclasses.asdict(config.rules).items():
         if name.endswith("_s") and value <= 0:
             raise ConfigError(f"rules.{name}: {value} must be positive")
+    for name, value in dataclasses.asdict(config.drills).items():
+        if name.endswith("_s") and value <= 0:
+            raise ConfigError(f"drills.{name}: {value} must be positive")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

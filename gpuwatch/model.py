@@ -105,7 +105,7 @@ class GpuStatic:
     gpu_max_temp_c: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GpuSample:
     """One reading of one GPU at time `t` (Unix seconds). None: not supported or not read."""
 

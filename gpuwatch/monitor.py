@@ -41,7 +41,8 @@ from gpuwatch.store import QuarantineRecord, Store
 log = logging.getLogger("gpuwatch.monitor")
 
 Listener = Callable[[Snapshot, list[state.Decision]], None]
-_INJECTABLE = frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}
+# Sample fields a drill may override, plus `error` (a read error kind: gpu_lost, reset_required, unknown).
+_INJECTABLE = (frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}) | {"error"}
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ def run(ctx: Context) -> Section:
         raise Skip(f"needs 2 GPUs, this run has {ctx.gpus}")
     if ctx.backend != "sim":
         _refuse_busy_gpus(ctx)
-    steps, warm_steps = int(ctx.pick(300, 60)), int(ctx.pick(40, 15))
+    steps, warm_steps = int(ctx.pick(300, 40)), int(ctx.pick(40, 10))
+    report_s = ctx.pick(2.0, 0.5)  # the trainer's report interval: the default, or quicker for a smoke run
     timeout_s = ctx.pick(300.0, 120.0)
     with Daemon(ctx, "remediation", interval_s=1.0, tables={"policy": {"quarantine_on_unhealthy": True}}) as daemon:
         ckpt = daemon.root / "ckpt"
@@ -52,6 +53,7 @@ def run(ctx: Context) -> Section:
         args += ["--max-restarts", "3", "--runtime-dir", str(daemon.runtime_dir), "--listen", daemon.listen]
         args += ["--state-dir", str(daemon.state_dir), "--", "-m", "gpuwatch.trainer.example"]  # torchrun runs it
         args += ["--steps", str(steps), "--ckpt-dir", str(ckpt), "--step-sleep", "0.05"]
+        args += ["--report-interval", f"{report_s:g}"]
         out_path, log_path = daemon.root / "launch.out", daemon.root / "launch.log"
         progress(f"remediation: example trainer, {steps} steps on 2 GPUs under gpuwatch launch")
         with out_path.open("wb") as out, log_path.open("wb") as log:
@@ -78,6 +80,7 @@ def run(ctx: Context) -> Section:
     section.figures = {
         "backend": ctx.backend,
         "steps": steps,
+        "trainer_report_interval_s": report_s,
         "fault": f"XID 79 on GPU {FAULT_GPU}",
         **{k: incident.get(k) for k in INCIDENT_FIGURES},
         "inject_to_resume_seen_s": seen_s,

@@ -113,11 +113,13 @@ def print_table(header: dict[str, Any], sections: list[Section], console: Consol
     machine = header["machine"]
     title = (
         f"gpuwatch bench {header['mode']} · backend {header['backend']} · {header['gpus']} GPU(s) "
-        f"{', '.join(sorted(set(machine['gpu_names']))) or ''} · {machine['hostname']} ({machine['cpu_count']} CPUs)"
+        f"{', '.join(sorted(set(machine['gpu_names'])))} · {machine['hostname']} ({machine['cpu_count']} CPUs)"
     )
     table = Table(title=title, title_justify="left")
-    for column, justify in (("section", "left"), ("figure", "left"), ("value", "right"), ("target", "left")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table.add_column("section")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("target")
     table.add_column("result")
     for section in sections:
         if section.status != "ok":

@@ -34,7 +34,9 @@ class DaemonParts(Protocol):
     stop_event: threading.Event
     route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]]
     key_parts: list[Callable[[], object]]
-    collector: Collector
+
+    @property
+    def collector(self) -> Collector: ...
 
 
 class DrillService:

@@ -61,9 +61,6 @@ def test_low_clock_drill_waits_for_the_rule_window(node: SimNode) -> None:
     assert "quarantine_degraded_after_s = 900 s; this fault lasts 600 s" in steps["quarantined"].detail
 
 
-@pytest.mark.xfail(
-    strict=True, reason="Monitor.inject rejects the `error` field its own _overlay handles (_INJECTABLE lacks it)"
-)
 def test_gpu_lost_drill_quarantines(node: SimNode) -> None:
     verdict = inject(node, "gpu=3,preset=gpu_lost,for=120")
     assert verdict.result == "pass", verdict.as_dict()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from gpuwatch.config import Config
+from gpuwatch.config import Config, load
 from gpuwatch.drills.spec import expectation, parse_dcgm, parse_inject
 from gpuwatch.errors import ConfigError
 
@@ -100,3 +101,9 @@ def test_expectations_and_their_lag_follow_the_rule_windows() -> None:
     assert expectation(parse_dcgm("gpu=0,field=313,value=5"), config).rules == ("ecc_uncorrectable",)
     slow = dataclasses.replace(config, rules=dataclasses.replace(rules, clock_window_s=10.0))
     assert expectation(parse_inject("gpu=0,preset=clock_low"), slow).lag_s == 10.0 * rules.level_duty
+
+
+def test_drill_timings_must_be_positive(tmp_path: Path) -> None:
+    (tmp_path / "none.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"drills.poll_s: 0.0 must be positive"):
+        load(tmp_path / "none.toml", environ={"GPUWATCH_DRILLS_POLL_S": "0"})

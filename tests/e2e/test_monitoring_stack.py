@@ -9,7 +9,6 @@ the pager, chat and drill receivers got, and that every Grafana panel query retu
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading
