@@ -6,6 +6,7 @@ POST endpoints change state and need the bearer token from `<state_dir>/token`.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import secrets
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
 from gpuwatch.metrics import MetricsRenderer
-from gpuwatch.model import GpuStatus, Snapshot, TrainerInfo
+from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.monitor import Monitor
 
 
@@ -59,7 +60,7 @@ class InjectBody(BaseModel):
 
 
 def trainer_json(t: TrainerInfo) -> dict[str, Any]:
-    return {k: v for k, v in t.__dict__.items() if v is not None}
+    return {k: v for k, v in dataclasses.asdict(t).items() if v is not None}
 
 
 def gpu_json(g: GpuStatus, now: float) -> dict[str, Any]:
@@ -80,10 +81,10 @@ def gpu_json(g: GpuStatus, now: float) -> dict[str, Any]:
         "drill_active": g.drill_active,
         "error": g.error.kind if g.error else None,
         "sample_age_s": round(now - sample.t, 3) if sample else None,
-        "sample": {k: v for k, v in sample.__dict__.items() if k not in {"index", "uuid"}} if sample else None,
+        "sample": {k: getattr(sample, k) for k in SAMPLE_FIELDS if k not in {"index", "uuid"}} if sample else None,
         "xids": {str(x): n for x, n in g.xid_counts},
         "trainers": [trainer_json(t) for t in g.trainers],
-        "static": dict(g.static.__dict__),
+        "static": dataclasses.asdict(g.static),
     }
 
 

@@ -171,9 +171,9 @@ class Remediation:
         self._timelines: dict[int, deque[TrainerInfo]] = {}
         self._active: set[tuple[str, int]] = set()
         self._stopping: set[int] = set()
-        latest = store.incidents(limit=1)
+        latest = store.incidents(limit=100)
         self._incidents_total = int(latest[0]["id"]) if latest else 0
-        self._last_incident: dict[str, Any] | None = latest[0] if latest else None
+        self._last_incident: dict[str, Any] | None = next((i for i in latest if i.get("ranks")), None)
 
     # -- the listener ---------------------------------------------------------------------------
 
@@ -395,7 +395,8 @@ class Remediation:
         with self._lock:
             if new:
                 self._incidents_total += 1
-            self._last_incident = {"id": incident.id, "t": incident.decision.t, **incident.body}
+            if incident.targets:  # an idle GPU's quarantine has no stop or resume to report
+                self._last_incident = {"id": incident.id, "t": incident.decision.t, **incident.body}
             self._version += 1
 
     # -- serving --------------------------------------------------------------------------------
@@ -480,7 +481,7 @@ class Remediation:
             ("gpuwatch_incident_time_to_resume_seconds", "time_to_resume_s", "decision to the first step resumed"),
             ("gpuwatch_incident_steps_lost", "steps_lost", "steps redone after the resume"),
         ):
-            family = GaugeMetricFamily(name, f"Latest incident: {text}.")
+            family = GaugeMetricFamily(name, f"Latest incident with trainers: {text}.")
             if last is not None and last.get(key) is not None:
                 family.add_metric([], float(last[key]))
             yield family
