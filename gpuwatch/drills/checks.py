@@ -127,7 +127,8 @@ def trainer_steps(run: Run) -> list[Step]:
         if found is None or took is None:
             return Pending("the ranks have not stopped yet")
         asked = found.get("stop_signal")
-        forced = [r for r in found.get("ranks", []) if asked and r.get("ended") not in (None, asked)]
+        # Remediation records how each rank ended: "exited" on its own after the stop signal, or forced.
+        forced = [r for r in found.get("ranks", []) if r.get("ended") in ("SIGTERM", "SIGKILL")]
         if forced:
             how = ", ".join(f"rank {r.get('rank')} by {r.get('ended')}" for r in forced)
             raise DrillError(f"not every rank left on {asked} with a checkpoint: stopped {how}")

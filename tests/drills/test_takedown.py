@@ -151,7 +151,7 @@ gpuwatch_gpu_health_state{gpu="0",uuid="GPU-fake-0",state="unhealthy",drill="tru
 """
 
 
-def _remediation(ended: str = "SIGUSR1", resumes: bool = True) -> Any:
+def _remediation(ended: str = "exited", resumes: bool = True) -> Any:
     """The fake daemon's side of an XID 79: finding, quarantine, then the incident as remediation writes it."""
 
     def react(daemon: FakeDaemon) -> None:
