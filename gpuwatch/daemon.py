@@ -24,7 +24,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
 from gpuwatch import __version__, remediation, systemd
-from gpuwatch.api import create_app, ensure_token
+from gpuwatch.api import create_app, ensure_token, metrics_fast_path
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
@@ -199,7 +199,7 @@ class Daemon:
         sock = bind_socket(self.config)
         server = _Server(
             uvicorn.Config(
-                self.app(),
+                metrics_fast_path(self.app(), self.renderer),
                 log_level="warning",
                 access_log=False,
                 lifespan="off",
