@@ -90,7 +90,6 @@ def test_render_is_cached_until_the_snapshot_changes(tmp_path: Path) -> None:
 
 def test_fast_path_serves_the_rendered_bytes_and_passes_the_rest_on(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
-
     from prometheus_client import CONTENT_TYPE_LATEST
 
     from gpuwatch.api import metrics_fast_path
