@@ -11,7 +11,7 @@ import hmac
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -119,8 +119,10 @@ def create_app(
     *,
     clock: Callable[[], float],
     extra_routes: Callable[[FastAPI, Callable[..., None]], None] | None = None,
+    gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
 ) -> FastAPI:
-    """Build the app. `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes."""
+    """Build the app. `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes;
+    each of `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks)."""
     app = FastAPI(title="gpuwatch", version=__version__, docs_url=None, redoc_url=None)
 
     def require_token(request: Request) -> None:
@@ -131,6 +133,12 @@ def create_app(
 
     def snapshot() -> Snapshot:
         return monitor.snapshot
+
+    def gpu_body(g: GpuStatus, now: float) -> dict[str, Any]:
+        body = gpu_json(g, now)
+        for view in gpu_views:
+            body.update(view(g.index))
+        return body
 
     def gpu_or_404(index: int) -> GpuStatus:
         status = monitor.snapshot.gpu(index)
@@ -158,11 +166,11 @@ def create_app(
     def gpus() -> dict[str, Any]:
         snap = snapshot()
         now = clock()
-        return {"t": snap.t, "backend": snap.backend, "gpus": [gpu_json(g, now) for g in snap.gpus]}
+        return {"t": snap.t, "backend": snap.backend, "gpus": [gpu_body(g, now) for g in snap.gpus]}
 
     @app.get("/v1/gpus/{index}")
     def gpu(index: int) -> dict[str, Any]:
-        return gpu_json(gpu_or_404(index), clock())
+        return gpu_body(gpu_or_404(index), clock())
 
     @app.get("/v1/findings")
     def findings(limit: int = 200, gpu: int | None = None) -> dict[str, Any]:

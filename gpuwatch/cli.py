@@ -123,7 +123,7 @@ def status(config_path: str | None, as_json: bool, **flags: Any) -> None:
         table.add_column(column)
     for g in gpus:
         sample = g.get("sample") or {}
-        ranks = ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("trainers", []))
+        ranks = ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("ranks", g.get("trainers", [])))
         table.add_row(
             str(g["index"]),
             g["uuid"],

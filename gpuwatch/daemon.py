@@ -128,6 +128,7 @@ class Daemon:
         self.stop_event = threading.Event()
         self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
         self.key_parts: list[Callable[[], object]] = []
+        self.gpu_views: list[Callable[[int], dict[str, Any]]] = []
         self.remediation = remediation.install(self)
         self._last_prune = 0.0
         self._event_thread = threading.Thread(
@@ -164,7 +165,9 @@ class Daemon:
             for hook in self.route_hooks:
                 hook(app, require_token)
 
-        return create_app(self.monitor, self.renderer, self.token, clock=self.clock, extra_routes=routes)
+        return create_app(
+            self.monitor, self.renderer, self.token, clock=self.clock, extra_routes=routes, gpu_views=self.gpu_views
+        )
 
     def start(self) -> None:
         """First sample (so READY=1 means real data), then the job, the event thread, READY=1."""

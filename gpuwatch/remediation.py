@@ -79,6 +79,8 @@ class DaemonParts(Protocol):
     def route_hooks(self) -> list[Callable[[FastAPI, Callable[..., None]], None]]: ...
     @property
     def key_parts(self) -> list[Callable[[], object]]: ...
+    @property
+    def gpu_views(self) -> list[Callable[[int], dict[str, Any]]]: ...
 
 
 def install(daemon: DaemonParts) -> Remediation:
@@ -88,6 +90,7 @@ def install(daemon: DaemonParts) -> Remediation:
     daemon.route_hooks.append(remediation.add_routes)
     daemon.collector.extras.append(remediation.collect)
     daemon.key_parts.append(remediation.version)
+    daemon.gpu_views.append(remediation.gpu_view)
     return remediation
 
 
@@ -412,6 +415,15 @@ class Remediation:
         return {
             "ranks": [_rank_json(r) for r in ranks],
             "findings": [f.as_dict() for f in verdict.findings],
+        }
+
+    def gpu_view(self, index: int) -> dict[str, Any]:
+        """What GET /v1/gpus/{index} shows of this GPU's ranks (from NVML, environ and reports) and findings."""
+        with self._lock:
+            ranks, verdict = list(self._ranks), self._verdict
+        return {
+            "ranks": [_rank_json(r) for r in ranks if r.gpu == index],
+            "trainer_findings": [f.as_dict() for f in verdict.findings if f.index == index],
         }
 
     def add_routes(self, app: FastAPI, require_token: Callable[..., None]) -> None:

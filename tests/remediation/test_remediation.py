@@ -159,6 +159,9 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     ]
     (finding,) = body["findings"]
     assert (finding["rule"], finding["gpu"], finding["severity"]) == ("trainer_straggler", 2, "warning")
+    gpu2 = client.get("/v1/gpus/2").json()
+    assert [(r["pid"], r["rank"]) for r in gpu2["ranks"]] == [(ranks[2].pid, 2)]
+    assert [f["rule"] for f in gpu2["trainer_findings"]] == ["trainer_straggler"]
     assert finding["reason"].startswith("rank 2 of job job-9 is 80% slower than its peers")
 
     metrics = client.get("/metrics").text
