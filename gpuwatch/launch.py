@@ -70,7 +70,7 @@ class Plan:
 
 
 def usable(gpus: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The GPUs a job may use: not quarantined and not unhealthy (as Monitor.healthy_unquarantined), by index."""
+    """The GPUs a job may use: not quarantined and not unhealthy by index."""
     return sorted((g for g in gpus if not g["quarantined"] and g["state"] != "unhealthy"), key=lambda g: g["index"])
 
 

@@ -7,7 +7,7 @@ Stdlib only. Every type here is immutable so a Snapshot can be handed to any rea
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -260,7 +260,6 @@ class Snapshot:
     samples_total: int = 0
     breaker_tripped: bool = False
     breaker_refusals_total: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def gpu(self, index: int) -> GpuStatus | None:
         for status in self.gpus:

@@ -31,7 +31,6 @@ from gpuwatch.model import (
     GpuSample,
     GpuStatic,
     GpuStatus,
-    Health,
     Snapshot,
     TrainerInfo,
 )
@@ -411,10 +410,6 @@ class Monitor:
             breaker_tripped=self._node.breaker_tripped,
             breaker_refusals_total=self._node.breaker_refusals,
         )
-
-    def healthy_unquarantined(self) -> list[GpuStatus]:
-        """GPUs a job may use now: not quarantined and not unhealthy."""
-        return [g for g in self.snapshot.gpus if not g.quarantined and g.state is not Health.UNHEALTHY]
 
 
 def _append(queue: deque[Any], reading: Any, keep_s: float) -> None:
