@@ -146,7 +146,8 @@ class Daemon:
         )
 
     def metrics_key(self) -> object:
-        return (id(self.monitor.snapshot), *(part() for part in self.key_parts))
+        # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
+        return (self.monitor.snapshot, *(part() for part in self.key_parts))
 
     def sample_once(self) -> None:
         """One scheduled sampling round, then the watchdog ping."""
