@@ -12,6 +12,7 @@ from gpuwatch.config import Config, load
 from gpuwatch.daemon import Daemon
 
 T0 = 1_800_000_000.0
+HEALTHY_TRACE = Path(__file__).parent / "data" / "h200-healthy-workload.jsonl"  # copy of shared/traces' H200 trace
 
 
 class FakeClock:

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).parent / "data"
-HEALTHY_TRACE = DATA / "h200-healthy-workload.jsonl"
+from tests.helpers import HEALTHY_TRACE
 
 
 def gpuwatch(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -10,16 +10,9 @@ import pytest
 from gpuwatch.errors import TraceError
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 from gpuwatch.trace import TraceWriter, read_trace, reading_from_dict, reading_to_dict
+from tests.helpers import HEALTHY_TRACE
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED_TRACE = next(
-    (
-        p / "traces" / "h200-healthy-workload.jsonl"
-        for p in (ROOT / "shared", ROOT.parent / "shared")
-        if (p / "traces" / "h200-healthy-workload.jsonl").exists()
-    ),
-    None,
-)
+SHARED_TRACE = HEALTHY_TRACE  # the real H200 trace of shared/traces, committed under tests/data
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 UUID1 = "GPU-11111111-1111-1111-1111-111111111111"
 STATICS = (
@@ -108,7 +101,6 @@ def test_unknown_fields_are_ignored(tmp_path: Path) -> None:
     assert trace.note == ""
 
 
-@pytest.mark.skipif(SHARED_TRACE is None, reason="shared/traces/h200-healthy-workload.jsonl is not beside the repo")
 def test_shared_healthy_trace_parses() -> None:
     assert SHARED_TRACE is not None
     assert len(SHARED_TRACE.read_text().splitlines()) == 241

@@ -14,16 +14,9 @@ from gpuwatch.config import Config
 from gpuwatch.errors import BackendError, GpuReadError, TraceError
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 from gpuwatch.trace import Trace, TraceWriter
+from tests.helpers import HEALTHY_TRACE
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARED_TRACE = next(
-    (
-        p / "traces" / "h200-healthy-workload.jsonl"
-        for p in (ROOT / "shared", ROOT.parent / "shared")
-        if (p / "traces" / "h200-healthy-workload.jsonl").exists()
-    ),
-    None,
-)
+SHARED_TRACE = HEALTHY_TRACE  # the real H200 trace of shared/traces, committed under tests/data
 STATICS = (GpuStatic(index=0, uuid="GPU-a", name="NVIDIA H200"), GpuStatic(index=1, uuid="GPU-b", name="NVIDIA H200"))
 
 
@@ -110,7 +103,6 @@ def test_no_file_and_bad_file(tmp_path: Path) -> None:
         ReplayBackend(Config(backend="replay", replay_file=str(bad))).open()
 
 
-@pytest.mark.skipif(SHARED_TRACE is None, reason="shared/traces/h200-healthy-workload.jsonl is not beside the repo")
 def test_replays_the_shared_trace() -> None:
     backend = ReplayBackend(Config(backend="replay", replay_file=str(SHARED_TRACE)))
     (static,) = backend.open()
