@@ -20,7 +20,7 @@ from typing import Any
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
-from gpuwatch.errors import ConfigError, GpuReadError
+from gpuwatch.errors import ConfigError, GpuReadError, StoreError
 from gpuwatch.health import engine, state
 from gpuwatch.health.history import History
 from gpuwatch.model import (
@@ -123,6 +123,9 @@ class Monitor:
                 readings.append(self.backend.sample(index, now, slow=slow))
             except GpuReadError as exc:
                 readings.append(GpuError(now, index, static.uuid, exc.kind, exc.detail))
+            except Exception as exc:  # a bug or odd failure on one GPU must not hide the others
+                log.exception("GPU %d: sample failed", index)
+                readings.append(GpuError(now, index, static.uuid, "unknown", f"{type(exc).__name__}: {exc}"))
         duration = time.perf_counter() - started
         return self.judge_readings(readings, duration)
 
@@ -277,13 +280,18 @@ class Monitor:
 
     def _after_decisions(self, decisions: list[state.Decision], now: float | None = None) -> Snapshot:
         now = self.clock() if now is None else now
-        for decision in decisions:
-            self._persist(decision)
         snapshot = self._build_snapshot(now)
         self.snapshot = snapshot
-        if self.store is not None:
-            for status in snapshot.gpus:
-                self.store.sync_findings(status.uuid, status.index, list(status.findings), now)
+        for decision in decisions:
+            self._log(decision)
+        try:
+            for decision in decisions:
+                self._persist(decision)
+            if self.store is not None:
+                for status in snapshot.gpus:
+                    self.store.sync_findings(status.uuid, status.index, list(status.findings), now)
+        except StoreError as exc:  # a full disk must not stop judging: the Snapshot and status.json still go out
+            log.error("cannot record decisions and findings: %s", exc)
         if self.runtime is not None:
             try:
                 self.runtime.write_status(snapshot)
@@ -296,19 +304,21 @@ class Monitor:
                 log.exception("listener %r failed", listener)
         return snapshot
 
-    def _persist(self, decision: state.Decision) -> None:
-        static = self.statics[decision.index]
-        gpu_state = self._node.gpus[self._position(decision.index)]
+    def _log(self, decision: state.Decision) -> None:
         level = logging.WARNING if decision.kind in {"quarantine", "refused"} else logging.INFO
         log.log(
             level,
             "GPU %d (%s): %s%s: %s",
             decision.index,
-            static.uuid,
+            self.statics[decision.index].uuid,
             decision.kind if decision.kind != "state" else f"state {decision.state.value}",
             " [drill]" if decision.drill else "",
             decision.reason,
         )
+
+    def _persist(self, decision: state.Decision) -> None:
+        static = self.statics[decision.index]
+        gpu_state = self._node.gpus[self._position(decision.index)]
         if self.store is None:
             return
         if decision.kind == "quarantine":
