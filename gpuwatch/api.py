@@ -30,7 +30,10 @@ from gpuwatch.monitor import Monitor
 def ensure_token(path: Path) -> str:
     """The API token, created 0600 on first start so only root (and the CLI run as root) can change state."""
     if path.exists():
-        return path.read_text(encoding="utf-8").strip()
+        token = path.read_text(encoding="utf-8").strip()
+        if token:
+            return token
+        path.unlink()  # an empty token (a crash mid-write) would let an empty bearer through
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -98,3 +98,13 @@ def test_healthz_and_status_page(node: SimNode) -> None:
     assert node.client.get("/healthz").json()["status"] == "ok"
     page = node.client.get("/")
     assert page.status_code == 200 and "<table>" in page.text and 'http-equiv="refresh"' in page.text
+
+
+def test_an_empty_token_file_is_replaced(tmp_path: Path) -> None:
+    from gpuwatch.api import ensure_token
+
+    path = tmp_path / "token"
+    path.write_text("\n")
+    token = ensure_token(path)
+    assert len(token) >= 32 and path.read_text().strip() == token
+    assert path.stat().st_mode & 0o777 == 0o600
