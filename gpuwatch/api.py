@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -73,15 +73,20 @@ def metrics_fast_path(app: ASGIApp, renderer: MetricsRenderer) -> ASGIApp:
     bytes straight from ASGI roughly halves the latency under concurrent scrapes.
     """
     headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+    not_allowed = [(b"allow", b"GET, HEAD"), (b"content-length", b"0")]
 
     async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] == "http" and scope["path"] == "/metrics" and scope["method"] in {"GET", "HEAD"}:
-            body = renderer.render()
-            length = [(b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers + length})
-            await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+        if scope["type"] != "http" or scope["path"] != "/metrics":
+            await app(scope, receive, send)
             return
-        await app(scope, receive, send)
+        if scope["method"] not in {"GET", "HEAD"}:
+            await send({"type": "http.response.start", "status": 405, "headers": not_allowed})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = renderer.render()
+        length = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers + length})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
 
     return asgi
 
@@ -123,9 +128,12 @@ def create_app(
     clock: Callable[[], float],
     extra_routes: Callable[[FastAPI, Callable[..., None]], None] | None = None,
     gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
-) -> FastAPI:
-    """Build the app. `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes;
-    each of `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks)."""
+) -> ASGIApp:
+    """Build the app: /metrics straight from ASGI, everything else through FastAPI.
+
+    `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes; each of
+    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks).
+    """
     app = FastAPI(title="gpuwatch", version=__version__, docs_url=None, redoc_url=None)
 
     def require_token(request: Request) -> None:
@@ -152,10 +160,6 @@ def create_app(
     @app.get("/", response_class=HTMLResponse)
     def status_page() -> HTMLResponse:
         return HTMLResponse(statuspage.render(snapshot(), clock(), socket.gethostname()))
-
-    @app.get("/metrics")
-    async def metrics() -> Response:  # async: cached bytes need no threadpool hop
-        return Response(renderer.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -210,4 +214,4 @@ def create_app(
 
     if extra_routes is not None:
         extra_routes(app, require_token)
-    return app
+    return metrics_fast_path(app, renderer)

@@ -24,7 +24,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
 from gpuwatch import __version__, remediation, systemd
-from gpuwatch.api import create_app, ensure_token, metrics_fast_path
+from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
@@ -161,7 +161,7 @@ class Daemon:
             self._last_prune = now
             self.store.prune(now - self.config.findings_retention_days * 86400)
 
-    def app(self) -> FastAPI:
+    def app(self) -> ASGIApp:
         def routes(app: FastAPI, require_token: Callable[..., None]) -> None:
             for hook in self.route_hooks:
                 hook(app, require_token)
@@ -203,7 +203,7 @@ class Daemon:
         sock = bind_socket(self.config)
         server = _Server(
             uvicorn.Config(
-                metrics_fast_path(self.app(), self.renderer),
+                self.app(),
                 log_level="warning",
                 access_log=False,
                 lifespan="off",

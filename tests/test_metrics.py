@@ -89,14 +89,11 @@ def test_render_is_cached_until_the_snapshot_changes(tmp_path: Path) -> None:
 
 
 def test_fast_path_serves_the_rendered_bytes_and_passes_the_rest_on(tmp_path: Path) -> None:
-    from fastapi.testclient import TestClient
     from prometheus_client import CONTENT_TYPE_LATEST
-
-    from gpuwatch.api import metrics_fast_path
 
     node = start_sim_node(tmp_path, "healthy", gpus=2)
     try:
-        with TestClient(metrics_fast_path(node.daemon.app(), node.daemon.renderer)) as client:
+        with node.client as client:
             response = client.get("/metrics")
             assert response.status_code == 200
             assert response.headers["content-type"] == CONTENT_TYPE_LATEST
