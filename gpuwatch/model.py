@@ -260,6 +260,7 @@ class Snapshot:
     samples_total: int = 0
     breaker_tripped: bool = False
     breaker_refusals_total: int = 0
+    trainers: tuple[TrainerInfo, ...] = ()  # every live report, also those whose GPU uuid matched none
 
     def gpu(self, index: int) -> GpuStatus | None:
         for status in self.gpus:

@@ -419,6 +419,7 @@ class Monitor:
             samples_total=self._samples_total,
             breaker_tripped=self._node.breaker_tripped,
             breaker_refusals_total=self._node.breaker_refusals,
+            trainers=self._trainers,
         )
 
 

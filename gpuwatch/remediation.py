@@ -185,7 +185,7 @@ class Remediation:
 
         The monitor calls its listeners under its lock, so two calls never overlap.
         """
-        ranks = self._map(snapshot, self._read_reports(snapshot.t))
+        ranks = self._map(snapshot, list(snapshot.trainers))  # the monitor read the reports for this Snapshot
         verdict = self._judge(snapshot, ranks)
         with self._lock:
             self._ranks, self._verdict = ranks, verdict
