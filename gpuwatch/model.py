@@ -205,6 +205,7 @@ class TrainerInfo:
     job_id: str | None = None
     gpu_uuid: str | None = None
     step: int | None = None
+    first_step: int | None = None
     step_time_s: float | None = None
     grad_norm: float | None = None
     grad_norm_var: float | None = None
@@ -213,6 +214,9 @@ class TrainerInfo:
     inactive_split_bytes: int | None = None
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
+    stop_requested: bool | None = None
+    allow_drills: bool | None = None
+    ended: str | None = None
     updated_t: float | None = None
 
 
