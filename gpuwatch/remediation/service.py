@@ -52,6 +52,7 @@ FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later on
 SLOW_POLL_S = 5.0
 RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
 MAX_WATCHES = 64
+MAX_STOPPED = 4096  # stopped ranks remembered (so their exit is no death); the gone ones are dropped beyond it
 FAULT_RULES = frozenset(
     {"xid_critical", "xid_app", "xid_app_repeated", "ecc_uncorrectable", "gpu_lost", "gpu_reset_required"}
 )
@@ -107,6 +108,7 @@ class Remediation:
         self._inbox: queue.SimpleQueue[_Publish] = queue.SimpleQueue()
         self._exits = ExitWatch(self.proc)
         self._known: dict[int, Rank] = {}
+        self._stopped: dict[int, int | None] = {}  # pid → start time of ranks handed to a stop
         self._last: _Publish | None = None
         self._stops: list[JobStop] = []
         self._watches: dict[str, Incident] = {}  # job → the incident whose resume is awaited
@@ -177,7 +179,11 @@ class Remediation:
 
     def _handle_publish(self, publish: _Publish) -> None:
         self._last = publish
+        if len(self._stopped) > MAX_STOPPED:
+            self._stopped = {pid: st for pid, st in self._stopped.items() if self.proc.alive(pid, st)}
         for rank in publish.ranks:
+            if self._stopped.get(rank.pid, -1) == rank.start_time:
+                continue  # a rank we stopped, still reporting on its way out
             if rank.pid not in self._known and self._exits.add(rank.pid, rank.start_time):
                 self._known[rank.pid] = rank
             elif rank.pid in self._known:
@@ -268,6 +274,10 @@ class Remediation:
             incident.time_to_stop_s = 0.0 if not dead else incident.since_decision()
         self.incidents.save(incident)
         if targets:
+            for target in targets:  # the stop's now: its exits are how it ended, not deaths
+                self._known.pop(target.rank.pid, None)
+                self._exits.remove(target.rank.pid)
+                self._stopped[target.rank.pid] = target.rank.start_time
             self._stops.append(JobStop(incident, self.cfg, self.stop_signal, self.proc))
         self._watch(incident)
         return incident
@@ -283,8 +293,6 @@ class Remediation:
         ended = report.info.ended
         if ended is not None and ended != ENDED_ERROR:
             return
-        if any(pid in {t.rank.pid for t in stop.incident.targets} for stop in self._stops):
-            return  # one of ours, being stopped
         how = "died" if ended is None else "raised"
         log.warning(
             "rank %s (pid %d) of job %s on GPU %s %s at step %s",
