@@ -116,7 +116,7 @@ class DrillSchedule:
     gpu: str = "idle"
     args: str = ""
     require_healthy_share: float = 1.0
-    skip_if_trainers: bool = True  # kill_rank ignores it: its target must have a trainer
+    skip_if_trainers: bool = True  # kill_rank, hang_rank, fault_rank ignore it: their target must have a trainer
     allow_destructive: bool = False  # reset_gpu and pcie_remove run on a schedule only with this set
 
 

@@ -376,7 +376,7 @@ class Remediation:
                 if r.info.job_id in incident.jobs
                 and r.info.pid not in incident.gone_pids
                 and r.info.step is not None
-                and (r.info.updated_t or 0.0) > incident.t
+                and (r.info.updated_t or 0.0) >= incident.t
             ]
             if relaunched:
                 first = min(relaunched, key=lambda r: (r.updated_t or 0.0, r.step or 0))
