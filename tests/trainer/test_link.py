@@ -18,7 +18,7 @@ from gpuwatch.trainer import EXIT_RESUME, TrainerLink, bench_step
 CONTRACT_FIELDS = {
     "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
-    "num_alloc_retries", "num_ooms", "stop_requested",
+    "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended",
 }  # fmt: skip
 FAST = 0.02
 
@@ -91,8 +91,11 @@ def test_report_has_the_contract_fields(tmp_path: Path) -> None:
     assert report["reserved_bytes"] is None and report["num_ooms"] is None  # no CUDA here
     assert report["stop_requested"] is False
     assert abs(float(report["t"]) - time.time()) < 5  # type: ignore[arg-type]
-    assert not path.exists()  # removed on close
-    assert list((tmp_path / "trainers").iterdir()) == []  # and no temp file left
+    assert (report["first_step"], report["allow_drills"], report["ended"]) == (1, False, None)
+    final = _read_report(path)  # left on close, for the daemon to read and remove
+    assert final is not None and (final["ended"], final["step"], final["first_step"]) == ("finished", 4, 1)
+    assert [p.name for p in (tmp_path / "trainers").iterdir()] == [path.name]  # no temp file left
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_defaults_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +220,7 @@ def test_exit_for_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         link.exit_for_resume()
 
     assert excinfo.value.code == EXIT_RESUME == 75
-    assert not path.exists()
+    assert (_read_report(path) or {})["ended"] == "resume"
     assert json.loads(error_file.read_text())["message"]["message"] == "gpuwatch: stopped for resume (test)"
 
 
