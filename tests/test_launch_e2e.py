@@ -289,12 +289,12 @@ def test_a_job_that_crashes_twice_at_the_same_step_with_no_finding_stops_with_3(
     assert "gpuwatch launch: relaunch 1/2: rank 0 on GPU 0 (" in stderr and "exited 1 after step 5" in stderr
 
 
-@pytest.mark.xfail(reason="needs the daemon's hang detection", strict=False)
 def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[..., Node], tmp_path: Path) -> None:
     node = start_node(
-        GPUWATCH_TRAINER_HANG_AFTER_S="3",
+        GPUWATCH_TRAINER_HANG_AFTER_S="8",
+        GPUWATCH_TRAINER_STALE_AFTER_S="5",  # the frozen rank's report is stale after 5 s (reports every 0.2 s)
         GPUWATCH_TRAINER_RESTART_HUNG_JOBS="true",
-        GPUWATCH_TRAINER_GRACE_PERIOD_S="1",
+        GPUWATCH_TRAINER_GRACE_PERIOD_S="20",
     )
     args = ("--steps", "80", "--step-sleep", "0.05", "--ckpt-every", "50", "--gloo-timeout", "300")
     proc = _launch(node, tmp_path / "ckpt", *args)
@@ -313,4 +313,6 @@ def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[...
     assert proc.returncode == 0, stderr
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["steps_done"] == 80 and summary["restarts"] >= 1 and summary["lost_steps"] == 0, summary
-    assert any(f["rule"] == "trainer_hang" for f in node.get("/v1/findings")["history"]), "no trainer_hang finding"
+    (incident,) = [i for i in node.get("/v1/incidents")["incidents"] if i["kind"] == "trainer_hang"]
+    assert (incident["status"], incident["steps_lost"]) == ("resumed", 0), incident
+    assert "stopped reporting" in incident["reason"]

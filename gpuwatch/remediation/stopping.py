@@ -3,8 +3,8 @@
 A `JobStop` never sleeps: the remediation thread calls `advance()` whenever a rank exits or a
 deadline passes, so one thread escalates any number of stops at once. A rank is recognised by
 PID and start time, so a recycled PID is never signalled. A rank that is stopped (SIGSTOP, run
-state T) cannot checkpoint: once every other rank of the stop is gone it gets SIGKILL at once
-instead of waiting out the grace period.
+state T) cannot checkpoint, and while it lives its peers wait on it in a collective: it gets SIGKILL
+at once, so they get out (gloo sees the peer gone; NCCL ranks abort on the stop signal) and save.
 """
 
 from __future__ import annotations
@@ -48,21 +48,18 @@ class JobStop:
         alive = self._alive()
         for target in alive:
             self._signal(target, stop_signal)
-        self.done = not alive
         if alive:
             log.warning("GPU %s: %s: sent %s to %s", incident.gpu, incident.cause, stop_signal.name, _pids(alive))
+        self._kill_frozen(alive)
+        self.done = not self._alive()
 
     def advance(self) -> bool:
         """Note who is gone, escalate what is due; True once every target is gone or beyond SIGKILL."""
         if self.done:
             return True
         alive = self._alive()
-        if alive and all(self.proc.run_state(t.rank.pid) in _FROZEN for t in alive):
-            log.warning("GPU %s: %s stopped (SIGSTOP): sending SIGKILL", self.incident.gpu, _pids(alive))
-            for target in alive:
-                self._signal(target, signal.SIGKILL)
-            self._how = "SIGKILL"
-            alive = self._alive()
+        self._kill_frozen(alive)
+        alive = self._alive()
         while alive and time.monotonic() >= self.deadline:
             wait_s, escalate = self._phases.pop(0)
             if escalate is None:
@@ -85,6 +82,15 @@ class JobStop:
             alive = self._alive()
         self.done = not alive
         return self.done
+
+    def _kill_frozen(self, alive: list[Target]) -> None:
+        frozen = [t for t in alive if self.proc.run_state(t.rank.pid) in _FROZEN]
+        if frozen:
+            log.warning("GPU %s: %s stopped (SIGSTOP): sending SIGKILL", self.incident.gpu, _pids(frozen))
+            for target in frozen:
+                self._signal(target, signal.SIGKILL)
+                target.ended = "SIGKILL"
+                self.incident.gone_pids.add(target.rank.pid)
 
     def _alive(self) -> list[Target]:
         """The targets still running; the others get how they ended."""
