@@ -122,6 +122,8 @@ class Remediation:
         self._closed.set()
         self._exits.wake()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._exits.close()
 
     # -- the listener (sampling thread) ---------------------------------------------------------
 
@@ -168,7 +170,6 @@ class Remediation:
             except Exception:  # a bug here must not end stopping for good
                 log.exception("remediation step failed")
                 self._closed.wait(IDLE_WAIT_S)
-        self._exits.close()
 
     def _timeout(self) -> float:
         if self._stops:
