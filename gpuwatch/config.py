@@ -96,7 +96,7 @@ class ToolsConfig:
     dcgmi: str = "dcgmi"
     sysfs_root: str = "/sys"
     kmsg: str = "/dev/kmsg"  # the kernel log the xid_fault drill reads for the driver's "NVRM: Xid" line
-    xid_fault: str = ""  # the sacrificial CUDA process; "" is fault_injection/xid_fault.py of this checkout
+    xid_fault: str = ""  # the sacrificial CUDA process; "" is gpuwatch/drills/xid_fault.py of this install
     dcgm_bindings: tuple[str, ...] = (
         "/usr/share/datacenter-gpu-manager-4/bindings/python3",
         "/usr/local/dcgm/bindings/python3",
