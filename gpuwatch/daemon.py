@@ -33,6 +33,7 @@ from gpuwatch.errors import ConfigError
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.monitor import Monitor
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -113,6 +114,7 @@ class Daemon:
     def __init__(self, config: Config, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.state_lock = StateDirLock.acquire(config.state_dir)  # a second daemon stops here, exit 2
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
         self.store = Store(config.db_path)
@@ -196,6 +198,7 @@ class Daemon:
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
         self.store.close()
+        self.state_lock.release()
         log.info("gpuwatch stopped")
 
     def serve(self) -> None:
