@@ -98,7 +98,7 @@ def drill(
         request = Request(
             name, value if isinstance(value, int) else None, spec, rank, await_release or config.drills.await_release
         )
-        code = _drill(config, request, dry_run or (KINDS[name].needs_yes and not yes), as_json)
+        code = _drill(config, request, dry_run or (KINDS[name].needs_yes and not yes), as_json, config_path)
     except GpuwatchError as exc:
         _fail(str(exc))
     sys.exit(code)
@@ -114,11 +114,11 @@ def run_as_script(option: str, argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _drill(config: Config, request: Request, dry_run: bool, as_json: bool) -> int:
+def _drill(config: Config, request: Request, dry_run: bool, as_json: bool, config_path: str | None = None) -> int:
     from gpuwatch.drills.api import HttpApi
     from gpuwatch.drills.runner import plan, prepare, run_drill
 
-    api = HttpApi(config)
+    api = HttpApi(config, config_path=config_path)
     run = prepare(request, api, config, Clock(time.time, time.sleep, config.drills.poll_s))
     title = f"drill {run.kind.name} on GPU {run.gpu} ({run.uuid})"
     if dry_run:
@@ -128,6 +128,7 @@ def _drill(config: Config, request: Request, dry_run: bool, as_json: bool) -> in
         hint = "; add --yes to do it" if run.kind.needs_yes else ""
         click.echo(f"dry run: nothing was done{hint}")
         return 0
+    api.require_token()  # refused (exit 2, saying what to pass) before the drill, not a FAIL at its first step
     console = Console(stderr=True)
     with console.status(title) as status:
         verdict = run_drill(run, _progress(title, console, status.update, time.time()))
