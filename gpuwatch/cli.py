@@ -204,7 +204,7 @@ def check(config_path: str | None, samples: int, duration_s: float | None, as_js
 @click.option("--interval", "interval_s", type=float, help="Seconds between samples (default 1).")
 @one_line_errors
 def record(config_path: str | None, out_path: str, duration_s: float, **flags: Any) -> None:
-    """Record a trace (JSON lines, shared/traces/FORMAT.md) from any backend."""
+    """Record a trace from any backend (JSON lines; the format: docs/trace-format.md in the repository)."""
     from gpuwatch.recorder import record as run_record
 
     interval = flags.pop("interval_s") or 1.0
