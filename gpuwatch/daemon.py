@@ -64,14 +64,18 @@ def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
 
 def bind_socket(config: Config) -> socket.socket:
     """Bind the listen address ourselves so a busy port is one clear line, not a uvicorn traceback."""
-    host, port = config.listen_host, config.listen_port
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    host, port = config.listen_host.strip("[]"), config.listen_port
+    # A host name (localhost, the node's name) binds to the first address it resolves to, v4 or v6.
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without
     # it every keep-alive scrape after the first waits ~40 ms for a delayed ACK.
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    except (socket.gaierror, IndexError) as exc:
+        raise ConfigError(f"listen {config.listen}: cannot resolve {host!r}: {getattr(exc, 'strerror', exc)}") from None
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host.strip("[]"), port))
+        sock.bind(address)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"listen {config.listen}: {exc.strerror or exc}") from None
