@@ -107,8 +107,10 @@ def drill(
 def run_as_script(option: str, argv: Sequence[str] | None = None) -> int:
     """fault_injection/<name>.py ARG [options] is `gpuwatch drill <option> ARG [options]`; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # --help alone, else it would be taken for the option's value ("--inject --help").
+    command = ["--help"] if {"-h", "--help"} & set(args) else [option, *args]
     try:
-        drill.main(args=[option, *args], prog_name=f"gpuwatch drill {option}", standalone_mode=True)
+        drill.main(args=command, prog_name=f"gpuwatch drill {option}", standalone_mode=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     return 0

@@ -3,6 +3,7 @@ kernel log, a stand-in for the sacrificial CUDA process, and real (harmless) chi
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -136,3 +137,25 @@ def test_the_real_xid_fault_refuses_without_a_gpu(where: str) -> None:
     done = subprocess.run([sys.executable, str(script), "--gpu", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith("xid_fault: refused: "), done
     assert not [line for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize(
+    ("script", "option"),
+    [
+        ("inject", "--inject"),
+        ("kill_rank", "--kill-rank"),
+        ("reset_gpu", "--reset-gpu"),
+        ("pcie_remove", "--pcie-remove"),
+        ("dcgm_inject", "--dcgm-inject"),
+        ("xid_fault", "--gpu"),
+    ],
+)
+def test_each_fault_injection_script_runs_from_the_checkout(tmp_path: Path, script: str, option: str) -> None:
+    """`python3 fault_injection/<name>.py` works from a checkout, from any directory and without PYTHONPATH."""
+    path = Path(__file__).resolve().parents[2] / "fault_injection" / f"{script}.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert option in done.stdout
