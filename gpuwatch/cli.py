@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpuwatch import __version__
@@ -127,9 +128,10 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
     table = Table(title="gpuwatch")
     for column in STATUS_COLUMNS:
         table.add_column(column, overflow="fold")
-    for g, row in zip(gpus, rows, strict=True):
-        state = g["state"]
-        table.add_row(*row[:2], f"[{STATE_STYLE.get(state, '')}]{state}[/]", *row[3:])
+    for row in rows:
+        cells = [escape(cell) for cell in row]  # reasons are anyone's text: never rich markup
+        cells[2] = f"[{STATE_STYLE.get(row[2], '')}]{cells[2]}[/]"
+        table.add_row(*cells)
     console = Console()
     natural = Console(width=100_000).measure(table).maximum
     if wide:

@@ -62,10 +62,14 @@ def test_status_piped_shows_one_gpu_per_line_in_full(daemon: RunningDaemon) -> N
 
 
 def test_status_wide_is_the_table_at_full_width(daemon: RunningDaemon) -> None:
+    reason = "[bold]fan[/] noise at 3x the usual"  # an operator's text: shown as written, never as markup
+    assert gpuwatch("quarantine", "3", "--reason", reason, *at(daemon)).returncode == 0
     result = gpuwatch("status", "--wide", *at(daemon))
+    assert gpuwatch("release", "3", *at(daemon)).returncode == 0
     assert result.returncode == 0, result.stderr
     assert "quarantined" in result.stdout and "…" not in result.stdout
     assert all(g["uuid"] in result.stdout for g in daemon.get("/v1/gpus")["gpus"])
+    assert f"yes: {reason}" in result.stdout
 
 
 def test_quarantine_and_release_say_what_they_did(daemon: RunningDaemon) -> None:
