@@ -138,8 +138,8 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
         Console(width=max(natural, console.width)).print(table)
     elif plain or not console.is_terminal or natural > console.width:
         for row in rows:
-            cells = (f"{column}: {value}" for column, value in zip(STATUS_COLUMNS[1:], row[1:], strict=True))
-            click.echo("GPU " + ", ".join([row[0], *cells]))
+            labelled = [f"{column}: {value}" for column, value in zip(STATUS_COLUMNS[1:], row[1:], strict=True)]
+            click.echo("GPU " + ", ".join([row[0], *labelled]))
     else:
         console.print(table)
 
