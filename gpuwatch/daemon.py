@@ -35,6 +35,7 @@ from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -65,14 +66,18 @@ def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
 
 def bind_socket(config: Config) -> socket.socket:
     """Bind the listen address ourselves so a busy port is one clear line, not a uvicorn traceback."""
-    host, port = config.listen_host, config.listen_port
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    host, port = config.listen_host.strip("[]"), config.listen_port
+    # A host name (localhost, the node's name) binds to the first address it resolves to, v4 or v6.
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without
     # it every keep-alive scrape after the first waits ~40 ms for a delayed ACK.
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    except (socket.gaierror, IndexError) as exc:
+        raise ConfigError(f"listen {config.listen}: cannot resolve {host!r}: {getattr(exc, 'strerror', exc)}") from None
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host.strip("[]"), port))
+        sock.bind(address)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"listen {config.listen}: {exc.strerror or exc}") from None
@@ -115,6 +120,7 @@ class Daemon:
     def __init__(self, config: Config, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.state_lock = StateDirLock.acquire(config.state_dir)  # a second daemon stops here, exit 2
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
         self.store = Store(config.db_path)
@@ -204,6 +210,7 @@ class Daemon:
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
         self.store.close()
+        self.state_lock.release()
         log.info("gpuwatch stopped")
 
     def serve(self) -> None:
