@@ -13,10 +13,10 @@ calls `exit_for_resume()` (exit code 75). A rank blocked inside a collective nev
 boundary (its peer died or hangs), and a Python signal handler only runs when the main thread
 returns to bytecode, so signals also reach the daemon thread through `signal.set_wakeup_fd`: the C
 handler writes the signal number into the link's pipe from whatever thread the kernel picked, and
-the daemon thread, blocked in select() on the read end, sees it at once. When a stop is pending and
-the main thread has stayed inside one `rescue()` block for `abort_after_s`, the link aborts the
-default process group (NCCL) so the blocked collective fails, and `rescue()` saves the last
-completed step with no collective call and exits 75. gloo (torch 2.13) cannot be aborted: its
+the daemon thread, blocked in select() on the read end, sees it at once. When a stop is pending
+and the main thread has stayed inside one `rescue()` block for `abort_after_s` (after SIGTERM: at
+once), the link aborts the default process group (NCCL) so the blocked collective fails, and
+`rescue()` saves the last completed step with no collective call and exits 75. gloo (torch 2.13) cannot be aborted: its
 blocked collective ends at the process group's timeout, so a gloo job bounds that timeout itself.
 
 torch is never imported here: when the program has imported it, it gives the GPU UUID, the
@@ -92,7 +92,8 @@ class TrainerLink:
             grace period): a stop request too, so a rank blocked in a collective can still rescue its
             state; a loop that calls `step()` again after it is ended by it. None: left at its default.
         abort_after_s: how long a rank with a pending stop may stay inside one `rescue()` block before
-            the link aborts the default process group. Keep it above a collective checkpoint save's time.
+            the link aborts the default process group (after the term signal: no wait). Keep it above
+            a collective checkpoint save's time.
         allow_drills: accept `gpuwatch drill --fault-rank` (FAULT_DRILL_SIGNAL): raise a real, harmless
             XID 31 in this rank's CUDA context.
 
@@ -131,7 +132,8 @@ class TrainerLink:
         self.stop_reason: str | None = None
         self._stop_requested = False
         self._stop_t: float | None = None  # monotonic time of the first stop request
-        self._terminated = False  # term_signal arrived
+        self._terminated = False  # term_signal arrived and no handler of the program's own takes it
+        self._term_t: float | None = None  # monotonic time of the term signal
 
         self._step: int | None = None
         self._first_step: int | None = None
@@ -320,24 +322,29 @@ class TrainerLink:
         self.exit_for_resume(f"rescued step {self._step} after {why}")
 
     def _check_abort(self) -> None:
-        """Abort the default process group once a pending stop has waited `abort_after_s` on one rescue() block."""
-        entered, stop_t = self._block_entered_t, self._stop_t
-        if self._aborted or self._rescuing or entered is None or stop_t is None:
-            return
-        if time.monotonic() < max(entered, stop_t) + self.abort_after_s:
+        """Abort the default process group once a pending stop has waited too long on one rescue() block."""
+        due = self._abort_due()
+        if due is None or time.monotonic() < due:
             return
         self._aborted = True
         log.warning(
-            "rank %s: stop pending (%s) and the step has not ended in %.1f s: aborting the process group",
-            self.rank, self.stop_reason, self.abort_after_s,
+            "rank %s: stop pending (%s) and the step has not ended: aborting the process group",
+            self.rank, self.stop_reason,
         )  # fmt: skip
         _abort_default_process_group()
 
-    def _next_abort_check(self) -> float | None:
+    def _abort_due(self) -> float | None:
+        """When to abort: `abort_after_s` after the stop (or the block's start), at once after the term signal.
+
+        The term signal means the group is being torn down (torchrun: a peer failed; the daemon: the
+        grace period is over), so no step boundary is worth waiting for; the rescue is as good.
+        """
         entered, stop_t = self._block_entered_t, self._stop_t
-        if self._aborted or entered is None or stop_t is None:
+        if self._aborted or self._rescuing or entered is None or stop_t is None:
             return None
-        return max(entered, stop_t) + self.abort_after_s - time.monotonic()
+        if self._term_t is not None:
+            return max(entered, self._term_t)
+        return max(entered, stop_t) + self.abort_after_s
 
     def _end_by_term_signal(self) -> NoReturn:
         """The loop went on after the term signal: end the way that signal's default action would."""
@@ -379,8 +386,9 @@ class TrainerLink:
 
     def _note_stop_signal(self, signum: int) -> None:
         self.request_stop(f"signal {signal.Signals(signum).name}")
-        if signum == self._term_signal and not callable(self._previous_handlers.get(signum)):
-            self._terminated = True
+        if signum == self._term_signal:
+            self._term_t = self._term_t or time.monotonic()
+            self._terminated = not callable(self._previous_handlers.get(signum))
 
     def _restore_handlers(self) -> None:
         if not self._previous_handlers:
@@ -423,9 +431,9 @@ class TrainerLink:
         next_report = 0.0
         while not self._closed.is_set():
             timeout = max(0.0, next_report - time.monotonic())
-            abort_in = self._next_abort_check()
-            if abort_in is not None:
-                timeout = min(timeout, max(0.0, abort_in))
+            due = self._abort_due()
+            if due is not None:
+                timeout = min(timeout, max(0.0, due - time.monotonic()))
             try:
                 woken = self._wait(timeout)
                 if self._closed.is_set():

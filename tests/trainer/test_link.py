@@ -479,3 +479,16 @@ def test_without_allow_drills_the_drill_signal_is_not_handled(tmp_path: Path, re
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     with TrainerLink(tmp_path):
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+
+
+def test_sigterm_aborts_a_stuck_step_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """torchrun's teardown (a peer failed) or the daemon's grace period: no step boundary is worth waiting for."""
+    saves = Saves()
+    with pytest.raises(SystemExit) as exited, TrainerLink(tmp_path, abort_after_s=60) as link:
+        link.step(3)
+        with link.rescue(saves):
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for(lambda: "aborting the process group" in caplog.text, timeout=1)
+    assert exited.value.code == EXIT_RESUME
+    assert saves == [3]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
