@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -164,6 +165,7 @@ class TrainerLink:
         handled = self._stop_signals | ({FAULT_DRILL_SIGNAL} if allow_drills else set())
         self._install_handlers(handled)
 
+        _LIVE_LINKS.add(self)
         self._thread = threading.Thread(target=self._run, name="gpuwatch-trainer-link", daemon=True)
         self._thread.start()
 
@@ -283,9 +285,21 @@ class TrainerLink:
             self._thread.join(timeout=max(5.0, self.report_interval_s))
         self._write_report()  # the final one, after the thread is gone: no two writers
         self._restore_handlers()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        """Close the pipe, unless the C handler may still write to it (a number reused by another file)."""
+        if self._owns_wakeup_fd:
+            return
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) is not this rank: its signals must not reach our thread."""
+        self._closed.set()
+        self._restore_handlers()  # the forking thread is the child's main thread
+        self._close_pipe()
 
     def __enter__(self) -> TrainerLink:
         return self
@@ -396,8 +410,11 @@ class TrainerLink:
         if threading.current_thread() is not threading.main_thread():
             log.debug("TrainerLink closed off the main thread: signal handlers left in place")
             return
-        if self._owns_wakeup_fd and signal.set_wakeup_fd(-1) != self._wake_w:
-            log.debug("the signal wakeup fd was replaced after TrainerLink set it")
+        if self._owns_wakeup_fd:
+            current = signal.set_wakeup_fd(-1)
+            if current != self._wake_w:  # replaced after we set it: put the newer owner's back
+                signal.set_wakeup_fd(current)
+            self._owns_wakeup_fd = False
         for signum, previous in self._previous_handlers.items():
             if signal.getsignal(signum) == self._on_signal:
                 # None means a handler installed from C: it cannot be put back, so use the default.
@@ -545,6 +562,18 @@ class TrainerLink:
         if self._write_failed:
             log.info("gpuwatch trainer report written to %s", self._report_path)
             self._write_failed = False
+
+
+_LIVE_LINKS: weakref.WeakSet[TrainerLink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for link in list(_LIVE_LINKS):
+        if not link._closed.is_set():
+            link._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def bench_step(n: int = 100_000) -> float:

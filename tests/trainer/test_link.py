@@ -492,3 +492,19 @@ def test_sigterm_aborts_a_stuck_step_at_once(tmp_path: Path, caplog: pytest.LogC
     assert exited.value.code == EXIT_RESUME
     assert saves == [3]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_forked_child_does_not_pass_its_signals_to_the_rank(tmp_path: Path, restore_sigusr1: None) -> None:
+    """A DataLoader worker is forked with our handlers and wakeup fd: its SIGTERM must not stop the rank."""
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    with TrainerLink(tmp_path, report_interval_s=FAST) as link:
+        pid = os.fork()
+        if pid == 0:  # the child: handlers back to what they were, then die of SIGTERM as before the link
+            restored = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+            if restored:
+                os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(9)
+        _, status = os.waitpid(pid, 0)
+        time.sleep(10 * FAST)
+        assert os.waitstatus_to_exitcode(status) == -signal.SIGTERM
+        assert not link.stop_requested
