@@ -304,8 +304,9 @@ def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[...
     try:
         stdout, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
+        os.kill(hung, signal.SIGCONT)
+        proc.terminate()  # launch forwards it to torchrun (its own session), which tears the ranks down
+        stdout, stderr = proc.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGCONT)
