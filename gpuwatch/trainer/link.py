@@ -64,6 +64,7 @@ FAULT_DRILL_SIGNAL = signal.SIGUSR2
 
 _STEP_TIME_WINDOW = 20
 _GRAD_NORM_WINDOW = 100
+_PENDING_STOP_POLL_S = 0.1  # with a stop pending, how often the thread looks for a rescue() block to time
 _WAKE = 0  # the byte step() and close() write to the pipe; signal numbers are never 0
 _MEMORY_STAT_KEYS = {
     "reserved_bytes": "reserved_bytes.all.current",
@@ -451,6 +452,8 @@ class TrainerLink:
             due = self._abort_due()
             if due is not None:
                 timeout = min(timeout, max(0.0, due - time.monotonic()))
+            elif self._stop_t is not None and not (self._aborted or self._rescuing):
+                timeout = min(timeout, _PENDING_STOP_POLL_S)  # the main thread may enter a block at any time
             try:
                 woken = self._wait(timeout)
                 if self._closed.is_set():

@@ -508,3 +508,20 @@ def test_a_forked_child_does_not_pass_its_signals_to_the_rank(tmp_path: Path, re
         time.sleep(10 * FAST)
         assert os.waitstatus_to_exitcode(status) == -signal.SIGTERM
         assert not link.stop_requested
+
+
+def test_a_step_entered_after_the_stop_is_timed_from_its_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread sleeps a whole report interval otherwise: with a stop pending it looks for a block often."""
+    saves = Saves()
+    with pytest.raises(SystemExit), TrainerLink(tmp_path, 3600, stop_signal=None, abort_after_s=0.2) as link:
+        link.step(4)
+        link.request_stop("test")
+        time.sleep(0.3)  # between steps: nothing to abort
+        assert "aborting" not in caplog.text
+        entered = time.monotonic()
+        with link.rescue(saves):
+            _wait_for(lambda: "aborting the process group" in caplog.text, timeout=2)
+            assert 0.2 <= time.monotonic() - entered < 1.0
+    assert saves == [4]
