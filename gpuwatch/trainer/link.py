@@ -81,7 +81,8 @@ class TrainerLink:
     """One training rank's connection to the node's gpuwatch daemon, through the runtime directory.
 
     Use it as a context manager (or call `close()`): the rank's final report is written with how
-    it ended, and the previous signal handlers are restored.
+    it ended, and the previous signal handlers are restored (a stop signal whose previous action
+    was the default, which would end the process, is ignored from then on).
 
     Args:
         runtime_dir: the daemon's runtime directory; default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch.
@@ -299,7 +300,7 @@ class TrainerLink:
     def _after_fork_in_child(self) -> None:
         """A forked child (a DataLoader worker) is not this rank: its signals must not reach our thread."""
         self._closed.set()
-        self._restore_handlers()  # the forking thread is the child's main thread
+        self._restore_handlers(exactly=True)  # the forking thread is the child's main thread
         self._close_pipe()
 
     def __enter__(self) -> TrainerLink:
@@ -405,7 +406,7 @@ class TrainerLink:
             self._term_t = self._term_t or time.monotonic()
             self._terminated = not callable(self._previous_handlers.get(signum))
 
-    def _restore_handlers(self) -> None:
+    def _restore_handlers(self, *, exactly: bool = False) -> None:
         if not self._previous_handlers:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -417,9 +418,16 @@ class TrainerLink:
                 signal.set_wakeup_fd(current)
             self._owns_wakeup_fd = False
         for signum, previous in self._previous_handlers.items():
-            if signal.getsignal(signum) == self._on_signal:
-                # None means a handler installed from C: it cannot be put back, so use the default.
-                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            if signal.getsignal(signum) != self._on_signal:
+                continue
+            # None means a handler installed from C: it cannot be put back, so use the default.
+            previous = previous if previous is not None else signal.SIG_DFL
+            stop_only = signum in self._stop_signals and signum != self._term_signal
+            if stop_only and previous == signal.SIG_DFL and not exactly:
+                # A late stop request (the daemon does not know the loop is over) must not kill the
+                # process in its epilogue (an evaluation, an upload): SIGUSR1's default action would.
+                previous = signal.SIG_IGN
+            signal.signal(signum, previous)
         self._previous_handlers.clear()
 
     def _wake(self, byte: int = _WAKE) -> None:
