@@ -13,9 +13,9 @@ reason 0x4 (SW power cap), and an idle one drops to 345 MHz with 0x1 (DESIGN.md,
 
 from __future__ import annotations
 
-from gpuwatch.config import RulesConfig
 from collections.abc import Callable
 
+from gpuwatch.config import RulesConfig
 from gpuwatch.health.evidence import Condition, Evidence, Windowed, clock_text, finding
 from gpuwatch.health.history import History
 from gpuwatch.model import (
