@@ -135,6 +135,9 @@ class Daemon:
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
         install_drills(self)
+        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out, so a scrape
+        # finds the bytes ready instead of rendering them while the other scrapes queue behind it.
+        self.monitor.listeners.append(lambda snapshot, decisions: self.renderer.render())
         log.info(
             "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
             __version__,
