@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gpuwatch.backends.base import Backend
@@ -272,12 +274,17 @@ def _history(seconds: float) -> str:
 def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | None = None) -> dict[str, Any]:
     """Monitor.tick (with SQLite and status.json, as in the daemon) and the render after it.
 
-    With `history_s` None, at the rules' steady history: the longest window plus two intervals.
+    With `history_s` None, at the rules' steady history: the longest window plus two intervals. The
+    runtime dir is on tmpfs where there is one, as /run/gpuwatch is on a node: on a disk, replacing
+    status.json every tick can cost milliseconds of the filesystem's own (ext4 flushes a file renamed
+    over another), which would hide the daemon's cost.
     """
     root = ctx.workdir / f"tick-{interval_s:g}s-{ctx.gpus}-{history_s}"
+    tmpfs = Path("/dev/shm")
+    run_root = tempfile.TemporaryDirectory(prefix="gpuwatch-bench-", dir=tmpfs if tmpfs.is_dir() else root)
     clock = FakeClock(time.time())
     config = dataclasses.replace(
-        bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(root / "run")
+        bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(Path(run_root.name) / "run")
     )
     backend, statics = open_backend(ctx, config, clock)
     runtime = RuntimeDir(config.runtime_dir)
@@ -303,6 +310,7 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | N
     finally:
         store.close()
         backend.close()
+        run_root.cleanup()
     stats = summarize(tick_s, "ms")
     return {
         "interval_s": interval_s,

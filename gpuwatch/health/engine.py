@@ -7,6 +7,7 @@ runs, on its running state; `evaluate` is the windowed reference over a History.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 from gpuwatch.config import RulesConfig
@@ -25,7 +26,11 @@ def module_name(module: ModuleType) -> str:
 
 
 def enabled_modules(cfg: RulesConfig) -> tuple[ModuleType, ...]:
-    disabled = set(cfg.disabled)
+    return _enabled(frozenset(cfg.disabled))
+
+
+@functools.cache
+def _enabled(disabled: frozenset[str]) -> tuple[ModuleType, ...]:
     return tuple(module for module in RULE_MODULES if module_name(module) not in disabled)
 
 
@@ -36,10 +41,12 @@ def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
 
 def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
     """Every finding of every enabled rule on this evidence."""
-    disabled = set(cfg.disabled)
     findings: list[Finding] = []
     for module in enabled_modules(cfg):
-        findings.extend(f for f in module.judge(evidence, cfg) if f.rule not in disabled)
+        findings += module.judge(evidence, cfg)
+    if cfg.disabled and findings:
+        disabled = set(cfg.disabled)
+        findings = [f for f in findings if f.rule not in disabled]
     return findings
 
 
