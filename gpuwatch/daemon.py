@@ -137,8 +137,9 @@ class Daemon:
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
         install_drills(self)
-        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out, so a scrape
-        # finds the bytes ready instead of rendering them while the other scrapes queue behind it.
+        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out (while
+        # scrapes read every Snapshot), so a scrape finds the bytes ready instead of rendering them
+        # while the other scrapes queue behind it.
         self.monitor.listeners.append(self._prerender)
         log.info(
             "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
@@ -151,7 +152,7 @@ class Daemon:
         )
 
     def _prerender(self, snapshot: Snapshot, decisions: list[Decision]) -> None:
-        self.renderer.render()
+        self.renderer.prerender()
 
     def metrics_key(self) -> object:
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
