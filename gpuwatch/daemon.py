@@ -30,7 +30,9 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError
+from gpuwatch.health.state import Decision
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
+from gpuwatch.model import Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
@@ -148,6 +150,10 @@ class Daemon:
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
         install_drills(self)
+        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out (while
+        # scrapes read every Snapshot), so a scrape finds the bytes ready instead of rendering them
+        # while the other scrapes queue behind it.
+        self.monitor.listeners.append(self._prerender)
         log.info(
             "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
             __version__,
@@ -157,6 +163,9 @@ class Daemon:
             config.state_dir,
             config.runtime_dir,
         )
+
+    def _prerender(self, snapshot: Snapshot, decisions: list[Decision]) -> None:
+        self.renderer.prerender()
 
     def metrics_key(self) -> object:
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
