@@ -52,7 +52,7 @@ FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later on
 SLOW_POLL_S = 5.0
 RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
 MAX_WATCHES = 64
-MAX_STOPPED = 4096  # stopped ranks remembered (so their exit is no death); the gone ones are dropped beyond it
+MAX_ACCOUNTED = 4096  # ranks whose end is handled, remembered against stale publishes; gone ones dropped beyond
 FAULT_RULES = frozenset(
     {"xid_critical", "xid_app", "xid_app_repeated", "ecc_uncorrectable", "gpu_lost", "gpu_reset_required"}
 )
@@ -108,7 +108,7 @@ class Remediation:
         self._inbox: queue.SimpleQueue[_Publish] = queue.SimpleQueue()
         self._exits = ExitWatch(self.proc)
         self._known: dict[int, Rank] = {}
-        self._stopped: dict[int, int | None] = {}  # pid → start time of ranks handed to a stop
+        self._accounted: dict[int, int | None] = {}  # pid → start time of ranks stopped or seen ending
         self._last: _Publish | None = None
         self._stops: list[JobStop] = []
         self._watches: dict[str, Incident] = {}  # job → the incident whose resume is awaited
@@ -180,21 +180,23 @@ class Remediation:
 
     def _handle_publish(self, publish: _Publish) -> None:
         self._last = publish
-        if len(self._stopped) > MAX_STOPPED:
-            self._stopped = {pid: st for pid, st in self._stopped.items() if self.proc.alive(pid, st)}
+        if len(self._accounted) > MAX_ACCOUNTED:
+            self._accounted = {pid: st for pid, st in self._accounted.items() if self.proc.alive(pid, st)}
+        gone = []
         for rank in publish.ranks:
-            if self._stopped.get(rank.pid, -1) == rank.start_time:
-                continue  # a rank we stopped, still reporting on its way out
-            if rank.pid not in self._known and self._exits.add(rank.pid, rank.start_time):
-                self._known[rank.pid] = rank
-            elif rank.pid in self._known:
-                self._known[rank.pid] = rank
+            if self._accounted.get(rank.pid, -1) == rank.start_time:
+                continue  # a rank we stopped or saw end, in a publish made before that
+            if rank.pid not in self._known and not self._exits.add(rank.pid, rank.start_time):
+                gone.append(rank.pid)  # it ended between the publish and now: an exit like any other
+            self._known[rank.pid] = rank
         for decision in publish.decisions:
             if decision.kind == "quarantine":
                 self._stop_for_quarantine(decision, publish)
         for fault in publish.new_faults:
             self._stop_for_fault(fault, publish)
             self._reclassify_deaths(fault)
+        for pid in gone:
+            self._on_exit(pid)
         for finding, members in publish.hung:
             job = members[0].job or ""
             self._start(
@@ -278,7 +280,7 @@ class Remediation:
             for target in targets:  # the stop's now: its exits are how it ended, not deaths
                 self._known.pop(target.rank.pid, None)
                 self._exits.remove(target.rank.pid)
-                self._stopped[target.rank.pid] = target.rank.start_time
+                self._accounted[target.rank.pid] = target.rank.start_time
             self._stops.append(JobStop(incident, self.cfg, self.stop_signal, self.proc))
         self._watch(incident)
         return incident
@@ -295,6 +297,7 @@ class Remediation:
         rank = self._known.pop(pid, None)
         if rank is None:
             return
+        self._accounted[pid] = rank.start_time
         report = self.runtime.read_report(pid)
         if report is None:
             return  # no last word (a rank without TrainerLink): how it ended is unknown, torchrun will tell

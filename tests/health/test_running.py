@@ -99,7 +99,7 @@ def test_every_scenario_gives_the_same_findings_both_ways(name: str, windows: st
     overrides = SCENARIOS[name].rules_overrides if windows == "scenario" else SHORT_ALL
     cfg = dataclasses.replace(RulesConfig(), **overrides)
     found = run_scenario(name, cfg, interval_s=5.0, seconds=700.0)
-    if name not in {"healthy"}:
+    if name not in {"healthy", "idle"}:  # the two scenarios without a fault
         assert found, "the scenario's fault was never found: the comparison proved nothing"
 
 
