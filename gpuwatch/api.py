@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 import os
 import secrets
 import socket
+import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
@@ -42,22 +44,37 @@ def ensure_token(path: Path) -> str:
     return token
 
 
+def one_line_text(value: str) -> str:
+    """A reason goes to the database, the journal and status pages: printable UTF-8 on one line only."""
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise ValueError("contains a lone surrogate (not valid UTF-8)")
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise ValueError("contains a control character (newline, tab, escape, ...)")
+    return value
+
+
+Reason = Annotated[str, Field(min_length=1, max_length=500), AfterValidator(one_line_text)]
+
+
 class QuarantineBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(min_length=1, max_length=500)
+    reason: Reason
 
 
 class ReleaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(default="operator", min_length=1, max_length=500)
+    reason: Reason = "operator"
 
 
 class InjectBody(BaseModel):
-    """A drill's injection: sample fields to override for `duration_s`, and/or one event."""
+    """A drill's injection: sample fields to override for `duration_s`, and/or one event.
+
+    Each field's type and range is checked against the sample field it overrides (monitor.checked_injection).
+    """
 
     model_config = ConfigDict(extra="forbid")
-    fields: dict[str, int | float | str | None] = Field(default_factory=dict)
-    duration_s: float = Field(default=60.0, gt=0, le=86400)
+    fields: dict[str, int | float | str | list[int] | None] = Field(default_factory=dict)
+    duration_s: float = Field(default=60.0, gt=0, le=86400, allow_inf_nan=False)
     event: Literal["xid", "ecc_dbe", "ecc_sbe"] | None = None
     xid: int | None = Field(default=None, ge=1, le=1000)
 
@@ -87,6 +104,53 @@ def metrics_fast_path(app: ASGIApp, renderer: MetricsRenderer) -> ASGIApp:
         length = [(b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers + length})
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    return asgi
+
+
+def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
+    """413 for a request body over `max_bytes`, before routing and the token check read any of it.
+
+    A declared Content-Length over the limit is refused unread; a chunked body is read up to the
+    limit and handed on, so no request can make the daemon hold more than `max_bytes` of it.
+    """
+    too_large = [(b"content-type", b"application/json"), (b"connection", b"close")]
+
+    async def refuse(send: Callable[..., Any]) -> None:
+        body = json.dumps({"detail": f"request body over {max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": too_large})
+        await send({"type": "http.response.body", "body": body})
+
+    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared:
+            if len(declared) > 1 or not declared[0].isdigit() or int(declared[0]) > max_bytes:
+                await refuse(send)
+                return
+            await app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = scope["method"] not in {"GET", "HEAD"}
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > max_bytes:
+                await refuse(send)
+                return
+            more = message.get("more_body", False)
+        buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Any:
+            return buffered.pop() if buffered else await receive()
+
+        await app(scope, replay if chunks else receive, send)
 
     return asgi
 
@@ -128,13 +192,22 @@ def create_app(
     clock: Callable[[], float],
     extra_routes: Callable[[FastAPI, Callable[..., None]], None] | None = None,
     gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
+    docs: bool = False,
+    max_body_bytes: int = 65536,
 ) -> ASGIApp:
-    """Build the app: /metrics straight from ASGI, everything else through FastAPI.
+    """Build the app: body limit, then /metrics straight from ASGI, everything else through FastAPI.
 
     `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes; each of
-    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks).
+    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks). `docs` serves
+    /openapi.json; `max_body_bytes` is enforced before any route or token check runs.
     """
-    app = FastAPI(title="gpuwatch", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="gpuwatch",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+    )
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -166,8 +239,12 @@ def create_app(
         snap = snapshot()
         age = clock() - snap.t
         stale = snap.samples_total == 0 or age > 3 * monitor.config.interval_s
-        body = {"status": "stale" if stale else "ok", "last_sample_age_s": round(age, 3), "gpus": len(snap.gpus)}
-        return JSONResponse(body, status_code=503 if stale else 200)
+        status = "stale" if stale else "store_degraded" if snap.store_error else "ok"
+        body: dict[str, Any] = {"status": status, "last_sample_age_s": round(age, 3), "gpus": len(snap.gpus)}
+        if snap.store_error:
+            body["store_error"] = snap.store_error
+            body["store_unsaved_changes"] = snap.store_unsaved
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/gpus")
     def gpus() -> dict[str, Any]:
@@ -180,20 +257,32 @@ def create_app(
         return gpu_body(gpu_or_404(index), clock())
 
     @app.get("/v1/findings")
-    def findings(limit: int = 200, gpu: int | None = None) -> dict[str, Any]:
+    def findings(
+        limit: Annotated[int, Query(ge=1, le=5000)] = 200, gpu: Annotated[int | None, Query(ge=0, le=1023)] = None
+    ) -> dict[str, Any]:
         active = [f.as_dict() for g in snapshot().gpus for f in g.findings if gpu is None or g.index == gpu]
-        history = monitor.store.findings(limit=max(1, min(limit, 5000)), gpu=gpu) if monitor.store else []
+        history = monitor.store.findings(limit=limit, gpu=gpu) if monitor.store else []
         return {"active": active, "history": history}
+
+    def durable(index: int, status: GpuStatus, what: str) -> dict[str, Any]:
+        """200 only once the change is on disk; else 503: in force now, written when the store can."""
+        if monitor.unsaved(index):
+            detail = (
+                f"GPU {index} is {what} and acted on, but the state store cannot write it "
+                f"({monitor.snapshot.store_error}); it is kept in memory and written when the store recovers"
+            )
+            raise HTTPException(status_code=503, detail=detail)
+        return gpu_json(status, clock())
 
     @app.post("/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)])
     def quarantine(index: int, body: QuarantineBody) -> dict[str, Any]:
         gpu_or_404(index)
-        return gpu_json(monitor.quarantine(index, body.reason), clock())
+        return durable(index, monitor.quarantine(index, body.reason), "quarantined")
 
     @app.post("/v1/gpus/{index}/release", dependencies=[Depends(require_token)])
     def release(index: int, body: ReleaseBody) -> dict[str, Any]:
         gpu_or_404(index)
-        return gpu_json(monitor.release(index, body.reason), clock())
+        return durable(index, monitor.release(index, body.reason), "released")
 
     @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)])
     def inject(index: int, body: InjectBody) -> dict[str, Any]:
@@ -214,4 +303,4 @@ def create_app(
 
     if extra_routes is not None:
         extra_routes(app, require_token)
-    return metrics_fast_path(app, renderer)
+    return body_limit(metrics_fast_path(app, renderer), max_body_bytes)

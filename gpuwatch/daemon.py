@@ -167,7 +167,14 @@ class Daemon:
                 hook(app, require_token)
 
         return create_app(
-            self.monitor, self.renderer, self.token, clock=self.clock, extra_routes=routes, gpu_views=self.gpu_views
+            self.monitor,
+            self.renderer,
+            self.token,
+            clock=self.clock,
+            extra_routes=routes,
+            gpu_views=self.gpu_views,
+            docs=self.config.api.docs,
+            max_body_bytes=self.config.api.max_body_bytes,
         )
 
     def start(self) -> None:
@@ -195,6 +202,11 @@ class Daemon:
         self.backend.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
+        unsaved = self.monitor.flush_store()
+        if unsaved:
+            log.error(
+                "%d quarantine change(s) could not be written to %s and are lost at exit", unsaved, self.store.path
+            )
         self.store.close()
         log.info("gpuwatch stopped")
 
