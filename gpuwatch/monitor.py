@@ -420,7 +420,7 @@ class Monitor:
             self._store_write_errors += 1
             if not self._store_error:
                 log.error(
-                    "state store cannot write, %d quarantine change(s) in force in memory only, retrying every tick: %s",
+                    "state store cannot write; %d quarantine change(s) in force in memory only, retried every tick: %s",
                     len(self._unsaved_quarantines),
                     exc,
                 )

@@ -85,7 +85,7 @@ class Store:
             salvaged = self._salvage_quarantines()
             aside = self._move_aside()
             log.error(
-                "%s failed its integrity check (%s): kept as %s, starting a new database with %d salvaged quarantine(s)",
+                "%s failed its integrity check (%s): kept as %s; new database with %d salvaged quarantine(s)",
                 self.path,
                 problem,
                 aside,
