@@ -115,10 +115,14 @@ class Daemon:
         self.clock = clock
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
+        first_start = not config.db_path.exists()
         self.store = Store(config.db_path)
         self.runtime = RuntimeDir(config.runtime_dir)
-        self.runtime.prepare()
-        self.token = ensure_token(config.token_path)
+        try:
+            self.runtime.prepare()
+        except OSError as exc:
+            raise ConfigError(f"runtime_dir {config.runtime_dir}: cannot prepare it: {exc.strerror or exc}") from None
+        self.token = ensure_token(config.token_path, first_start=first_start)
         self.monitor = Monitor(
             self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
         )
