@@ -30,6 +30,7 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError
+from gpuwatch.httpserver import ACCEPT_BURST, AcceptErrorLog, ServerLimits, limited_protocol, raise_fd_limit
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.monitor import Monitor
 from gpuwatch.runtime import RuntimeDir
@@ -96,6 +97,10 @@ class _Server(uvicorn.Server):
         while not await self.on_tick(counter):
             counter = (counter + 10) % 864000
             await asyncio.sleep(1.0)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        await super().startup(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -217,9 +222,14 @@ class Daemon:
     def serve(self) -> None:
         """Run until SIGTERM/SIGINT (uvicorn handles both), then stop everything."""
         sock = bind_socket(self.config)
+        api = self.config.api
+        limits = ServerLimits(raise_fd_limit(api.max_connections), api.header_timeout_s, api.max_header_bytes)
         server = _Server(
             uvicorn.Config(
                 self.app(),
+                http=limited_protocol(limits),
+                backlog=ACCEPT_BURST,
+                loop="asyncio",
                 log_level="warning",
                 access_log=False,
                 lifespan="off",

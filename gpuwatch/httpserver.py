@@ -1,0 +1,230 @@
+"""Limits of the HTTP server that must hold before any request reaches the app (and its token check).
+
+uvicorn has no header timeout, no header size limit with its httptools parser, and accepts
+connections until the process runs out of file descriptors, after which accept() fails (and
+the event loop logs a traceback) on every retry while /metrics no longer answers. This module
+closes those gaps at the protocol level:
+
+* a request's line and headers must arrive within `header_timeout_s` (slowloris), else the
+  connection is closed;
+* more than `max_header_bytes` of request line and headers is answered 431 and closed;
+* at `max_connections` open connections, a new one closes the longest-idle connection (one not
+  serving a request), so a flood of idle sockets can neither exhaust file descriptors nor keep a
+  Prometheus scrape out; the cap is kept below the fd limit;
+* accept() errors (EMFILE and the like) are logged at most once a minute, one line each.
+
+The body limit is ASGI middleware (api.body_limit): it needs the parsed Content-Length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("gpuwatch.http")
+
+# asyncio accepts up to the listen backlog in one go before the event loop closes any evicted
+# connection, so the backlog is kept small and the fd reserve covers one such burst on top of
+# what the database, NVML, the runtime dir and drill processes hold.
+ACCEPT_BURST = 128
+FD_RESERVE = 64 + ACCEPT_BURST
+_ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What each connection may cost; `max_connections` is already capped below the fd limit."""
+
+    max_connections: int = 1000
+    header_timeout_s: float = 10.0
+    max_header_bytes: int = 16384
+
+
+@dataclass
+class ServerCounters:
+    """What the limits did, for tests and the log."""
+
+    evicted: int = 0
+    header_timeouts: int = 0
+    headers_too_large: int = 0
+    refused: int = 0
+
+
+def raise_fd_limit(wanted_connections: int) -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard one; the connection cap that fits below it.
+
+    The unit sets LimitNOFILE above the default cap; run by hand under a low `ulimit -n`, the
+    cap shrinks to fit and says so, so accept() never fails for want of descriptors.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    fits = max(16, soft - FD_RESERVE)
+    if wanted_connections > fits:
+        log.warning(
+            "api.max_connections %d does not fit the fd limit %d: capping connections at %d (raise LimitNOFILE)",
+            wanted_connections,
+            soft,
+            fits,
+        )
+        return fits
+    return wanted_connections
+
+
+def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = None) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with `limits` applied to every connection (`uvicorn.Config(http=...)`)."""
+    tally = counters or ServerCounters()
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            super().connection_made(transport)  # type: ignore[arg-type]
+            self.last_active = self.loop.time()
+            self.awaiting_headers = True
+            self.header_bytes = 0  # request line and headers, as the parser reports them
+            self.raw_bytes = 0  # bytes received while waiting for headers
+            self.header_deadline: asyncio.TimerHandle | None = None
+            self._arm_deadline()
+            if len(self.connections) > limits.max_connections:
+                self._make_room()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_deadline()
+            super().connection_lost(exc)
+
+        def idle(self) -> bool:
+            """Not serving a request: waiting for one, or trickling one in (those are the cheap ones to close)."""
+            return not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete)
+
+        def _make_room(self) -> None:
+            idle = [c for c in self.connections if c is not self and getattr(c, "idle", lambda: False)()]
+            if idle:
+                victim = min(idle, key=lambda c: c.last_active)
+                victim.transport.close()
+                tally.evicted += 1
+                return
+            tally.refused += 1  # every connection is busy serving: the newcomer waits for none of them
+            self._close_with(503, b"Service Unavailable")
+
+        def _arm_deadline(self) -> None:
+            if self.header_deadline is None:
+                self.header_deadline = self.loop.call_later(limits.header_timeout_s, self._header_timed_out)
+
+        def _cancel_deadline(self) -> None:
+            if self.header_deadline is not None:
+                self.header_deadline.cancel()
+                self.header_deadline = None
+
+        def _header_timed_out(self) -> None:
+            self.header_deadline = None
+            if self.awaiting_headers and not self.transport.is_closing():
+                tally.header_timeouts += 1
+                if self.raw_bytes:
+                    self._close_with(408, b"Request Timeout")
+                else:
+                    self.transport.close()
+
+        def _close_with(self, status: int, phrase: bytes) -> None:
+            head = b"HTTP/1.1 %d %s\r\ncontent-length: 0\r\nconnection: close\r\n\r\n" % (status, phrase)
+            self.transport.write(head)
+            self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self.transport.is_closing():
+                return
+            self.last_active = self.loop.time()
+            if self.awaiting_headers:
+                self.raw_bytes += len(data)
+            super().data_received(data)
+            if self.awaiting_headers and self.raw_bytes > limits.max_header_bytes and not self.transport.is_closing():
+                tally.headers_too_large += 1
+                self._close_with(431, b"Request Header Fields Too Large")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if not self.awaiting_headers:  # the next request on a kept-alive connection
+                self.awaiting_headers = True
+                self.header_bytes = 0
+                self.raw_bytes = 0
+                self._arm_deadline()
+
+        def on_url(self, url: bytes) -> None:
+            self.header_bytes += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.header_bytes += len(name) + len(value) + 4
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self.awaiting_headers = False
+            self.raw_bytes = 0
+            self._cancel_deadline()
+            if self.header_bytes <= limits.max_header_bytes:
+                super().on_headers_complete()
+                return
+            tally.headers_too_large += 1
+            app = self.app
+            self.app = _headers_too_large  # answered by uvicorn's usual request cycle, never by the app
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+            if self.cycle is not None:
+                self.cycle.keep_alive = False
+
+    LimitedHttpToolsProtocol.counters = tally  # type: ignore[attr-defined]
+    return LimitedHttpToolsProtocol
+
+
+async def _headers_too_large(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 431,
+            "headers": [(b"content-type", b"text/plain"), (b"connection", b"close")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b"request line and headers too large\n"})
+
+
+class AcceptErrorLog:
+    """An event-loop exception handler that turns accept() failures into one line per interval.
+
+    asyncio already waits a second before accepting again after EMFILE, so there is no spin;
+    what is left is a traceback per retry in the journal. Other errors go to the default handler.
+    """
+
+    def __init__(self, interval_s: float = 60.0, clock: Any = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self.clock = clock
+        self.last = float("-inf")
+        self.suppressed = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if not (isinstance(exc, OSError) and exc.errno in _ACCEPT_ERRNOS and "accept" in context.get("message", "")):
+            loop.default_exception_handler(context)
+            return
+        now = self.clock()
+        if now - self.last < self.interval_s:
+            self.suppressed += 1
+            return
+        log.error(
+            "cannot accept connections: %s (%d more since the last line; retrying every second)",
+            exc.strerror or exc,
+            self.suppressed,
+        )
+        self.last = now
+        self.suppressed = 0
