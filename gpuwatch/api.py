@@ -50,10 +50,11 @@ def ensure_token(path: Path, *, first_start: bool = True) -> str:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the API token: {exc.strerror or exc}") from None
     if fd >= 0:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise ConfigError(f"{path}: the API token is not a regular file")
         with os.fdopen(fd, "rb") as existing:
-            info = os.fstat(existing.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise ConfigError(f"{path}: the API token is not a regular file")
             raw = existing.read(4096)
         try:
             token = raw.decode("ascii").strip()
