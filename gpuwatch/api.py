@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
@@ -113,7 +114,9 @@ class InjectBody(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    fields: dict[str, int | float | str | list[int] | None] = Field(default_factory=dict)
+    fields: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | list[StrictInt] | None] = Field(
+        default_factory=dict
+    )
     duration_s: float = Field(default=60.0, gt=0, le=86400, allow_inf_nan=False)
     event: Literal["xid", "ecc_dbe", "ecc_sbe"] | None = None
     xid: int | None = Field(default=None, ge=1, le=1000)
@@ -248,6 +251,19 @@ def create_app(
         redoc_url=None,
         openapi_url="/openapi.json" if docs else None,
     )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 naming each bad part, without echoing the input (it may be NaN or a lone surrogate)."""
+        detail = [
+            {
+                "loc": [str(part) for part in e.get("loc", ())],
+                "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", "")),
+            }
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
