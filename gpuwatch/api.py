@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
@@ -94,7 +96,23 @@ def one_line_text(value: str) -> str:
     return value
 
 
-Reason = Annotated[str, Field(min_length=1, max_length=500), AfterValidator(one_line_text)]
+Reason = Annotated[
+    str, Field(min_length=1, max_length=500, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$"), AfterValidator(one_line_text)
+]
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+NOT_FOUND = {404: _error("no GPU with that index")}
+# What every route behind the token may answer besides its own result.
+GUARDED: dict[int | str, dict[str, Any]] = {401: _error("missing or wrong bearer token"), **NOT_FOUND}
+NOT_DURABLE = {503: _error("in force, but the state store cannot write it yet (it retries)")}
 
 
 class QuarantineBody(BaseModel):
@@ -250,6 +268,7 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json" if docs else None,
+        responses={**NOT_FOUND, 413: _error("request body over api.max_body_bytes")},
     )
 
     @app.exception_handler(RequestValidationError)
@@ -264,6 +283,14 @@ def create_app(
             for e in exc.errors()
         ]
         return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """A handler's own 422 takes the documented validation shape: a list of {loc, msg, type}."""
+        if exc.status_code == 422 and isinstance(exc.detail, str):
+            body = {"detail": [{"loc": ["body"], "msg": exc.detail, "type": "value_error"}]}
+            return JSONResponse(body, status_code=422)
+        return await http_exception_handler(request, exc)
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -290,7 +317,7 @@ def create_app(
     def status_page() -> HTMLResponse:
         return HTMLResponse(statuspage.render(snapshot(), clock(), socket.gethostname()))
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"description": "samples are stale or the state store cannot write"}})
     def healthz() -> JSONResponse:
         snap = snapshot()
         age = clock() - snap.t
@@ -308,7 +335,7 @@ def create_app(
         now = clock()
         return {"t": snap.t, "backend": snap.backend, "gpus": [gpu_body(g, now) for g in snap.gpus]}
 
-    @app.get("/v1/gpus/{index}")
+    @app.get("/v1/gpus/{index}", responses=NOT_FOUND)
     def gpu(index: int) -> dict[str, Any]:
         return gpu_body(gpu_or_404(index), clock())
 
@@ -330,17 +357,19 @@ def create_app(
             raise HTTPException(status_code=503, detail=detail)
         return gpu_json(status, clock())
 
-    @app.post("/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)])
+    @app.post(
+        "/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)], responses={**GUARDED, **NOT_DURABLE}
+    )
     def quarantine(index: int, body: QuarantineBody) -> dict[str, Any]:
         gpu_or_404(index)
         return durable(index, monitor.quarantine(index, body.reason), "quarantined")
 
-    @app.post("/v1/gpus/{index}/release", dependencies=[Depends(require_token)])
+    @app.post("/v1/gpus/{index}/release", dependencies=[Depends(require_token)], responses={**GUARDED, **NOT_DURABLE})
     def release(index: int, body: ReleaseBody) -> dict[str, Any]:
         gpu_or_404(index)
         return durable(index, monitor.release(index, body.reason), "released")
 
-    @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)])
+    @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)], responses=GUARDED)
     def inject(index: int, body: InjectBody) -> dict[str, Any]:
         gpu_or_404(index)
         if not body.fields and body.event is None:
