@@ -109,10 +109,11 @@ def _error(description: str) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description}
 
 
-NOT_FOUND = {404: _error("no GPU with that index")}
+Responses = dict[int | str, dict[str, Any]]
+NOT_FOUND: Responses = {404: _error("no GPU with that index")}
 # What every route behind the token may answer besides its own result.
-GUARDED: dict[int | str, dict[str, Any]] = {401: _error("missing or wrong bearer token"), **NOT_FOUND}
-NOT_DURABLE = {503: _error("in force, but the state store cannot write it yet (it retries)")}
+GUARDED: Responses = {401: _error("missing or wrong bearer token"), **NOT_FOUND}
+NOT_DURABLE: Responses = {503: _error("in force, but the state store cannot write it yet (it retries)")}
 
 
 class QuarantineBody(BaseModel):

@@ -88,8 +88,8 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
     tally = counters or ServerCounters()
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-            super().connection_made(transport)  # type: ignore[arg-type]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
             self.last_active = self.loop.time()
             self.awaiting_headers = True
             self.header_bytes = 0  # request line and headers, as the parser reports them
@@ -108,7 +108,9 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
             return not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete)
 
         def _make_room(self) -> None:
-            idle = [c for c in self.connections if c is not self and getattr(c, "idle", lambda: False)()]
+            idle = [
+                c for c in self.connections if isinstance(c, LimitedHttpToolsProtocol) and c is not self and c.idle()
+            ]
             if idle:
                 victim = min(idle, key=lambda c: c.last_active)
                 victim.transport.close()
