@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gpuwatch.httpserver import FD_RESERVE, AcceptErrorLog, raise_fd_limit
+from gpuwatch.httpserver import FD_RESERVE, AcceptErrorLog
 
 
 def emfile_context() -> dict[str, object]:
