@@ -148,6 +148,7 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
             self.last_active = self.loop.time()
             if self.awaiting_headers:
                 self.raw_bytes += len(data)
+                self._arm_deadline()  # from the first byte of a request on a kept-alive connection
             super().data_received(data)
             if self.awaiting_headers and self.raw_bytes > limits.max_header_bytes and not self.transport.is_closing():
                 tally.headers_too_large += 1
@@ -160,6 +161,13 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
                 self.header_bytes = 0
                 self.raw_bytes = 0
                 self._arm_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.pipeline and not self.transport.is_closing():  # idle until the next request's first byte
+                self.awaiting_headers = True
+                self.header_bytes = 0
+                self.raw_bytes = 0
 
         def on_url(self, url: bytes) -> None:
             self.header_bytes += len(url)

@@ -103,19 +103,22 @@ def test_more_idle_connections_than_fds_leave_metrics_answering(daemon: RunningD
     assert "Traceback" not in log and "cannot accept" not in log, log
 
 
+def trickle_until_closed(sock: socket.socket, limit_s: float = 8.0) -> float | None:
+    """Send a header line every 0.2 s, never the blank line; seconds until the server closed, None if never."""
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < limit_s:
+            sock.sendall(b"X-a: b\r\n")
+            time.sleep(0.2)
+    except OSError:
+        return time.monotonic() - started
+    return None
+
+
 def test_slowloris_is_closed_after_the_header_timeout(daemon: RunningDaemon) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
     sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-    started = time.monotonic()
-    closed_after = None
-    try:
-        while time.monotonic() - started < 8:
-            sock.sendall(b"X-a: b\r\n")  # a header every 0.2 s, never the blank line
-            time.sleep(0.2)
-    except OSError:
-        closed_after = time.monotonic() - started
-    if closed_after is None:
-        closed_after = time.monotonic() - started if sock.recv(1024) == b"" else None
+    closed_after = trickle_until_closed(sock)
     sock.close()
     assert closed_after is not None and closed_after < 4.0, "header timeout 1.5 s"
     scrape(daemon)
@@ -181,3 +184,24 @@ def test_large_bodies_are_413_before_the_token_check(daemon: RunningDaemon) -> N
         b"Content-Length: %d\r\n\r\n%s" % (len(small), small),
     )
     assert unauth.startswith(b"HTTP/1.1 401"), "a small body still reaches the token check"
+
+
+def test_kept_alive_scrapes_outlive_the_header_timeout(daemon: RunningDaemon) -> None:
+    """The deadline is per request: a scraper reusing one connection is never cut off by it."""
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=5)
+    for _ in range(4):
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200 and b"gpuwatch_gpus" in response.read()
+        time.sleep(0.8)  # 3.2 s on one connection, header timeout 1.5 s
+    conn.close()
+
+
+def test_slowloris_after_a_kept_alive_request_is_closed_too(daemon: RunningDaemon) -> None:
+    sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+    closed_after = trickle_until_closed(sock)
+    sock.close()
+    assert closed_after is not None and closed_after < 4.0, "the deadline starts again with each request"
