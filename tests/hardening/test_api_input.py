@@ -105,3 +105,20 @@ def test_openapi_is_served_only_when_configured(tmp_path: Path) -> None:
     finally:
         closed.close()
         opened.close()
+
+
+def test_rules_failing_on_one_gpu_never_stop_judging_the_others(
+    node: SimNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Defence behind the validation: a value the rules choke on (here planted past the API) stays on its GPU."""
+    from gpuwatch.monitor import Injection
+
+    monitor = node.daemon.monitor
+    now = node.clock()
+    monitor._injections[1] = Injection(99, 1, {"sm_clock_mhz": "abc", "util_gpu_pct": "x"}, now, now + 60)
+    node.run_for(10)
+    assert "GPU 1: rules failed" in caplog.text
+    snapshot = monitor.snapshot
+    assert snapshot.t == node.clock(), "ticks went on"
+    assert snapshot.gpu(0).sample is not None and snapshot.gpu(0).sample.t == node.clock()
+    assert snapshot.gpu(0).state.value == "healthy"
