@@ -47,16 +47,6 @@ class ServerLimits:
     max_header_bytes: int = 16384
 
 
-@dataclass
-class ServerCounters:
-    """What the limits did, for tests and the log."""
-
-    evicted: int = 0
-    header_timeouts: int = 0
-    headers_too_large: int = 0
-    refused: int = 0
-
-
 def raise_fd_limit(wanted_connections: int) -> int:
     """Raise the soft RLIMIT_NOFILE to the hard one; the connection cap that fits below it.
 
@@ -83,9 +73,8 @@ def raise_fd_limit(wanted_connections: int) -> int:
     return wanted_connections
 
 
-def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = None) -> type[HttpToolsProtocol]:
+def limited_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with `limits` applied to every connection (`uvicorn.Config(http=...)`)."""
-    tally = counters or ServerCounters()
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -114,10 +103,8 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
             if idle:
                 victim = min(idle, key=lambda c: c.last_active)
                 victim.transport.close()
-                tally.evicted += 1
                 return
-            tally.refused += 1  # every connection is busy serving: the newcomer waits for none of them
-            self._close_with(503, b"Service Unavailable")
+            self._close_with(503, b"Service Unavailable")  # every connection is busy serving a request
 
         def _arm_deadline(self) -> None:
             if self.header_deadline is None:
@@ -131,7 +118,6 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
         def _header_timed_out(self) -> None:
             self.header_deadline = None
             if self.awaiting_headers and not self.transport.is_closing():
-                tally.header_timeouts += 1
                 if self.raw_bytes:
                     self._close_with(408, b"Request Timeout")
                 else:
@@ -151,7 +137,6 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
                 self._arm_deadline()  # from the first byte of a request on a kept-alive connection
             super().data_received(data)
             if self.awaiting_headers and self.raw_bytes > limits.max_header_bytes and not self.transport.is_closing():
-                tally.headers_too_large += 1
                 self._close_with(431, b"Request Header Fields Too Large")
 
         def on_message_begin(self) -> None:
@@ -184,7 +169,6 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
             if self.header_bytes <= limits.max_header_bytes:
                 super().on_headers_complete()
                 return
-            tally.headers_too_large += 1
             app = self.app
             self.app = _headers_too_large  # answered by uvicorn's usual request cycle, never by the app
             try:
@@ -194,7 +178,6 @@ def limited_protocol(limits: ServerLimits, counters: ServerCounters | None = Non
             if self.cycle is not None:
                 self.cycle.keep_alive = False
 
-    LimitedHttpToolsProtocol.counters = tally  # type: ignore[attr-defined]
     return LimitedHttpToolsProtocol
 
 
