@@ -154,3 +154,17 @@ def test_read_only_runtime_dir_is_one_line(tmp_path: Path) -> None:
             runtime.chmod(0o555)
         line = one_line_error(CliRunner().invoke(main, run_args(tmp_path, "--runtime-dir", str(runtime / "gpuwatch"))))
     assert "runtime_dir" in line and str(runtime / "gpuwatch") in line
+
+
+@pytest.mark.slow
+def test_cli_shows_a_refused_reason_as_one_line(tmp_path: Path) -> None:
+    from tests.e2e.conftest import start_daemon, stop_daemon
+
+    daemon = start_daemon(tmp_path, "--sim-gpus", "1", "--sim-scenario", "healthy")
+    try:
+        result = daemon.cli("quarantine", "0", "--reason", "two\nlines")
+    finally:
+        stop_daemon(daemon)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "HTTP 422: body.reason:" in line and "control character" in line
