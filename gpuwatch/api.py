@@ -96,8 +96,11 @@ def one_line_text(value: str) -> str:
     return value
 
 
+# The schema says "no control characters" as a pattern; one_line_text enforces it with a clearer message.
 Reason = Annotated[
-    str, Field(min_length=1, max_length=500, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$"), AfterValidator(one_line_text)
+    str,
+    Field(min_length=1, max_length=500, json_schema_extra={"pattern": r"^[^\x00-\x1f\x7f-\x9f]+$"}),
+    AfterValidator(one_line_text),
 ]
 
 
