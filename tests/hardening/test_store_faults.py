@@ -131,19 +131,20 @@ def record(uuid: str) -> QuarantineRecord:
     return QuarantineRecord(uuid, 0, "bad card", 1.0, False, False, 1)
 
 
-def corrupt_index(path: Path) -> None:
-    """Overwrite the root page of the findings index, as a torn write or a bad sector would."""
+def corrupt_index(path: Path, index: str) -> None:
+    """Overwrite the root page of `index`, as a torn write or a bad sector would."""
     db = sqlite3.connect(path)
     page_size = db.execute("PRAGMA page_size").fetchone()[0]
-    (root,) = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'finding_open'").fetchone()
+    (root,) = db.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (index,)).fetchone()
     db.close()
     with path.open("r+b") as out:
         out.seek((root - 1) * page_size)
         out.write(b"\xa5" * page_size)
 
 
+@pytest.mark.parametrize("index", ["finding_open", "sqlite_autoindex_quarantine_1"])
 def test_corrupt_database_is_moved_aside_and_its_quarantines_kept(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, index: str
 ) -> None:
     path = tmp_path / "gpuwatch.db"
     store = Store(path)
@@ -151,7 +152,7 @@ def test_corrupt_database_is_moved_aside_and_its_quarantines_kept(
     store.set_quarantine(record("GPU-b"))
     store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
-    corrupt_index(path)
+    corrupt_index(path, index)
     with caplog.at_level(logging.WARNING, logger="gpuwatch.store"):
         reopened = Store(path)
     lines = [r.getMessage() for r in caplog.records]
