@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
@@ -106,6 +104,18 @@ Reason = Annotated[
 
 class ErrorBody(BaseModel):
     detail: str
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class UnprocessableBody(BaseModel):
+    """A 422: body or query validation lists each bad part; a handler's own check says it in one string."""
+
+    detail: list[FieldError] | str
 
 
 def _error(description: str) -> dict[str, Any]:
@@ -272,7 +282,11 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json" if docs else None,
-        responses={**NOT_FOUND, 413: _error("request body over api.max_body_bytes")},
+        responses={
+            **NOT_FOUND,
+            413: _error("request body over api.max_body_bytes"),
+            422: {"model": UnprocessableBody, "description": "invalid input; nothing changed"},
+        },
     )
 
     @app.exception_handler(RequestValidationError)
@@ -287,14 +301,6 @@ def create_app(
             for e in exc.errors()
         ]
         return JSONResponse({"detail": detail}, status_code=422)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        """A handler's own 422 takes the documented validation shape: a list of {loc, msg, type}."""
-        if exc.status_code == 422 and isinstance(exc.detail, str):
-            body = {"detail": [{"loc": ["body"], "msg": exc.detail, "type": "value_error"}]}
-            return JSONResponse(body, status_code=422)
-        return await http_exception_handler(request, exc)
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
