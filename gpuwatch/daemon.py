@@ -29,7 +29,7 @@ from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
-from gpuwatch.errors import ConfigError
+from gpuwatch.errors import ConfigError, StoreError
 from gpuwatch.httpserver import ACCEPT_BURST, AcceptErrorLog, ServerLimits, limited_protocol, raise_fd_limit
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.monitor import Monitor
@@ -168,7 +168,10 @@ class Daemon:
         now = self.clock()
         if now - self._last_prune > 3600:
             self._last_prune = now
-            self.store.prune(now - self.config.findings_retention_days * 86400)
+            try:
+                self.store.prune(now - self.config.findings_retention_days * 86400)
+            except StoreError as exc:  # a full disk must not skip the watchdog ping after it
+                log.warning("cannot prune old findings: %s", exc)
 
     def app(self) -> ASGIApp:
         def routes(app: FastAPI, require_token: Callable[..., None]) -> None:
