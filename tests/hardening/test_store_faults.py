@@ -51,7 +51,7 @@ def real_full_disk(state: Path) -> Iterator[Iterator[None] | None]:
 @contextlib.contextmanager
 def simulated_full_disk(node: SimNode) -> Iterator[None]:
     store = node.daemon.store
-    saved = {name: getattr(store, name) for name in ("set_quarantine", "clear_quarantine", "add_decision")}
+    saved = {name: getattr(store, name) for name in ("set_quarantine", "clear_quarantine", "add_decision", "prune")}
 
     def enospc(*args: object, **kwargs: object) -> None:
         raise StoreError(f"{store.path}: database or disk is full")
@@ -92,6 +92,8 @@ def test_full_disk_loses_no_quarantine(tmp_path: Path, how: str) -> None:
                 assert "cannot write" in response.json()["detail"]
             node.daemon.monitor.handle_events([GpuEvent(node.clock(), 3, node.gpu(3)["uuid"], "ecc_dbe")])
             node.run_for(10)  # ticks go on: nothing raises, the automatic quarantine is judged and kept
+            node.daemon._last_prune = 0.0
+            node.daemon.sample_once()  # the hourly prune fails too, and the watchdog ping still follows
             assert [node.gpu(i)["quarantined"] for i in range(4)] == [True] * 4
             assert status_json(node) == {0: True, 1: True, 2: True, 3: True}, "status.json is not stale"
             assert published.count("quarantine") == 4, "the listeners that signal trainers ran for each"
@@ -159,8 +161,8 @@ def test_corrupt_database_is_moved_aside_and_its_quarantines_kept(
     assert len(lines) == 1 and "failed its integrity check" in lines[0] and "2 salvaged" in lines[0], lines
     assert set(reopened.quarantines()) == {"GPU-a", "GPU-b"}
     assert reopened._db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
-    kept = list(tmp_path.glob("gpuwatch.db.corrupt-*"))
-    assert kept and kept[0].stat().st_size > 0, "the corrupt file is kept for a post-mortem"
+    (kept,) = [k for k in tmp_path.glob("gpuwatch.db.corrupt-*") if not k.name.endswith(("-wal", "-shm"))]
+    assert kept.stat().st_size > 0, "the corrupt file is kept for a post-mortem"
     reopened.close()
 
 
@@ -170,7 +172,7 @@ def test_garbage_database_is_moved_aside_not_emptied(tmp_path: Path, caplog: pyt
     with caplog.at_level(logging.WARNING, logger="gpuwatch.store"):
         Store(path).close()
     assert len(caplog.records) == 1 and "integrity check" in caplog.records[0].getMessage()
-    (kept,) = tmp_path.glob("gpuwatch.db.corrupt-*")
+    (kept,) = [k for k in tmp_path.glob("gpuwatch.db.corrupt-*") if not k.name.endswith(("-wal", "-shm"))]
     assert kept.read_bytes().startswith(b"not a database")
 
 
