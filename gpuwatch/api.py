@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -27,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
+from gpuwatch.httpserver import body_limit
 from gpuwatch.metrics import MetricsRenderer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.monitor import Monitor
@@ -179,53 +179,6 @@ def metrics_fast_path(app: ASGIApp, renderer: MetricsRenderer) -> ASGIApp:
         length = [(b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers + length})
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
-
-    return asgi
-
-
-def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
-    """413 for a request body over `max_bytes`, before routing and the token check read any of it.
-
-    A declared Content-Length over the limit is refused unread; a chunked body is read up to the
-    limit and handed on, so no request can make the daemon hold more than `max_bytes` of it.
-    """
-    too_large = [(b"content-type", b"application/json"), (b"connection", b"close")]
-
-    async def refuse(send: Callable[..., Any]) -> None:
-        body = json.dumps({"detail": f"request body over {max_bytes} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": too_large})
-        await send({"type": "http.response.body", "body": body})
-
-    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        declared = [v for k, v in scope["headers"] if k == b"content-length"]
-        if declared:
-            if len(declared) > 1 or not declared[0].isdigit() or int(declared[0]) > max_bytes:
-                await refuse(send)
-                return
-            await app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        more = scope["method"] not in {"GET", "HEAD"}
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > max_bytes:
-                await refuse(send)
-                return
-            more = message.get("more_body", False)
-        buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replay() -> Any:
-            return buffered.pop() if buffered else await receive()
-
-        await app(scope, replay if chunks else receive, send)
 
     return asgi
 

@@ -13,16 +13,19 @@ closes those gaps at the protocol level:
   Prometheus scrape out; the cap is kept below the fd limit;
 * accept() errors (EMFILE and the like) are logged at most once a minute, one line each.
 
-The body limit is ASGI middleware (api.body_limit): it needs the parsed Content-Length.
+* a request body over `max_body_bytes` is answered 413 by ASGI middleware (`body_limit`) before
+  routing and the token check read any of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import resource
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,3 +224,53 @@ class AcceptErrorLog:
         )
         self.last = now
         self.suppressed = 0
+
+
+_ASGIApp = Callable[[dict[str, Any], Callable[..., Any], Callable[..., Any]], Awaitable[None]]
+
+
+def body_limit(app: _ASGIApp, max_bytes: int) -> _ASGIApp:
+    """413 for a request body over `max_bytes`, before routing and the token check read any of it.
+
+    A declared Content-Length over the limit is refused unread; a chunked body is read up to the
+    limit and handed on, so no request can make the daemon hold more than `max_bytes` of it.
+    """
+    too_large = [(b"content-type", b"application/json"), (b"connection", b"close")]
+
+    async def refuse(send: Callable[..., Any]) -> None:
+        body = json.dumps({"detail": f"request body over {max_bytes} bytes"}).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": too_large})
+        await send({"type": "http.response.body", "body": body})
+
+    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        declared = [v for k, v in scope["headers"] if k == b"content-length"]
+        if declared:
+            if len(declared) > 1 or not declared[0].isdigit() or int(declared[0]) > max_bytes:
+                await refuse(send)
+                return
+            await app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = scope["method"] not in {"GET", "HEAD"}
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > max_bytes:
+                await refuse(send)
+                return
+            more = message.get("more_body", False)
+        buffered = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Any:
+            return buffered.pop() if buffered else await receive()
+
+        await app(scope, replay if chunks else receive, send)
+
+    return asgi
