@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import resource
 import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,24 +26,29 @@ FD_LIMIT = 400  # the daemon's own RLIMIT_NOFILE in these tests (soft and hard)
 CAP = 100  # api.max_connections
 
 
-def _low_fd_limit() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
-
-
-@pytest.fixture
-def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningDaemon]:
+def start_limited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fd_limit: int) -> RunningDaemon:
+    """A sim daemon whose RLIMIT_NOFILE (soft and hard) is `fd_limit`, with small API limits."""
     env = {
         "GPUWATCH_API_MAX_CONNECTIONS": str(CAP),
         "GPUWATCH_API_HEADER_TIMEOUT_S": "1.5",
         "GPUWATCH_API_MAX_BODY_BYTES": "4096",
         "GPUWATCH_API_MAX_HEADER_BYTES": "8192",
     }
-    import subprocess
+
+    def low_fd_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
 
     real_popen = subprocess.Popen
-    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: real_popen(*a, preexec_fn=_low_fd_limit, **kw))
-    node = start_daemon(tmp_path, "--sim-gpus", "2", "--sim-scenario", "healthy", "--interval", "1", env=env)
-    monkeypatch.undo()
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: real_popen(*a, preexec_fn=low_fd_limit, **kw))
+    try:
+        return start_daemon(tmp_path, "--sim-gpus", "2", "--sim-scenario", "healthy", "--interval", "1", env=env)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningDaemon]:
+    node = start_limited(tmp_path, monkeypatch, FD_LIMIT)
     yield node
     stop_daemon(node)
 
@@ -113,6 +119,34 @@ def trickle_until_closed(sock: socket.socket, limit_s: float = 8.0) -> float | N
     except OSError:
         return time.monotonic() - started
     return None
+
+
+def test_accept_errors_are_one_line_and_no_spin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under an fd limit too small for even the shrunken cap, accept() fails (EMFILE) for real.
+
+    Before: 163,654 tracebacks (72 MB of log) and 12 CPU-s in 20 s, no scrape answered.
+    """
+    node = start_limited(tmp_path, monkeypatch, 100)
+    try:
+        cpu_before = cpu_seconds(node.process.pid)
+        started = time.monotonic()
+        flood = open_idle(node, 400)
+        try:
+            latencies = [scrape(node) for _ in range(3)]
+            time.sleep(max(0.0, 5 - (time.monotonic() - started)))
+            cpu = cpu_seconds(node.process.pid) - cpu_before
+        finally:
+            for sock in flood:
+                sock.close()
+    finally:
+        stop_daemon(node)
+    log = (tmp_path / "daemon.log").read_text()
+    print(
+        f"EMFILE: {log.count('cannot accept')} log line(s), {cpu:.2f} CPU-s in 5 s, scrape max {max(latencies):.2f} s"
+    )
+    assert "capping connections at" in log
+    assert 1 <= log.count("cannot accept connections: Too many open files") <= 2 and "Traceback" not in log
+    assert cpu < 1.5, "no accept() spin"
 
 
 def test_slowloris_is_closed_after_the_header_timeout(daemon: RunningDaemon) -> None:
