@@ -61,8 +61,14 @@ def checked_injection(fields: Mapping[str, Any]) -> dict[str, Any]:
     """
     unknown = set(fields) - _INJECTABLE
     if unknown:
-        raise ConfigError(f"inject: unknown field(s) {', '.join(sorted(unknown))}")
+        raise ConfigError(f"inject: unknown field(s) {', '.join(_show(n) for n in sorted(unknown))}")
     return {name: _checked_value(name, value) for name, value in fields.items()}
+
+
+def _show(value: Any) -> str:
+    """A client's value for an error line: repr (escapes control characters and lone surrogates), cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _checked_value(name: str, value: Any) -> Any:
@@ -70,28 +76,32 @@ def _checked_value(name: str, value: Any) -> Any:
         return None
     if name == "error":
         if value not in ERROR_KINDS:
-            raise ConfigError(f"inject: field error: {value!r} is not one of {', '.join(ERROR_KINDS)}")
+            raise ConfigError(f"inject: field error: {_show(value)} is not one of {', '.join(ERROR_KINDS)}")
         return value
     hint = _SAMPLE_HINTS[name]
     if name == "pids":
         if not isinstance(value, (list, tuple)) or not all(_is_int(p) and 0 < p <= _MAX_INT for p in value):
-            raise ConfigError(f"inject: field pids: {value!r} is not a list of process ids")
+            raise ConfigError(f"inject: field pids: {_show(value)} is not a list of process ids")
         return tuple(value)
     wanted = next(a for a in typing.get_args(hint) if a is not type(None)) if typing.get_args(hint) else hint
     if wanted is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"inject: field {name}: {value!r} is not true or false")
+            raise ConfigError(f"inject: field {name}: {_show(value)} is not true or false")
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"inject: field {name}: {value!r} is not a finite number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ConfigError(f"inject: field {name}: {_show(value)} is not a finite number")
     if wanted is int:
         if isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"inject: field {name}: {value!r} is not an integer")
+            raise ConfigError(f"inject: field {name}: {_show(value)} is not an integer")
         value = int(value)
     high = 100 if name.endswith("_pct") else _MAX_INT
     if not 0 <= value <= high:
-        raise ConfigError(f"inject: field {name}: {value!r} is out of range (0 to {high})")
+        raise ConfigError(f"inject: field {name}: {_show(value)} is out of range (0 to {high})")
     return float(value) if wanted is float else value
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # an int may be too large for a float: the range says no
 
 
 def _is_int(value: Any) -> bool:
