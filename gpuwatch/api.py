@@ -8,58 +8,151 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import logging
 import os
 import secrets
 import socket
+import stat
+import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
+from gpuwatch.httpserver import body_limit
 from gpuwatch.metrics import MetricsRenderer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.monitor import Monitor
 from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
 
+log = logging.getLogger("gpuwatch.api")
 
-def ensure_token(path: Path) -> str:
-    """The API token, created 0600 on first start so only root (and the CLI run as root) can change state."""
-    if path.exists():
-        token = path.read_text(encoding="utf-8").strip()
+
+def ensure_token(path: Path, *, first_start: bool = True) -> str:
+    """The API token, created 0600 on first start so only root (and the CLI run as root) can change state.
+
+    An existing token is used only if it is a regular file of ours that group and others cannot
+    read (anyone who can read it can quarantine GPUs). A token missing after the first start is
+    minted anew with a warning: clients holding the old one must read the new one.
+
+    Raises:
+        ConfigError: one line naming the path, for a token that is not a private regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        fd = -1
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the API token: {exc.strerror or exc}") from None
+    if fd >= 0:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise ConfigError(f"{path}: the API token is not a regular file")
+        with os.fdopen(fd, "rb") as existing:
+            raw = existing.read(4096)
+        try:
+            token = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            token = ""
+        if token and (info.st_uid != os.geteuid() or info.st_mode & 0o077):
+            raise ConfigError(
+                f"{path}: the API token is readable or owned by others (mode {stat.S_IMODE(info.st_mode):04o}, "
+                f"uid {info.st_uid}): remove it to mint a new one, or chmod 600 it"
+            )
         if token:
             return token
+        log.warning("%s: the API token is empty or not text; minting a new one", path)
         path.unlink()  # an empty token (a crash mid-write) would let an empty bearer through
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as out:
-        out.write(token + "\n")
+    elif not first_start:
+        log.warning("%s: the API token was missing; minted a new one (clients must read it again)", path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(token + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write the API token: {exc.strerror or exc}") from None
     return token
+
+
+def one_line_text(value: str) -> str:
+    """A reason goes to the database, the journal and status pages: printable UTF-8 on one line only."""
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise ValueError("contains a lone surrogate (not valid UTF-8)")
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise ValueError("contains a control character (newline, tab, escape, ...)")
+    return value
+
+
+# The schema says "no control characters" as a pattern; one_line_text enforces it with a clearer message.
+Reason = Annotated[
+    str,
+    Field(min_length=1, max_length=500, json_schema_extra={"pattern": r"^[^\x00-\x1f\x7f-\x9f]+$"}),
+    AfterValidator(one_line_text),
+]
+
+
+class ErrorBody(BaseModel):
+    detail: str
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class UnprocessableBody(BaseModel):
+    """A 422: body or query validation lists each bad part; a handler's own check says it in one string."""
+
+    detail: list[FieldError] | str
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+Responses = dict[int | str, dict[str, Any]]
+NOT_FOUND: Responses = {404: _error("no GPU with that index")}
+# What every route behind the token may answer besides its own result.
+GUARDED: Responses = {401: _error("missing or wrong bearer token"), **NOT_FOUND}
+NOT_DURABLE: Responses = {503: _error("in force, but the state store cannot write it yet (it retries)")}
+STILL_FAULTY: Responses = {409: _error("the GPU is still degraded or unhealthy: release it with force")}
 
 
 class QuarantineBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(min_length=1, max_length=500)
+    reason: Reason
 
 
 class ReleaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(default="operator", min_length=1, max_length=500)
+    reason: Reason = "operator"
     force: bool = False  # needed to release a GPU that is still degraded or unhealthy (409 without it)
 
 
 class InjectBody(BaseModel):
-    """A drill's injection: sample fields to override for `duration_s`, and/or one event."""
+    """A drill's injection: sample fields to override for `duration_s`, and/or one event.
+
+    Each field's type and range is checked against the sample field it overrides (monitor.checked_injection).
+    """
 
     model_config = ConfigDict(extra="forbid")
-    fields: dict[str, int | float | str | None] = Field(default_factory=dict)
-    duration_s: float = Field(default=60.0, gt=0, le=86400)
+    fields: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | list[StrictInt] | None] = Field(
+        default_factory=dict
+    )
+    duration_s: float = Field(default=60.0, gt=0, le=86400, allow_inf_nan=False)
     event: Literal["xid", "ecc_dbe", "ecc_sbe"] | None = None
     xid: int | None = Field(default=None, ge=1, le=1000)
 
@@ -130,13 +223,40 @@ def create_app(
     clock: Callable[[], float],
     extra_routes: Callable[[FastAPI, Callable[..., None]], None] | None = None,
     gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
+    docs: bool = False,
+    max_body_bytes: int = 65536,
 ) -> ASGIApp:
-    """Build the app: /metrics straight from ASGI, everything else through FastAPI.
+    """Build the app: body limit, then /metrics straight from ASGI, everything else through FastAPI.
 
     `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes; each of
-    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks).
+    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks). `docs` serves
+    /openapi.json; `max_body_bytes` is enforced before any route or token check runs.
     """
-    app = FastAPI(title="gpuwatch", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="gpuwatch",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
+        responses={
+            **NOT_FOUND,
+            413: _error("request body over api.max_body_bytes"),
+            422: {"model": UnprocessableBody, "description": "invalid input; nothing changed"},
+        },
+    )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 naming each bad part, without echoing the input (it may be NaN or a lone surrogate)."""
+        detail = [
+            {
+                "loc": [str(part) for part in e.get("loc", ())],
+                "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", "")),
+            }
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": detail}, status_code=422)
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -163,13 +283,17 @@ def create_app(
     def status_page() -> HTMLResponse:
         return HTMLResponse(statuspage.render(snapshot(), clock(), socket.gethostname()))
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {"description": "samples are stale or the state store cannot write"}})
     def healthz() -> JSONResponse:
         snap = snapshot()
         age = clock() - snap.t
         stale = snap.samples_total == 0 or age > 3 * monitor.config.interval_s
-        body = {"status": "stale" if stale else "ok", "last_sample_age_s": round(age, 3), "gpus": len(snap.gpus)}
-        return JSONResponse(body, status_code=503 if stale else 200)
+        status = "stale" if stale else "store_degraded" if snap.store_error else "ok"
+        body: dict[str, Any] = {"status": status, "last_sample_age_s": round(age, 3), "gpus": len(snap.gpus)}
+        if snap.store_error:
+            body["store_error"] = snap.store_error
+            body["store_unsaved_changes"] = snap.store_unsaved
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/gpus")
     def gpus() -> dict[str, Any]:
@@ -177,24 +301,42 @@ def create_app(
         now = clock()
         return {"t": snap.t, "backend": snap.backend, "gpus": [gpu_body(g, now) for g in snap.gpus]}
 
-    @app.get("/v1/gpus/{index}")
+    @app.get("/v1/gpus/{index}", responses=NOT_FOUND)
     def gpu(index: int) -> dict[str, Any]:
         return gpu_body(gpu_or_404(index), clock())
 
     @app.get("/v1/findings")
-    def findings(limit: int = 200, gpu: int | None = None) -> dict[str, Any]:
+    def findings(
+        limit: Annotated[int, Query(ge=1, le=5000)] = 200, gpu: Annotated[int | None, Query(ge=0, le=1023)] = None
+    ) -> dict[str, Any]:
         active = [f.as_dict() for g in snapshot().gpus for f in g.findings if gpu is None or g.index == gpu]
-        history = monitor.store.findings(limit=max(1, min(limit, 5000)), gpu=gpu) if monitor.store else []
+        history = monitor.store.findings(limit=limit, gpu=gpu) if monitor.store else []
         return {"active": active, "history": history}
 
-    @app.post("/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)])
+    def durable(index: int, status: GpuStatus, what: str) -> dict[str, Any]:
+        """200 only once the change is on disk; else 503: in force now, written when the store can."""
+        if monitor.unsaved(index):
+            detail = (
+                f"GPU {index} is {what} and acted on, but the state store cannot write it "
+                f"({monitor.snapshot.store_error}); it is kept in memory and written when the store recovers"
+            )
+            raise HTTPException(status_code=503, detail=detail)
+        return gpu_json(status, clock())
+
+    @app.post(
+        "/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)], responses={**GUARDED, **NOT_DURABLE}
+    )
     def quarantine(index: int, body: QuarantineBody) -> dict[str, Any]:
         before = gpu_or_404(index)
         after = monitor.quarantine(index, body.reason)
         changed, message = quarantine_outcome(before, after, body.reason)
-        return {**gpu_json(after, clock()), "changed": changed, "message": message}
+        return {**durable(index, after, "quarantined"), "changed": changed, "message": message}
 
-    @app.post("/v1/gpus/{index}/release", dependencies=[Depends(require_token)])
+    @app.post(
+        "/v1/gpus/{index}/release",
+        dependencies=[Depends(require_token)],
+        responses={**GUARDED, **NOT_DURABLE, **STILL_FAULTY},
+    )
     def release(index: int, body: ReleaseBody) -> dict[str, Any]:
         before = gpu_or_404(index)
         refusal = None if body.force else release_refusal(before)
@@ -202,9 +344,9 @@ def create_app(
             raise HTTPException(status_code=409, detail=refusal)
         after = monitor.release(index, body.reason)
         changed, message = release_outcome(before, after)
-        return {**gpu_json(after, clock()), "changed": changed, "message": message}
+        return {**durable(index, after, "released"), "changed": changed, "message": message}
 
-    @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)])
+    @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)], responses=GUARDED)
     def inject(index: int, body: InjectBody) -> dict[str, Any]:
         gpu_or_404(index)
         if not body.fields and body.event is None:
@@ -223,4 +365,4 @@ def create_app(
 
     if extra_routes is not None:
         extra_routes(app, require_token)
-    return metrics_fast_path(app, renderer)
+    return body_limit(metrics_fast_path(app, renderer), max_body_bytes)

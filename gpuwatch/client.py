@@ -55,6 +55,11 @@ class DaemonClient:
                 detail = json.loads(detail).get("detail", detail)
             except (ValueError, AttributeError):
                 pass
+            if isinstance(detail, list):  # a 422: [{"loc": [...], "msg": ...}, ...]
+                detail = "; ".join(
+                    f"{'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg')}" if isinstance(e, dict) else str(e)
+                    for e in detail
+                )
             raise DaemonError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)

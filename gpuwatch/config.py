@@ -8,6 +8,7 @@ is GPUWATCH_SIM_GPUS. Anything wrong raises ConfigError with one line naming whe
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import types
@@ -136,6 +137,17 @@ class DrillsConfig:
 
 
 @dataclass(frozen=True)
+class ApiConfig:
+    """Limits of the HTTP server, enforced before the token check, and whether the API schema is served."""
+
+    docs: bool = False  # serve /openapi.json to anyone who can reach `listen`
+    max_connections: int = 1000  # open connections; at the cap the longest-idle one is closed for a new one
+    header_timeout_s: float = 10.0  # a request's line and headers must arrive within this (slowloris)
+    max_header_bytes: int = 16384  # request line and headers; more is 431
+    max_body_bytes: int = 65536  # request body; more is 413
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration. Build with `load()`; `Config()` is all defaults."""
 
@@ -155,6 +167,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     drills: DrillsConfig = field(default_factory=DrillsConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
 
     @property
     def listen_host(self) -> str:
@@ -221,6 +234,7 @@ def validate(config: Config) -> None:
     Raises:
         ConfigError: naming the key and the bad value.
     """
+    _check_finite(config)
     if not 1.0 <= config.interval_s <= 3600.0:
         raise ConfigError(f"interval_s: {config.interval_s} is out of range (1 to 3600 seconds)")
     host, sep, port = config.listen.rpartition(":")
@@ -238,6 +252,72 @@ def validate(config: Config) -> None:
     for name, value in dataclasses.asdict(config.drills).items():
         if name.endswith("_s") and value <= 0:
             raise ConfigError(f"drills.{name}: {value} must be positive")
+    _check_durations(config)
+    _check_range("expected_gpus", config.expected_gpus, 0, 1024)
+    _check_range("slow_interval_s", config.slow_interval_s, 1.0, 86400.0)
+    _check_range("findings_retention_days", config.findings_retention_days, 0.01, 36500.0)
+    for name in ("state_dir", "runtime_dir"):
+        if not str(getattr(config, name)).strip():
+            raise ConfigError(f"{name}: must not be empty")
+    rules = config.rules
+    _check_range("rules.clock_low_ratio", rules.clock_low_ratio, 0.0, 1.0, low_open=True)
+    _check_range("rules.throttle_duty", rules.throttle_duty, 0.0, 1.0, low_open=True)
+    _check_range("rules.level_duty", rules.level_duty, 0.0, 1.0, low_open=True)
+    _check_range("rules.power_unstable_drop_ratio", rules.power_unstable_drop_ratio, 0.0, 1.0, low_open=True)
+    _check_range("rules.clock_busy_util_pct", rules.clock_busy_util_pct, 0, 100)
+    _check_range("rules.power_min_util_pct", rules.power_min_util_pct, 0, 100)
+    _check_range("rules.ecc_sbe_per_hour", rules.ecc_sbe_per_hour, 0.0, 1e12, low_open=True)
+    _check_range("rules.xid_app_repeats", rules.xid_app_repeats, 1, 1_000_000)
+    _check_range("rules.thermal_margin_c", rules.thermal_margin_c, 0, 200)
+    trainer = config.trainer
+    _check_range("trainer.fragmentation_ratio", trainer.fragmentation_ratio, 0.0, 1.0, low_open=True)
+    _check_range("trainer.alloc_retries_per_min", trainer.alloc_retries_per_min, 0.0, 1e9, low_open=True)
+    _check_range("trainer.straggler_ratio", trainer.straggler_ratio, 1.0, 1e6, low_open=True)
+    _check_range("trainer.grad_var_jump", trainer.grad_var_jump, 1.0, 1e12, low_open=True)
+    _check_range("api.max_connections", config.api.max_connections, 16, 1_000_000)
+    _check_range("api.max_header_bytes", config.api.max_header_bytes, 1024, 1 << 20)
+    _check_range("api.max_body_bytes", config.api.max_body_bytes, 1024, 1 << 30)
+    for number, entry in enumerate(config.drills.schedule, start=1):
+        _check_range(f"drills.schedule[{number}].require_healthy_share", entry.require_healthy_share, 0.0, 1.0)
+
+
+# Durations that may be 0 ("at once"); every other `_s` / `_days` setting must be positive.
+_ZERO_DURATION_OK = frozenset(
+    {"policy.quarantine_degraded_after_s", "policy.recovery_s", "trainer.grace_period_s", "trainer.kill_after_s"}
+)
+
+
+def _settings(config: Config) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every top-level and section setting; [[drills.schedule]] entries are not flattened."""
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.extend((f"{f.name}.{sub.name}", getattr(value, sub.name)) for sub in dataclasses.fields(value))
+        else:
+            out.append((f.name, value))
+    return out
+
+
+def _check_finite(config: Config) -> None:
+    for key, value in _settings(config):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: {value} is not a finite number")
+
+
+def _check_durations(config: Config) -> None:
+    for key, value in _settings(config):
+        if not key.endswith(("_s", "_days")) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if value < 0 or (value == 0 and key not in _ZERO_DURATION_OK):
+            raise ConfigError(f"{key}: {value} must be {'0 or more' if key in _ZERO_DURATION_OK else 'positive'}")
+
+
+def _check_range(key: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    """`low <= value <= high` (`low < value` with low_open), else one line naming the key and the range."""
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise ConfigError(f"{key}: {value} is out of range {bracket}{low:g}, {high:g}]")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -245,6 +325,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}): is it the right file?") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -29,8 +29,9 @@ from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
-from gpuwatch.errors import ConfigError
+from gpuwatch.errors import ConfigError, StoreError
 from gpuwatch.health.state import Decision
+from gpuwatch.httpserver import ACCEPT_BURST, AcceptErrorLog, ServerLimits, limited_protocol, raise_fd_limit
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import Snapshot
 from gpuwatch.monitor import Monitor
@@ -106,6 +107,10 @@ class _Server(uvicorn.Server):
             counter = (counter + 10) % 864000
             await asyncio.sleep(1.0)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        await super().startup(sockets)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -125,10 +130,14 @@ class Daemon:
         self.state_lock = StateDirLock.acquire(config.state_dir)  # a second daemon stops here, exit 2
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
+        first_start = not config.db_path.exists()
         self.store = Store(config.db_path)
         self.runtime = RuntimeDir(config.runtime_dir)
-        self.runtime.prepare()
-        self.token = ensure_token(config.token_path)
+        try:
+            self.runtime.prepare()
+        except OSError as exc:
+            raise ConfigError(f"runtime_dir {config.runtime_dir}: cannot prepare it: {exc.strerror or exc}") from None
+        self.token = ensure_token(config.token_path, first_start=first_start)
         self.monitor = Monitor(
             self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
         )
@@ -181,7 +190,10 @@ class Daemon:
         now = self.clock()
         if now - self._last_prune > 3600:
             self._last_prune = now
-            self.store.prune(now - self.config.findings_retention_days * 86400)
+            try:
+                self.store.prune(now - self.config.findings_retention_days * 86400)
+            except StoreError as exc:  # a full disk must not skip the watchdog ping after it
+                log.warning("cannot prune old findings: %s", exc)
 
     def app(self) -> ASGIApp:
         def routes(app: FastAPI, require_token: Callable[..., None]) -> None:
@@ -189,7 +201,14 @@ class Daemon:
                 hook(app, require_token)
 
         return create_app(
-            self.monitor, self.renderer, self.token, clock=self.clock, extra_routes=routes, gpu_views=self.gpu_views
+            self.monitor,
+            self.renderer,
+            self.token,
+            clock=self.clock,
+            extra_routes=routes,
+            gpu_views=self.gpu_views,
+            docs=self.config.api.docs,
+            max_body_bytes=self.config.api.max_body_bytes,
         )
 
     def start(self) -> None:
@@ -218,6 +237,11 @@ class Daemon:
         self.remediation.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
+        unsaved = self.monitor.flush_store()
+        if unsaved:
+            log.error(
+                "%d quarantine change(s) could not be written to %s and are lost at exit", unsaved, self.store.path
+            )
         self.store.close()
         self.state_lock.release()
         log.info("gpuwatch stopped")
@@ -225,9 +249,14 @@ class Daemon:
     def serve(self) -> None:
         """Run until SIGTERM/SIGINT (uvicorn handles both), then stop everything."""
         sock = bind_socket(self.config)
+        api = self.config.api
+        limits = ServerLimits(raise_fd_limit(api.max_connections), api.header_timeout_s, api.max_header_bytes)
         server = _Server(
             uvicorn.Config(
                 self.app(),
+                http=limited_protocol(limits),
+                backlog=ACCEPT_BURST,
+                loop="asyncio",
                 log_level="warning",
                 access_log=False,
                 lifespan="off",

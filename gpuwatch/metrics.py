@@ -81,6 +81,19 @@ class SnapshotCollector(Collector):
             "Automatic quarantines refused by the circuit breaker.",
             value=snap.breaker_refusals_total,
         )
+        yield GaugeMetricFamily(
+            "gpuwatch_store_degraded",
+            "1 while the state store cannot write: quarantines are in force in memory only.",
+            value=int(bool(snap.store_error)),
+        )
+        yield GaugeMetricFamily(
+            "gpuwatch_store_unsaved_changes",
+            "Quarantine changes in force but not yet durable.",
+            value=snap.store_unsaved,
+        )
+        yield CounterMetricFamily(
+            "gpuwatch_store_write_errors", "Failed writes to the state store.", value=snap.store_write_errors_total
+        )
 
     def _gpus(self, gpus: tuple[GpuStatus, ...]) -> Iterator[Metric]:
         g_labels = ["gpu", "uuid"]

@@ -265,6 +265,9 @@ class Snapshot:
     breaker_tripped: bool = False
     breaker_refusals_total: int = 0
     trainers: tuple[TrainerInfo, ...] = ()  # every live report, also those whose GPU uuid matched none
+    store_error: str = ""  # why the state store cannot write now; "" while it writes fine
+    store_unsaved: int = 0  # quarantine changes in force but not yet written to the store
+    store_write_errors_total: int = 0
 
     def gpu(self, index: int) -> GpuStatus | None:
         for status in self.gpus:

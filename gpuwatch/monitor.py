@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
-from collections import Counter
+import typing
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +26,7 @@ from gpuwatch.errors import ConfigError, GpuReadError, StoreError
 from gpuwatch.health import engine, state
 from gpuwatch.health.running import RunningState
 from gpuwatch.model import (
+    ERROR_KINDS,
     SAMPLE_FIELDS,
     Finding,
     GpuError,
@@ -42,6 +45,67 @@ log = logging.getLogger("gpuwatch.monitor")
 Listener = Callable[[Snapshot, list[state.Decision]], None]
 # Sample fields a drill may override, plus `error` (a read error kind: gpu_lost, reset_required, unknown).
 _INJECTABLE = (frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}) | {"error"}
+_SAMPLE_HINTS = typing.get_type_hints(GpuSample)
+_MAX_INT = 2**63 - 1  # what SQLite and every exporter take; larger "counters" are an attack, not a GPU
+
+
+def checked_injection(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The injected fields, each checked against its sample field's type and range.
+
+    A wrong type reaching the rules would raise on every tick for every GPU, so nothing unchecked
+    gets into the overlay: ints stay ints (3.0 is 3), numbers are finite and non-negative,
+    percentages at most 100, `error` one of the known kinds, None means "not read".
+
+    Raises:
+        ConfigError: naming the first bad field.
+    """
+    unknown = set(fields) - _INJECTABLE
+    if unknown:
+        raise ConfigError(f"inject: unknown field(s) {', '.join(_show(n) for n in sorted(unknown))}")
+    return {name: _checked_value(name, value) for name, value in fields.items()}
+
+
+def _show(value: Any) -> str:
+    """A client's value for an error line: repr (escapes control characters and lone surrogates), cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _checked_value(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name == "error":
+        if value not in ERROR_KINDS:
+            raise ConfigError(f"inject: field error: {_show(value)} is not one of {', '.join(ERROR_KINDS)}")
+        return value
+    hint = _SAMPLE_HINTS[name]
+    if name == "pids":
+        if not isinstance(value, (list, tuple)) or not all(_is_int(p) and 0 < p <= _MAX_INT for p in value):
+            raise ConfigError(f"inject: field pids: {_show(value)} is not a list of process ids")
+        return tuple(value)
+    wanted = next(a for a in typing.get_args(hint) if a is not type(None)) if typing.get_args(hint) else hint
+    if wanted is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"inject: field {name}: {_show(value)} is not true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ConfigError(f"inject: field {name}: {_show(value)} is not a finite number")
+    if wanted is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"inject: field {name}: {_show(value)} is not an integer")
+        value = int(value)
+    high = 100 if name.endswith("_pct") else _MAX_INT
+    if not 0 <= value <= high:
+        raise ConfigError(f"inject: field {name}: {_show(value)} is out of range (0 to {high})")
+    return float(value) if wanted is float else value
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # an int may be too large for a float: the range says no
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -108,6 +172,11 @@ class Monitor:
         self._samples_total = 0
         self._sample_errors_total = 0
         self._sample_duration_s = 0.0
+        # Writes the store refused (full disk, read-only, I/O error): in force, retried every tick, in order.
+        self._unsaved_quarantines: dict[str, QuarantineRecord | None] = {}  # uuid → record; None: cleared
+        self._unsaved_decisions: deque[tuple[Any, ...]] = deque(maxlen=10000)
+        self._store_error = ""
+        self._store_write_errors = 0
         self._node = self._restore(state.initial(sorted(self.statics)))
         self.snapshot = self._build_snapshot(self.clock())
 
@@ -203,9 +272,9 @@ class Monitor:
     ) -> Injection:
         """Override `fields` of GPU `index` for `duration_s` and/or inject an event; marks findings as drills."""
         self._require(index)
-        unknown = set(fields) - _INJECTABLE
-        if unknown:
-            raise ConfigError(f"inject: unknown field(s) {', '.join(sorted(unknown))}")
+        fields = checked_injection(fields)
+        if not (math.isfinite(duration_s) and 0 < duration_s <= 86400):
+            raise ConfigError(f"inject: duration_s: {duration_s!r} is not within (0, 86400] seconds")
         now = self.clock()
         static = self.statics[index]
         injected_event = GpuEvent(now, index, static.uuid, event, xid, drill=True) if event else None
@@ -267,7 +336,10 @@ class Monitor:
     def _record(self, reading: GpuSample | GpuEvent | GpuError) -> None:
         if isinstance(reading, GpuEvent) and reading.kind == "xid" and reading.xid is not None:
             self._xids[reading.index][reading.xid] += 1
-        self._running[reading.index].add(reading)
+        try:
+            self._running[reading.index].add(reading)
+        except Exception:  # a value the rules choke on stays on its GPU: the reading is dropped, the others go on
+            log.exception("GPU %d: rules failed on a reading; dropped", reading.index)
 
     def _judge_and_publish(self, now: float) -> Snapshot:
         findings: dict[int, list[Finding]] = {}
@@ -275,7 +347,11 @@ class Monitor:
             if not running.seen:
                 continue  # never read yet: the state machine keeps it unknown
             drill = self._drill_until.get(index, 0.0) > now
-            found = engine.judge(running.at(now), self.rules)
+            try:
+                found = engine.judge(running.at(now), self.rules)
+            except Exception:  # a bug or odd value on one GPU must not stop judging the others
+                log.exception("GPU %d: rules failed; keeping its last findings", index)
+                found = list(self._findings.get(index, ()))
             findings[index] = [dataclasses.replace(f, drill=True) if drill else f for f in found]
         self._findings = findings
         node, decisions = state.step(self._node, findings, now, self.config.policy)
@@ -284,18 +360,12 @@ class Monitor:
 
     def _after_decisions(self, decisions: list[state.Decision], now: float | None = None) -> Snapshot:
         now = self.clock() if now is None else now
-        snapshot = self._build_snapshot(now)
-        self.snapshot = snapshot
         for decision in decisions:
             self._log(decision)
-        try:
-            for decision in decisions:
-                self._persist(decision)
-            if self.store is not None:
-                for status in snapshot.gpus:
-                    self._sync_findings(self.store, status, now)
-        except StoreError as exc:  # a full disk must not stop judging: the Snapshot and status.json still go out
-            log.error("cannot record decisions and findings: %s", exc)
+            self._queue(decision)
+        self._write_store(now)
+        snapshot = self._build_snapshot(now)
+        self.snapshot = snapshot
         if self.runtime is not None:
             try:
                 self.runtime.write_status(snapshot)
@@ -308,12 +378,13 @@ class Monitor:
                 log.exception("listener %r failed", listener)
         return snapshot
 
-    def _sync_findings(self, store: Store, status: GpuStatus, now: float) -> None:
+    def _sync_findings(self, store: Store, index: int, uuid: str, now: float) -> None:
         """Write a GPU's findings to the store when its set of rules changed (only this monitor writes them)."""
-        rules = frozenset(f.rule for f in status.findings)
-        if self._synced.get(status.index) != rules:
-            store.sync_findings(status.uuid, status.index, list(status.findings), now)
-            self._synced[status.index] = rules
+        found = self._findings.get(index, ())
+        rules = frozenset(f.rule for f in found)
+        if self._synced.get(index) != rules:
+            store.sync_findings(uuid, index, list(found), now)
+            self._synced[index] = rules
 
     def _log(self, decision: state.Decision) -> None:
         level = logging.WARNING if decision.kind in {"quarantine", "refused"} else logging.INFO
@@ -327,34 +398,74 @@ class Monitor:
             decision.reason,
         )
 
-    def _persist(self, decision: state.Decision) -> None:
-        static = self.statics[decision.index]
-        gpu_state = self._node.gpus[self._position(decision.index)]
+    def _queue(self, decision: state.Decision) -> None:
+        """Line a decision up for the store; `_write_store` writes everything queued, oldest first."""
         if self.store is None:
             return
+        static = self.statics[decision.index]
+        gpu_state = self._node.gpus[self._position(decision.index)]
         if decision.kind == "quarantine":
-            self.store.set_quarantine(
-                QuarantineRecord(
-                    static.uuid,
-                    decision.index,
-                    gpu_state.quarantine_reason,
-                    gpu_state.quarantined_since or decision.t,
-                    decision.auto,
-                    decision.drill,
-                    gpu_state.epoch,
-                )
+            self._unsaved_quarantines[static.uuid] = QuarantineRecord(
+                static.uuid,
+                decision.index,
+                gpu_state.quarantine_reason,
+                gpu_state.quarantined_since or decision.t,
+                decision.auto,
+                decision.drill,
+                gpu_state.epoch,
             )
         elif decision.kind == "release":
-            self.store.clear_quarantine(static.uuid)
-        self.store.add_decision(
-            decision.t,
-            decision.index,
-            static.uuid,
-            decision.kind,
-            decision.state.value,
-            decision.reason,
-            decision.drill,
-        )
+            self._unsaved_quarantines[static.uuid] = None
+        row = (decision.t, decision.index, static.uuid, decision.kind, decision.state.value, decision.reason)
+        self._unsaved_decisions.append((*row, decision.drill))
+
+    def _write_store(self, now: float) -> None:
+        """Write queued quarantine changes, decisions and findings; on failure keep them and say so once.
+
+        A full or read-only disk must never make a decision disappear: it stays in force in memory
+        (status.json, signals and the API show it), /healthz and gpuwatch_store_degraded say the
+        store is behind, and every later tick retries until the writes land.
+        """
+        if self.store is None:
+            return
+        try:
+            while self._unsaved_quarantines:
+                uuid, record = next(iter(self._unsaved_quarantines.items()))
+                if record is None:
+                    self.store.clear_quarantine(uuid)
+                else:
+                    self.store.set_quarantine(record)
+                del self._unsaved_quarantines[uuid]
+            while self._unsaved_decisions:
+                self.store.add_decision(*self._unsaved_decisions[0])
+                self._unsaved_decisions.popleft()
+            for index, static in self.statics.items():
+                self._sync_findings(self.store, index, static.uuid, now)
+        except StoreError as exc:  # a full disk must not stop judging: the Snapshot and status.json still go out
+            self._store_write_errors += 1
+            if not self._store_error:
+                log.error(
+                    "state store cannot write; %d quarantine change(s) in force in memory only, retried every tick: %s",
+                    len(self._unsaved_quarantines),
+                    exc,
+                )
+            self._store_error = str(exc) or type(exc).__name__
+            return
+        if self._store_error:
+            log.warning("state store writes again: every quarantine change is saved")
+            self._store_error = ""
+
+    def unsaved(self, index: int) -> bool:
+        """True while a quarantine or release of GPU `index` is in force but not yet durable."""
+        static = self.statics.get(index)
+        with self._lock:
+            return static is not None and static.uuid in self._unsaved_quarantines
+
+    def flush_store(self) -> int:
+        """Retry the queued writes now (at shutdown); the number of quarantine changes still unsaved."""
+        with self._lock:
+            self._write_store(self.clock())
+            return len(self._unsaved_quarantines)
 
     def _position(self, index: int) -> int:
         for position, gpu_state in enumerate(self._node.gpus):
@@ -429,6 +540,9 @@ class Monitor:
             breaker_tripped=self._node.breaker_tripped,
             breaker_refusals_total=self._node.breaker_refusals,
             trainers=self._trainers,
+            store_error=self._store_error,
+            store_unsaved=len(self._unsaved_quarantines),
+            store_write_errors_total=self._store_write_errors,
         )
 
 

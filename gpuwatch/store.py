@@ -7,8 +7,10 @@ single writer is simpler than a pool and never contends with scrapes (which read
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from typing import Any
 
 from gpuwatch.errors import StoreError
 from gpuwatch.model import Finding
+
+log = logging.getLogger("gpuwatch.store")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS quarantine (
@@ -55,20 +59,89 @@ class QuarantineRecord:
     epoch: int
 
 
+_QUARANTINE_COLUMNS = "uuid, gpu, reason, since, auto, drill, epoch"
+
+
 class Store:
-    """The daemon's persistent state in `<state_dir>/gpuwatch.db`."""
+    """The daemon's persistent state in `<state_dir>/gpuwatch.db`.
+
+    Every commit is synchronous=FULL: a write that returned survives a crash or a power cut, so an
+    API answer given after it is a promise kept. A database that fails its integrity check at
+    start is renamed aside (kept for a post-mortem) and its quarantines are carried over where
+    they can still be read; it is never silently emptied.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"{self.path.parent}: cannot create state directory: {exc.strerror or exc}") from None
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            log.warning("%s is empty (0 bytes): starting without persisted quarantines or history", self.path)
+        salvaged: list[tuple[Any, ...]] = []
+        problem = self._integrity_problem()
+        if problem:
+            salvaged = self._salvage_quarantines()
+            aside = self._move_aside()
+            log.error(
+                "%s failed its integrity check (%s): kept as %s; new database with %d salvaged quarantine(s)",
+                self.path,
+                problem,
+                aside,
+                len(salvaged),
+            )
+        try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            if salvaged:
+                self._db.executemany(
+                    f"INSERT OR REPLACE INTO quarantine ({_QUARANTINE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)", salvaged
+                )
+                self._db.executemany("INSERT OR REPLACE INTO epoch VALUES (?, ?)", [(r[0], r[6]) for r in salvaged])
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
         self._lock = threading.Lock()
+
+    def _integrity_problem(self) -> str:
+        """'' when the file is absent or passes PRAGMA quick_check, else what is wrong in a few words."""
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            return ""
+        try:
+            db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                rows = db.execute("PRAGMA quick_check").fetchall()
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            if "locked" in str(exc) or "unable to open" in str(exc):
+                return ""  # not corruption: opening it for real will say what is wrong
+            return str(exc)
+        problems = [str(r[0]) for r in rows if r[0] != "ok"]
+        return "; ".join(problems[:3])
+
+    def _salvage_quarantines(self) -> list[tuple[Any, ...]]:
+        try:
+            db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                return db.execute(f"SELECT {_QUARANTINE_COLUMNS} FROM quarantine").fetchall()
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return []
+
+    def _move_aside(self) -> Path:
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        for suffix in ("", "-wal", "-shm"):
+            source = Path(f"{self.path}{suffix}")
+            if source.exists():
+                try:
+                    source.rename(f"{aside}{suffix}")
+                except OSError as exc:
+                    raise StoreError(f"{source}: corrupt, and cannot be moved aside: {exc.strerror or exc}") from None
+        return aside
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -78,7 +151,11 @@ class Store:
                 yield self._db
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass  # a full disk can fail the rollback too; the error below is what matters
                 raise StoreError(f"{self.path}: {exc}") from None
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -143,6 +143,8 @@ def _parse_header(line: str) -> tuple[tuple[GpuStatic, ...], str]:
         data = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"header is not JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise TraceError("header is nested too deeply to be a trace header") from None
     if not isinstance(data, dict) or "static" not in data:
         raise TraceError(f'header missing: line 1 must be {{"format": "{FORMAT}", "version": {VERSION}, ...}}')
     if data.get("format") != FORMAT:
@@ -186,6 +188,8 @@ def read_trace(path: str | Path) -> Trace:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TraceError(f"not JSON: {exc.msg} (column {exc.colno})") from None
+            except RecursionError:
+                raise TraceError("nested too deeply to be a reading") from None
             if not isinstance(data, dict):
                 raise TraceError(f"expected a JSON object, got {_type_name(data)}")
             readings.append(reading_from_dict(data, indexes))

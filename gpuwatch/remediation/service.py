@@ -184,8 +184,8 @@ class Remediation:
             self._accounted = {pid: st for pid, st in self._accounted.items() if self.proc.alive(pid, st)}
         gone = []
         for rank in publish.ranks:
-            if self._accounted.get(rank.pid, -1) == rank.start_time:
-                continue  # a rank we stopped or saw end, in a publish made before that
+            if rank.pid in self._accounted and rank.start_time in (None, self._accounted[rank.pid]):
+                continue  # a rank we stopped or saw end, in a publish made before that (or as it ended)
             if rank.pid not in self._known and not self._exits.add(rank.pid, rank.start_time):
                 gone.append(rank.pid)  # it ended between the publish and now: an exit like any other
             self._known[rank.pid] = rank

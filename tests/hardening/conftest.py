@@ -1,0 +1,36 @@
+"""Fixtures for the hardening tests: read-only and full file systems made for real where the machine allows."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str, *options: str) -> Iterator[bool]:
+    """Mount a tmpfs of `size` at `path` (root only); yields False where mount is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    if not can_mount():
+        yield False
+        return
+    opts = ",".join((f"size={size}", "mode=0755", *options))
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def remount(path: Path, *options: str) -> None:
+    subprocess.run(["mount", "-o", ",".join(("remount", *options)), str(path)], check=True, capture_output=True)
