@@ -30,9 +30,11 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError
+from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.monitor import Monitor
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -135,6 +137,17 @@ class Daemon:
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
         install_drills(self)
+        self.fleet = FleetBreaker(config.fleet) if config.fleet.prometheus_url else None
+        if self.fleet is not None:
+            self.monitor.quarantine_gate = self.fleet.allow_quarantine
+            self.renderer.registry.register(FleetCollector(self.fleet.status))
+            self.key_parts.append(self.fleet.status)
+        self.drainer: Drainer | None = None
+        if config.slurm.enabled:
+            self.drainer = Drainer(config.slurm, gate=self.fleet.allow_drain if self.fleet is not None else None)
+            self.monitor.listeners.append(self.drainer.on_publish)
+            self.renderer.registry.register(SlurmCollector(self.drainer.status))
+            self.key_parts.append(self.drainer.status)
         log.info(
             "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
             __version__,
@@ -184,6 +197,8 @@ class Daemon:
         )
         self.scheduler.start()
         self._event_thread.start()
+        if self.drainer is not None:
+            self.drainer.start()
         systemd.ready()
         systemd.status(f"watching {len(self.monitor.statics)} GPU(s) with {self.backend.name}")
 
@@ -195,6 +210,8 @@ class Daemon:
         self.backend.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
+        if self.drainer is not None:
+            self.drainer.stop()
         self.store.close()
         log.info("gpuwatch stopped")
 
