@@ -259,6 +259,7 @@ class Drainer:
         self.scontrol = scontrol or Scontrol(config.scontrol, config.timeout_s)
         self.gate = gate
         self._want = Want("hold")
+        self._told: Want | None = None  # the drain wanted when an operator's drain was last reported
         self._applied = ""  # the reason of gpuwatch's last drain; an operator's resume of it is respected
         self._status = DrainStatus()
         self._lock = threading.Lock()
@@ -306,7 +307,8 @@ class Drainer:
             log.warning(
                 "slurm: the fleet breaker refuses to drain node %s: %s", self.name, done.removeprefix("refused: ")
             )
-        if want.action == "drain" and node.drained and not node.ours and not self._status.drained_by_other:
+        if want.action == "drain" and node.drained and not node.ours and self._told != want:
+            self._told = want
             log.warning(
                 "slurm: node %s is drained by someone else (%s); gpuwatch leaves that drain alone",
                 self.name,

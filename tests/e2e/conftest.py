@@ -44,9 +44,13 @@ class RunningDaemon:
         with urllib.request.urlopen(self.base + path, timeout=5) as resp:
             return json.loads(resp.read())
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "gpuwatch", *args, *self.cli_args], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "gpuwatch", *args, *self.cli_args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env} if env else None,
         )
 
 
