@@ -7,6 +7,8 @@ what Prometheus' query API returns, including the answers it gives when somethin
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuwatch.config import FleetConfig
 from gpuwatch.fleet import (
@@ -29,6 +31,7 @@ from gpuwatch.fleet import (
     judge_drain,
     judge_quarantine,
 )
+from gpuwatch.slurm import DrainStatus, SlurmCollector
 from tests.e2e.conftest import free_port
 from tests.helpers import FakeClock
 
@@ -150,3 +153,14 @@ def test_collector_exports_exact_values_on_a_fresh_registry() -> None:
         "gpuwatch_fleet_query_failures_total",
     ]
     assert [registry.get_sample_value(n) for n in names] == [0.0, 0.25, 4.0, 1.0, 3.0, 7.0]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_check_metrics_is_clean_for_the_slurm_and_fleet_families() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(FleetStatus))
+    registry.register(SlurmCollector(DrainStatus))
+    text = generate_latest(registry).decode()
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
+    assert text.count("# TYPE gpuwatch_") == 14
