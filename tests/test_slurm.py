@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.cli import main
 from gpuwatch.config import SlurmConfig
 from gpuwatch.slurm import (
     Drainer,
@@ -25,6 +27,8 @@ from gpuwatch.slurm import (
     plan,
     wanted,
 )
+from tests.e2e.conftest import free_port
+from tests.helpers import metric_samples, start_sim_node
 
 SHOW_DRAINED = """NodeName=gwnode Arch=x86_64 CoresPerSocket=1
    CPUAlloc=0 CPUEfctv=1 CPUTot=1 CPULoad=0.41
@@ -246,3 +250,57 @@ def test_gpu_view_from_the_api_takes_the_worst_finding() -> None:
     }  # fmt: skip
     assert GpuView.from_api(gpu) == GpuView(3, "GPU-3", "unhealthy", True, "ecc_dbe")
     assert GpuView.from_api({**gpu, "findings": []}).cause == "quarantined: unhealthy: …"
+
+
+def test_the_daemon_wires_the_drainer_to_its_snapshots_and_metrics(tmp_path: Path) -> None:
+    node_file = tmp_path / "node"
+    program = script(
+        tmp_path,
+        f"""case "$1" in
+show) if [ -f {node_file} ]; then cat {node_file}; else printf 'NodeName=n\\n   State=IDLE\\n'; fi;;
+update) case "$3" in
+  State=DRAIN) printf 'NodeName=n\\n   State=IDLE+DRAIN\\n   Reason=%s [root@now]\\n' "${{4#Reason=}}" > {node_file};;
+  State=RESUME) rm -f {node_file};;
+  esac;;
+esac""",
+    )
+    overrides = {"slurm.enabled": True, "slurm.scontrol": program, "slurm.drain_on": "any_quarantine"}
+    node = start_sim_node(tmp_path, gpus=2, **overrides)
+    try:
+        drainer = node.daemon.drainer
+        assert drainer is not None
+        uuid = node.gpu(1)["uuid"]
+        response = node.client.post("/v1/gpus/1/quarantine", json={"reason": "fan"}, headers=node.auth)
+        assert response.status_code == 200, response.text
+        drainer.step()
+        assert f"Reason=gpuwatch: GPU 1 {uuid} quarantined: fan [root@now]" in node_file.read_text()
+        metrics = node.client.get("/metrics").text
+        assert metric_samples(metrics, "gpuwatch_slurm_drained") == [({}, 1.0)]
+        assert metric_samples(metrics, "gpuwatch_slurm_drains_total") == [({}, 1.0)]
+        node.client.post("/v1/gpus/1/release", json={}, headers=node.auth)
+        drainer.step()
+        assert not node_file.exists()
+        assert metric_samples(node.client.get("/metrics").text, "gpuwatch_slurm_resumes_total") == [({}, 1.0)]
+    finally:
+        node.close()
+
+
+def test_check_slurm_without_a_daemon_samples_itself_and_never_resumes(tmp_path: Path) -> None:
+    node_file = tmp_path / "node"
+    node_file.write_text("NodeName=n\n   State=IDLE+DRAIN\n   Reason=gpuwatch: GPU 1 GPU-1 fan [root@now]\n")
+    updates = tmp_path / "updates"
+    program = script(
+        tmp_path, f'[ "$1" = show ] && cat {node_file}; [ "$1" = update ] && echo "$@" >> {updates}; exit 0'
+    )
+    (tmp_path / "empty.toml").write_text("")
+    result = CliRunner().invoke(
+        main,
+        ["check", "--slurm", "--backend", "sim", "--sim-scenario", "healthy", "--sim-gpus", "2", "--samples", "1",
+         "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(tmp_path)],
+        env={"GPUWATCH_CONFIG": str(tmp_path / "empty.toml"), "GPUWATCH_SLURM_SCONTROL": program,
+             "GPUWATCH_SLURM_NODE_NAME": "n"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "cannot reach the gpuwatch daemon" in result.stderr and "sampling the GPUs itself" in result.stderr
+    assert "slurm: node n unchanged (state IDLE+DRAIN, reason 'gpuwatch: GPU 1 GPU-1 fan')" in result.stdout
+    assert not updates.exists()
