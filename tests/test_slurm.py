@@ -28,7 +28,7 @@ from gpuwatch.slurm import (
     wanted,
 )
 from tests.e2e.conftest import free_port
-from tests.helpers import metric_samples, start_sim_node
+from tests.helpers import fake_scontrol, metric_samples, start_sim_node
 
 SHOW_DRAINED = """NodeName=gwnode Arch=x86_64 CoresPerSocket=1
    CPUAlloc=0 CPUEfctv=1 CPUTot=1 CPULoad=0.41
@@ -253,17 +253,7 @@ def test_gpu_view_from_the_api_takes_the_worst_finding() -> None:
 
 
 def test_the_daemon_wires_the_drainer_to_its_snapshots_and_metrics(tmp_path: Path) -> None:
-    node_file = tmp_path / "node"
-    program = script(
-        tmp_path,
-        f"""case "$1" in
-show) if [ -f {node_file} ]; then cat {node_file}; else printf 'NodeName=n\\n   State=IDLE\\n'; fi;;
-update) case "$3" in
-  State=DRAIN) printf 'NodeName=n\\n   State=IDLE+DRAIN\\n   Reason=%s [root@now]\\n' "${{4#Reason=}}" > {node_file};;
-  State=RESUME) rm -f {node_file};;
-  esac;;
-esac""",
-    )
+    program, node_file = fake_scontrol(tmp_path)
     overrides = {"slurm.enabled": True, "slurm.scontrol": program, "slurm.drain_on": "any_quarantine"}
     node = start_sim_node(tmp_path, gpus=2, **overrides)
     try:

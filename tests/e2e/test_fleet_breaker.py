@@ -2,7 +2,8 @@
 
 A and B each have GPUs an operator quarantined (3 of the fleet's 12, 25 %); B and C ask
 Prometheus before an automatic quarantine, with a limit of 20 %. A drill's XID 79 on C is then
-refused (log, metric, alert). With Prometheus stopped, C (on_unreachable open) falls back to its
+refused (log, metric, alert); with A and B drained in Slurm (a stand-in scontrol), so is C's
+drain. With Prometheus stopped, C (on_unreachable open) falls back to its
 node breaker, which still allows one automatic quarantine and refuses the next; B (closed) refuses.
 """
 
@@ -13,11 +14,12 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import RunningDaemon, free_port, start_daemon, start_prometheus, stop_daemon
-from tests.helpers import metric_samples
+from tests.helpers import fake_scontrol, metric_samples
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +52,10 @@ def _inject_xid79(daemon: RunningDaemon, gpu: int) -> None:
     urllib.request.urlopen(request, timeout=10).close()
 
 
+def _scalar(result: list[dict[str, Any]]) -> float | None:
+    return float(result[0]["value"][1]) if len(result) == 1 else None
+
+
 def _log(daemon: RunningDaemon) -> str:
     return (daemon.state_dir.parent / "daemon.log").read_text()
 
@@ -61,10 +67,20 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
     fleet = {"GPUWATCH_FLEET_PROMETHEUS_URL": f"http://127.0.0.1:{port}", "GPUWATCH_FLEET_MAX_QUARANTINED_SHARE": "0.2",
              "GPUWATCH_FLEET_CACHE_S": "1", "GPUWATCH_FLEET_TIMEOUT_S": "1"}  # fmt: skip
     args = ("--sim-scenario", "healthy", "--sim-gpus", "4", "--interval", "1")
+    scontrol: dict[str, str] = {}
+    nodes: dict[str, Path] = {}
+    for name in "abc":
+        (tmp_path / name).mkdir()
+        scontrol[name], nodes[name] = fake_scontrol(tmp_path / name)
     try:
-        for name, env in (("a", {}), ("b", {**fleet, "GPUWATCH_FLEET_ON_UNREACHABLE": "closed"}), ("c", fleet)):
-            (tmp_path / name).mkdir()
-            daemons[name] = start_daemon(tmp_path / name, *args, env=env)
+        for name, env in (
+            ("a", {}),
+            ("b", {**fleet, "GPUWATCH_FLEET_ON_UNREACHABLE": "closed"}),
+            ("c", {**fleet, "GPUWATCH_FLEET_MAX_DRAINED_NODES": "2"}),
+        ):
+            slurm = {"GPUWATCH_SLURM_ENABLED": "1", "GPUWATCH_SLURM_DRAIN_ON": "any_quarantine",
+                     "GPUWATCH_SLURM_SCONTROL": scontrol[name]}  # fmt: skip
+            daemons[name] = start_daemon(tmp_path / name, *args, env={**env, **slurm})
         a, b, c = daemons["a"], daemons["b"], daemons["c"]
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -75,6 +91,7 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
         }  # fmt: skip
         prometheus = start_prometheus(tmp_path, config, port)
         query, alerts = prometheus.query, prometheus.alerts
+        _until("the recording rules loaded", lambda: len(query("fleet:gpuwatch_gpus_quarantined:ratio")) == 1)
         for daemon, gpu in ((a, 0), (a, 1), (b, 0)):
             assert daemon.cli("quarantine", str(gpu), "--reason", "ci").returncode == 0
         _until(
@@ -98,6 +115,18 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
                 for x in alerts()
             ),
         )
+
+        # A and B drained themselves in Slurm; with 2 nodes drained, C's drain (after an operator's
+        # quarantine, which the breaker does not hold back) is refused.
+        _until(
+            "Prometheus counts 2 drained nodes", lambda: _scalar(query("fleet:gpuwatch_slurm_drained_nodes:sum")) == 2
+        )
+        assert nodes["a"].exists() and nodes["b"].exists()
+        assert c.cli("quarantine", "3", "--reason", "ci").returncode == 0
+        _until("C's drain refused", lambda: _metric(c, "gpuwatch_slurm_drain_refused") == 1)
+        assert "fleet breaker refuses to drain node" in _log(c)
+        assert "2 node(s) drained by gpuwatch in the last 3600 s, at or above fleet.max_drained_nodes 2" in _log(c)
+        assert not nodes["c"].exists() and _metric(c, "gpuwatch_fleet_breaker_refusals_total") == 2
 
         prometheus.stop()
         _until("C falls back to its node breaker and quarantines GPU 1", lambda: c.get("/v1/gpus/1")["quarantined"])
