@@ -79,15 +79,15 @@ class Want:
 def wanted(gpus: Sequence[GpuView], policy: SlurmConfig) -> Want:
     """The drain the policy calls for; resume once no GPU is quarantined any more."""
     quarantined = [g for g in gpus if g.quarantined]
+    unusable = [g for g in gpus if g.quarantined or g.state == "unhealthy"]
     if policy.drain_on == "unhealthy":
         culprits = [g for g in quarantined if g.state == "unhealthy"]
     elif policy.drain_on == "any_quarantine":
         culprits = quarantined
     else:
-        unusable = [g for g in gpus if g.quarantined or g.state == "unhealthy"]
         culprits = unusable if len(gpus) - len(unusable) < policy.min_usable_gpus else []
     if culprits:
-        return Want("drain", drain_reason(culprits, len(gpus) - len(quarantined), policy))
+        return Want("drain", drain_reason(culprits, len(gpus) - len(unusable), policy))
     if policy.drain_on == "usable_below" and len(gpus) < policy.min_usable_gpus:
         return Want("drain", f"{REASON_PREFIX} {len(gpus)} GPU(s) usable, fewer than {policy.min_usable_gpus}")
     return Want("hold") if quarantined else Want("resume")
@@ -297,7 +297,7 @@ class Drainer:
         try:
             node, done = reconcile(self.scontrol, self.name, want, self.gate)
         except SlurmError:
-            self._update(failing=True, failures_total=self._status.failures_total + 1)
+            self._update(failing=True, add={"failures_total": 1})
             raise
         if done == "drained":
             self._applied = want.reason
@@ -319,12 +319,14 @@ class Drainer:
             drained_by_other=node.drained and not node.ours,
             refused=done.startswith("refused"),
             failing=False,
-            drains_total=self._status.drains_total + (done == "drained"),
-            resumes_total=self._status.resumes_total + (done == "resumed"),
+            add={"drains_total": done == "drained", "resumes_total": done == "resumed"},
         )
 
-    def _update(self, **changes: Any) -> None:
-        self._status = dataclasses.replace(self._status, **changes)
+    def _update(self, add: Mapping[str, int] | None = None, **changes: bool) -> None:
+        """Set flags and add to counters under the lock `on_publish` takes too."""
+        with self._lock:
+            counts = {name: getattr(self._status, name) + int(n) for name, n in (add or {}).items()}
+            self._status = dataclasses.replace(self._status, **changes, **counts)
 
     def _run(self) -> None:
         failures = 0

@@ -63,7 +63,7 @@ def test_usable_below() -> None:
     assert wanted(gpus, policy) == Want("hold")  # 3 usable
     gpus[0] = view(0, "unhealthy")
     assert wanted(gpus, policy) == Want(
-        "drain", "gpuwatch: GPU 0 GPU-0 quarantined: x (+1 more GPU(s)); 3 usable, fewer than 3"
+        "drain", "gpuwatch: GPU 0 GPU-0 quarantined: x (+1 more GPU(s)); 2 usable, fewer than 3"
     )
 
 
