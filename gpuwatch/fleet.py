@@ -10,7 +10,8 @@ condemning cards on 40 nodes at once; Prometheus, which scrapes every node, can.
 Beyond `fleet.max_quarantined_share` an automatic quarantine is refused; beyond
 `fleet.max_drained_nodes` a drain is. Prometheus unreachable: `on_unreachable = "open"` lets the
 node breaker alone decide (and says so), `"closed"` refuses. One answer serves `cache_s` seconds,
-and a query waits at most `timeout_s`, so the sampling thread that asks is never held for long.
+a query waits at most `timeout_s`, and after a failure Prometheus is asked again no sooner than
+UNREACHABLE_RETRY_S, so the sampling thread that asks is never held for long.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gpuwatch.errors import GpuwatchError
 log = logging.getLogger("gpuwatch.fleet")
 
 QUARANTINED_SHARE = "fleet:gpuwatch_gpus_quarantined:ratio"
+UNREACHABLE_RETRY_S = 30.0  # a failed ask is repeated no sooner: a black-holed Prometheus costs timeout_s per 30 s
 
 
 def drained_nodes_query(window_s: float) -> str:
@@ -183,7 +185,12 @@ class FleetBreaker:
     def view(self) -> FleetView:
         """The cached answer, or a fresh one when it is older than `cache_s`."""
         with self._lock:
-            if self._view is not None and self.clock() - self._asked < self.config.cache_s:
+            ttl = (
+                max(self.config.cache_s, UNREACHABLE_RETRY_S)
+                if self._view and self._view.error
+                else self.config.cache_s
+            )
+            if self._view is not None and self.clock() - self._asked < ttl:
                 return self._view
             view = self._ask()
             self._view, self._asked = view, self.clock()

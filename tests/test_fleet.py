@@ -129,8 +129,13 @@ def test_breaker_caches_counts_each_refused_gpu_once_and_lets_go(prometheus: Fak
 
 def test_unreachable_open_and_closed(caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    opened = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, cache_s=0))
+    clock = FakeClock(0)
+    opened = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, cache_s=0), clock=clock)
     assert opened.allow_quarantine(0, "xid") is None
+    clock.advance(29)
+    assert opened.allow_quarantine(0, "xid") is None  # a failure is not retried at once: no timeout every round
+    assert opened.status() == FleetStatus(reachable=False, query_failures_total=1)
+    clock.advance(1)
     assert opened.allow_quarantine(0, "xid") is None
     assert opened.status() == FleetStatus(reachable=False, query_failures_total=2)
     said = [r.getMessage() for r in caplog.records if "cannot ask Prometheus" in r.getMessage()]
