@@ -23,7 +23,7 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
-from gpuwatch import __version__, remediation, systemd
+from gpuwatch import __version__, remediation_api, systemd
 from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
@@ -33,6 +33,8 @@ from gpuwatch.errors import ConfigError
 from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.monitor import Monitor
+from gpuwatch.remediation import Remediation
+from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.store import Store
@@ -131,7 +133,12 @@ class Daemon:
         self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
         self.key_parts: list[Callable[[], object]] = []
         self.gpu_views: list[Callable[[int], dict[str, Any]]] = []
-        self.remediation = remediation.install(self)
+        self.remediation = Remediation(config, self.store, self.runtime, clock=clock)
+        self.monitor.listeners.append(self.remediation.on_publish)
+        self.collector.extras.append(RemediationCollector(self.remediation).collect)
+        self.key_parts.append(self.remediation.version)
+        self.route_hooks.append(lambda app, _token: remediation_api.add_routes(app, self.remediation, self.store))
+        self.gpu_views.append(lambda index: remediation_api.gpu_view(self.remediation, index))
         self._last_prune = 0.0
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
@@ -208,6 +215,7 @@ class Daemon:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         self.backend.close()
+        self.remediation.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
         if self.drainer is not None:
