@@ -13,15 +13,12 @@ The same as `gpuwatch drill --kill-rank GPU`; takes its options.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from pathlib import Path
 
-from gpuwatch.drills.cli import run_as_script
+# From a checkout this file's repository comes first, installed or not; an install is used otherwise.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the drill with `argv` (default: sys.argv[1:]); returns its exit status."""
-    return run_as_script("--kill-rank", argv)
-
+from gpuwatch.drills.cli import run_as_script  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_as_script("--kill-rank"))

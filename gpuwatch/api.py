@@ -25,6 +25,7 @@ from gpuwatch.errors import ConfigError
 from gpuwatch.metrics import MetricsRenderer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.monitor import Monitor
+from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
 
 
 def ensure_token(path: Path) -> str:
@@ -50,6 +51,7 @@ class QuarantineBody(BaseModel):
 class ReleaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(default="operator", min_length=1, max_length=500)
+    force: bool = False  # needed to release a GPU that is still degraded or unhealthy (409 without it)
 
 
 class InjectBody(BaseModel):
@@ -187,13 +189,20 @@ def create_app(
 
     @app.post("/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)])
     def quarantine(index: int, body: QuarantineBody) -> dict[str, Any]:
-        gpu_or_404(index)
-        return gpu_json(monitor.quarantine(index, body.reason), clock())
+        before = gpu_or_404(index)
+        after = monitor.quarantine(index, body.reason)
+        changed, message = quarantine_outcome(before, after, body.reason)
+        return {**gpu_json(after, clock()), "changed": changed, "message": message}
 
     @app.post("/v1/gpus/{index}/release", dependencies=[Depends(require_token)])
     def release(index: int, body: ReleaseBody) -> dict[str, Any]:
-        gpu_or_404(index)
-        return gpu_json(monitor.release(index, body.reason), clock())
+        before = gpu_or_404(index)
+        refusal = None if body.force else release_refusal(before)
+        if refusal is not None:
+            raise HTTPException(status_code=409, detail=refusal)
+        after = monitor.release(index, body.reason)
+        changed, message = release_outcome(before, after)
+        return {**gpu_json(after, clock()), "changed": changed, "message": message}
 
     @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)])
     def inject(index: int, body: InjectBody) -> dict[str, Any]:

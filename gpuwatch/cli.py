@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpuwatch import __version__
@@ -106,37 +107,59 @@ def run(config_path: str | None, **flags: Any) -> None:
     Daemon(config).serve()
 
 
+STATUS_COLUMNS = ("GPU", "UUID", "state", "quarantined", "SM MHz", "W", "°C", "findings", "action", "ranks")
+
+
 @main.command()
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON.")
+@click.option("--wide", is_flag=True, help="A table at its full width, whatever the terminal's.")
+@click.option("--plain", is_flag=True, help="One GPU per line (the default when the table does not fit).")
 @one_line_errors
-def status(config_path: str | None, as_json: bool, **flags: Any) -> None:
-    """Show the GPUs of the running daemon."""
+def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **flags: Any) -> None:
+    """Show the GPUs of the running daemon: a table on a terminal wide enough for it, else one GPU per line."""
     from gpuwatch.client import DaemonClient
 
-    gpus = DaemonClient(build_config(config_path, **flags)).gpus()
+    gpus = DaemonClient(build_config(config_path, **flags), config_path=config_path).gpus()
     if as_json:
         click.echo(json.dumps({"gpus": gpus}, indent=2))
         return
+    rows = [_status_row(g) for g in gpus]
     table = Table(title="gpuwatch")
-    for column in ("GPU", "UUID", "state", "quarantined", "SM MHz", "W", "°C", "findings", "action", "ranks"):
-        table.add_column(column)
-    for g in gpus:
-        sample = g.get("sample") or {}
-        ranks = ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("ranks", g.get("trainers", [])))
-        table.add_row(
-            str(g["index"]),
-            g["uuid"],
-            f"[{STATE_STYLE.get(g['state'], '')}]{g['state']}[/]",
-            "yes: " + (g.get("quarantine_reason") or "") if g["quarantined"] else "no",
-            _fmt(sample.get("sm_clock_mhz")),
-            _fmt(sample.get("power_w"), "{:.0f}"),
-            _fmt(sample.get("temp_c")),
-            "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "-",
-            g["suggested_action"],
-            ranks or "-",
-        )
-    Console().print(table)
+    for column in STATUS_COLUMNS:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        cells = [escape(cell) for cell in row]  # reasons are anyone's text: never rich markup
+        cells[2] = f"[{STATE_STYLE.get(row[2], '')}]{cells[2]}[/]"
+        table.add_row(*cells)
+    console = Console()
+    natural = Console(width=100_000).measure(table).maximum
+    if wide:
+        Console(width=max(natural, console.width)).print(table)
+    elif plain or not console.is_terminal or natural > console.width:
+        for row in rows:
+            labelled = [f"{column}: {value}" for column, value in zip(STATUS_COLUMNS[1:], row[1:], strict=True)]
+            click.echo("GPU " + ", ".join([row[0], *labelled]))
+    else:
+        console.print(table)
+
+
+def _status_row(g: dict[str, Any]) -> list[str]:
+    """One GPU's cells, in STATUS_COLUMNS order, full text."""
+    sample = g.get("sample") or {}
+    ranks = ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("ranks", g.get("trainers", [])))
+    return [
+        str(g["index"]),
+        g["uuid"],
+        g["state"],
+        "yes: " + (g.get("quarantine_reason") or "") if g["quarantined"] else "no",
+        _fmt(sample.get("sm_clock_mhz")),
+        _fmt(sample.get("power_w"), "{:.0f}"),
+        _fmt(sample.get("temp_c")),
+        "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "-",
+        g["suggested_action"],
+        ranks or "-",
+    ]
 
 
 def _fmt(value: Any, pattern: str = "{}") -> str:
@@ -147,12 +170,21 @@ def _fmt(value: Any, pattern: str = "{}") -> str:
 @config_options
 @backend_options
 @click.option("--samples", type=click.IntRange(1, 60), default=3, show_default=True, help="Samples to take.")
+@click.option(
+    "--duration",
+    "duration_s",
+    type=click.FloatRange(0, 3600),
+    help="Seconds to sample, one sample a second. On the sim backend time is simulated and passes at once; "
+    "the default there is the scenario's time to show its fault.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option(
     "--slurm", is_flag=True, help="Ask the running daemon (else sample), then drain or resume this node in Slurm."
 )
 @one_line_errors
-def check(config_path: str | None, samples: int, as_json: bool, slurm: bool, **flags: Any) -> None:
+def check(
+    config_path: str | None, samples: int, duration_s: float | None, as_json: bool, slurm: bool, **flags: Any
+) -> None:
     """One-shot sample and judgement. Exit 0 healthy, 1 degraded or unhealthy, 2 error (Slurm HealthCheckProgram)."""
     config = build_config(config_path, **flags)
     rows = _daemon_rows(config) if slurm else None
@@ -160,7 +192,7 @@ def check(config_path: str | None, samples: int, as_json: bool, slurm: bool, **f
     if rows is None:
         from gpuwatch.offline import check as run_check
 
-        snapshot = run_check(config, samples=samples)
+        snapshot = run_check(config, samples=samples, duration_s=duration_s)
         rows = [
             {
                 "index": g.index,
@@ -224,7 +256,7 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
 @click.option("--interval", "interval_s", type=float, help="Seconds between samples (default 1).")
 @one_line_errors
 def record(config_path: str | None, out_path: str, duration_s: float, **flags: Any) -> None:
-    """Record a trace (JSON lines, shared/traces/FORMAT.md) from any backend."""
+    """Record a trace from any backend (JSON lines; the format: docs/trace-format.md in the repository)."""
     from gpuwatch.recorder import record as run_record
 
     interval = flags.pop("interval_s") or 1.0
@@ -271,21 +303,22 @@ def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -
     """Quarantine GPU INDEX: trainers on it are asked to checkpoint and leave."""
     from gpuwatch.client import DaemonClient
 
-    g = DaemonClient(build_config(config_path, **flags)).quarantine(index, reason)
-    click.echo(f"GPU {g['index']} {g['uuid']} quarantined (epoch {g['epoch']}): {g['quarantine_reason']}")
+    g = DaemonClient(build_config(config_path, **flags), config_path=config_path).quarantine(index, reason)
+    click.echo(g.get("message") or f"GPU {g['index']} quarantined (epoch {g['epoch']}): {g['quarantine_reason']}")
 
 
 @main.command()
 @click.argument("index", type=int)
 @click.option("--reason", default="operator", show_default=True, help="Why the GPU may be used again.")
+@click.option("--force", is_flag=True, help="Release it even while it is still degraded or unhealthy.")
 @config_options
 @one_line_errors
-def release(index: int, reason: str, config_path: str | None, **flags: Any) -> None:
-    """Release GPU INDEX from quarantine."""
+def release(index: int, reason: str, force: bool, config_path: str | None, **flags: Any) -> None:
+    """Release GPU INDEX from quarantine (a GPU still degraded or unhealthy needs --force)."""
     from gpuwatch.client import DaemonClient
 
-    g = DaemonClient(build_config(config_path, **flags)).release(index, reason)
-    click.echo(f"GPU {g['index']} {g['uuid']} released; state {g['state']}")
+    g = DaemonClient(build_config(config_path, **flags), config_path=config_path).release(index, reason, force)
+    click.echo(g.get("message") or f"GPU {g['index']} released; state {g['state']}")
 
 
 main.add_command(launch)

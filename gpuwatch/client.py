@@ -8,26 +8,35 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.config import Config
+from gpuwatch.config import DEFAULT_CONFIG_PATH, Config, config_file
 from gpuwatch.errors import DaemonError
 
 
 class DaemonClient:
     """Talks to the daemon at `config.listen`; reads the token from the state dir for POSTs."""
 
-    def __init__(self, config: Config, timeout_s: float = 10.0) -> None:
+    def __init__(self, config: Config, timeout_s: float = 10.0, config_path: str | Path | None = None) -> None:
         host = config.listen_host
         if host in {"0.0.0.0", "::", "[::]"}:
             host = "127.0.0.1"
         self.base = f"http://{host}:{config.listen_port}"
         self.token_path = Path(config.token_path)
         self.timeout_s = timeout_s
+        used = config_file(config_path)
+        self.source = f"config {used}" if used else f"no config file: {DEFAULT_CONFIG_PATH} does not exist"
 
     def _token(self) -> str:
         try:
             return self.token_path.read_text(encoding="utf-8").strip()
         except OSError as exc:
-            raise DaemonError(f"cannot read the API token {self.token_path}: {exc.strerror or exc}") from None
+            raise DaemonError(
+                f"cannot read the API token {self.token_path}: {exc.strerror or exc} ({self.source}); run as root "
+                "(the token is 0600), or pass --state-dir with the daemon's state dir, or --config with its config file"
+            ) from None
+
+    def require_token(self) -> None:
+        """Raise DaemonError (saying what to pass) now, before anything is done, when no token can be read."""
+        self._token()
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         headers = {"Accept": "application/json"}
@@ -49,7 +58,10 @@ class DaemonClient:
             raise DaemonError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise DaemonError(f"cannot reach the gpuwatch daemon at {self.base}: {reason}") from None
+            raise DaemonError(
+                f"cannot reach the gpuwatch daemon at {self.base}: {reason} ({self.source}); is it running? "
+                "Pass --listen HOST:PORT, or --config with the daemon's config file"
+            ) from None
 
     def gpus(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/gpus")["gpus"])
@@ -57,8 +69,9 @@ class DaemonClient:
     def quarantine(self, index: int, reason: str) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/gpus/{index}/quarantine", {"reason": reason}))
 
-    def release(self, index: int, reason: str = "operator") -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/gpus/{index}/release", {"reason": reason}))
+    def release(self, index: int, reason: str = "operator", force: bool = False) -> dict[str, Any]:
+        """Release GPU `index`; a GPU still degraded or unhealthy needs `force` (HTTP 409 without it)."""
+        return dict(self.request("POST", f"/v1/gpus/{index}/release", {"reason": reason, "force": force}))
 
     def inject(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/gpus/{index}/inject", body))

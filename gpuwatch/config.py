@@ -101,7 +101,7 @@ class ToolsConfig:
     dcgmi: str = "dcgmi"
     sysfs_root: str = "/sys"
     kmsg: str = "/dev/kmsg"  # the kernel log the xid_fault drill reads for the driver's "NVRM: Xid" line
-    xid_fault: str = ""  # the sacrificial CUDA process; "" is fault_injection/xid_fault.py of this checkout
+    xid_fault: str = ""  # the sacrificial CUDA process; "" is gpuwatch/drills/xid_fault.py of this install
     dcgm_bindings: tuple[str, ...] = (
         "/usr/share/datacenter-gpu-manager-4/bindings/python3",
         "/usr/local/dcgm/bindings/python3",
@@ -220,12 +220,10 @@ def load(
         ConfigError: naming the file, key or variable and what is wrong.
     """
     env = os.environ if environ is None else environ
-    if path is None and env.get(ENV_PREFIX + "CONFIG"):
-        path = env[ENV_PREFIX + "CONFIG"]
     data: dict[str, Any] = {}
     source = "defaults"
-    if path is not None or DEFAULT_CONFIG_PATH.exists():
-        file_path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    file_path = config_file(path, env)
+    if file_path is not None:
         data = _read_toml(file_path)
         source = str(file_path)
     config = _build(Config, data, source, "")
@@ -235,6 +233,16 @@ def load(
             config = _set_dotted(config, dotted, value, f"option --{dotted.replace('_', '-')}")
     validate(config)
     return config
+
+
+def config_file(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
+    """The file `load()` reads: `path`, else $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml when it exists."""
+    env = os.environ if environ is None else environ
+    if path is None and env.get(ENV_PREFIX + "CONFIG"):
+        path = env[ENV_PREFIX + "CONFIG"]
+    if path is not None:
+        return Path(path)
+    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
 
 
 def validate(config: Config) -> None:

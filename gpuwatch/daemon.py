@@ -31,12 +31,15 @@ from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError
 from gpuwatch.fleet import FleetBreaker, FleetCollector
+from gpuwatch.health.state import Decision
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
+from gpuwatch.model import Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.slurm import Drainer, SlurmCollector
+from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.daemon")
@@ -67,14 +70,18 @@ def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
 
 def bind_socket(config: Config) -> socket.socket:
     """Bind the listen address ourselves so a busy port is one clear line, not a uvicorn traceback."""
-    host, port = config.listen_host, config.listen_port
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    host, port = config.listen_host.strip("[]"), config.listen_port
+    # A host name (localhost, the node's name) binds to the first address it resolves to, v4 or v6.
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without
     # it every keep-alive scrape after the first waits ~40 ms for a delayed ACK.
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
+    except (socket.gaierror, IndexError) as exc:
+        raise ConfigError(f"listen {config.listen}: cannot resolve {host!r}: {getattr(exc, 'strerror', exc)}") from None
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host.strip("[]"), port))
+        sock.bind(address)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"listen {config.listen}: {exc.strerror or exc}") from None
@@ -117,6 +124,7 @@ class Daemon:
     def __init__(self, config: Config, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.state_lock = StateDirLock.acquire(config.state_dir)  # a second daemon stops here, exit 2
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
         self.store = Store(config.db_path)
@@ -155,6 +163,10 @@ class Daemon:
             self.monitor.listeners.append(self.drainer.on_publish)
             self.renderer.registry.register(SlurmCollector(self.drainer.status))
             self.key_parts.append(self.drainer.status)
+        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out (while
+        # scrapes read every Snapshot), so a scrape finds the bytes ready instead of rendering them
+        # while the other scrapes queue behind it.
+        self.monitor.listeners.append(self._prerender)
         log.info(
             "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
             __version__,
@@ -164,6 +176,9 @@ class Daemon:
             config.state_dir,
             config.runtime_dir,
         )
+
+    def _prerender(self, snapshot: Snapshot, decisions: list[Decision]) -> None:
+        self.renderer.prerender()
 
     def metrics_key(self) -> object:
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
@@ -221,6 +236,7 @@ class Daemon:
         if self.drainer is not None:
             self.drainer.stop()
         self.store.close()
+        self.state_lock.release()
         log.info("gpuwatch stopped")
 
     def serve(self) -> None:

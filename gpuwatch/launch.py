@@ -267,10 +267,13 @@ class ProgressWatch:
 
     POLL_S = 0.5
 
-    def __init__(self, runtime_dir: str, job_id: str, since: float) -> None:
+    def __init__(
+        self, runtime_dir: str, job_id: str, since: float, on_first_step: Callable[[int], None] | None = None
+    ) -> None:
         self.trainers = Path(runtime_dir) / TRAINERS_DIR
         self.job_id = job_id
         self.since = since
+        self.on_first_step = on_first_step
         self.furthest: int | None = None
         self.first_step: int | None = None
         self._done = threading.Event()
@@ -305,6 +308,8 @@ class ProgressWatch:
             if isinstance(step, int) and (self.furthest is None or step > self.furthest):
                 self.furthest = step
             if isinstance(first, int) and (self.first_step is None or first < self.first_step):
+                if self.first_step is None and self.on_first_step is not None:
+                    self.on_first_step(first)
                 self.first_step = first
 
 
@@ -362,7 +367,8 @@ class Launcher:
                     + ",".join(str(g["index"]) for g in chosen)
                 )
                 env = self._env(chosen, error_file, resume=launch > 0)
-                with ProgressWatch(self.plan.runtime_dir, self.plan.job_id, since=time.time()) as progress:
+                resumed_line = self._say_resumed(launch + 1) if launch > 0 else None
+                with ProgressWatch(self.plan.runtime_dir, self.plan.job_id, time.time(), resumed_line) as progress:
                     outcome = self.runner(self._argv(n), env)
                 if outcome.rc == 0:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {launch} relaunch(es)")
@@ -393,6 +399,10 @@ class Launcher:
                     reason = _why_relaunch(chosen, everything, gpus, message, cause)
                 launch += 1
                 self.echo(f"gpuwatch launch: relaunch {launch}/{self.plan.max_restarts}: {reason}")
+
+    def _say_resumed(self, launch: int) -> Callable[[int], None]:
+        """The line for a relaunch's first step, as soon as a rank reports it (it resumed from first_step - 1)."""
+        return lambda first: self.echo(f"gpuwatch launch: launch {launch} resumed from step {first - 1}")
 
     def _ask_daemon(self) -> list[dict[str, Any]] | None:
         """The daemon's GPUs now, or None (said in one line) when it cannot be reached: relaunch on the same GPUs."""

@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,7 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.errors import ConfigError, GpuReadError, StoreError
 from gpuwatch.health import engine, state
-from gpuwatch.health.history import History
+from gpuwatch.health.running import RunningState
 from gpuwatch.model import (
     SAMPLE_FIELDS,
     Finding,
@@ -67,7 +67,11 @@ class Injection:
 
 
 class Monitor:
-    """Owns per-GPU history, the node state machine and the published Snapshot."""
+    """Owns each GPU's running rule state, the node state machine and the published Snapshot.
+
+    Each reading is folded into its GPU's RunningState once (health/running.py), so a judgement costs
+    the same with a minute or an hour of history behind it.
+    """
 
     def __init__(
         self,
@@ -91,10 +95,10 @@ class Monitor:
         self.quarantine_gate: state.QuarantineGate | None = None  # asked before each automatic quarantine
         self._lock = threading.RLock()
         self._keep_s = engine.max_window_s(self.rules) + 2 * config.interval_s
-        self._samples: dict[int, deque[GpuSample]] = {i: deque() for i in self.statics}
-        self._events: dict[int, deque[GpuEvent]] = {i: deque() for i in self.statics}
-        self._errors: dict[int, deque[GpuError]] = {i: deque() for i in self.statics}
-        self._baseline: dict[int, GpuSample] = {}
+        self._running = {
+            i: RunningState(s, engine.conditions(s, self.rules), self._keep_s) for i, s in self.statics.items()
+        }
+        self._synced: dict[int, frozenset[str]] = {}  # the finding rules last written to the store, per GPU
         self._xids: dict[int, Counter[int]] = {i: Counter() for i in self.statics}
         self._findings: dict[int, list[Finding]] = {i: [] for i in self.statics}
         self._drill_until: dict[int, float] = {}
@@ -165,6 +169,18 @@ class Monitor:
             if readings:
                 log.info("events: %s", ", ".join(_describe(r) for r in readings))
                 self.handle_events(readings)
+
+    def preload(self, readings: Iterable[GpuSample | GpuEvent | GpuError]) -> None:
+        """Fold readings into the rules' state without judging or publishing (a bench filling history)."""
+        with self._lock:
+            for reading in readings:
+                if reading.index in self._running:
+                    self._record(reading)
+
+    def history_bytes(self) -> dict[int, int]:
+        """About how many bytes each GPU's rule state holds (bounded by the windows; see health/running.py)."""
+        with self._lock:
+            return {index: running.nbytes() for index, running in self._running.items()}
 
     # ---------------------------------------------------------------------------------------
     # operator actions and drills
@@ -250,32 +266,17 @@ class Monitor:
         return dataclasses.replace(reading, **{k: v for k, v in injection.fields.items() if k != "error"})
 
     def _record(self, reading: GpuSample | GpuEvent | GpuError) -> None:
-        index = reading.index
-        if isinstance(reading, GpuSample):
-            self._baseline.setdefault(index, reading)
-            _append(self._samples[index], reading, self._keep_s)
-        elif isinstance(reading, GpuEvent):
-            if reading.kind == "xid" and reading.xid is not None:
-                self._xids[index][reading.xid] += 1
-            _append(self._events[index], reading, self._keep_s)
-        else:
-            _append(self._errors[index], reading, self._keep_s)
+        if isinstance(reading, GpuEvent) and reading.kind == "xid" and reading.xid is not None:
+            self._xids[reading.index][reading.xid] += 1
+        self._running[reading.index].add(reading)
 
     def _judge_and_publish(self, now: float) -> Snapshot:
         findings: dict[int, list[Finding]] = {}
-        for index, static in self.statics.items():
-            if not self._samples[index] and not self._errors[index] and not self._events[index]:
+        for index, running in self._running.items():
+            if not running.seen:
                 continue  # never read yet: the state machine keeps it unknown
-            history = History(
-                static=static,
-                now=now,
-                samples=tuple(self._samples[index]),
-                events=tuple(self._events[index]),
-                errors=tuple(self._errors[index]),
-                baseline=self._baseline.get(index),
-            )
             drill = self._drill_until.get(index, 0.0) > now
-            found = engine.evaluate(history, self.rules)
+            found = engine.judge(running.at(now), self.rules)
             findings[index] = [dataclasses.replace(f, drill=True) if drill else f for f in found]
         self._findings = findings
         node, decisions = state.step(self._node, findings, now, self.config.policy, self.quarantine_gate)
@@ -293,7 +294,7 @@ class Monitor:
                 self._persist(decision)
             if self.store is not None:
                 for status in snapshot.gpus:
-                    self.store.sync_findings(status.uuid, status.index, list(status.findings), now)
+                    self._sync_findings(self.store, status, now)
         except StoreError as exc:  # a full disk must not stop judging: the Snapshot and status.json still go out
             log.error("cannot record decisions and findings: %s", exc)
         if self.runtime is not None:
@@ -307,6 +308,13 @@ class Monitor:
             except Exception:  # a listener bug must not stop sampling
                 log.exception("listener %r failed", listener)
         return snapshot
+
+    def _sync_findings(self, store: Store, status: GpuStatus, now: float) -> None:
+        """Write a GPU's findings to the store when its set of rules changed (only this monitor writes them)."""
+        rules = frozenset(f.rule for f in status.findings)
+        if self._synced.get(status.index) != rules:
+            store.sync_findings(status.uuid, status.index, list(status.findings), now)
+            self._synced[status.index] = rules
 
     def _log(self, decision: state.Decision) -> None:
         level = logging.WARNING if decision.kind in {"quarantine", "refused"} else logging.INFO
@@ -391,10 +399,8 @@ class Monitor:
         for gpu_state in self._node.gpus:
             index = gpu_state.index
             static = self.statics[index]
-            samples = self._samples[index]
-            errors = self._errors[index]
-            last_sample = samples[-1] if samples else None
-            last_error = errors[-1] if errors else None
+            running = self._running[index]
+            last_sample, last_error = running.last, running.last_error
             if last_error and last_sample and last_error.t < last_sample.t:
                 last_error = None
             findings = tuple(self._findings.get(index, ()))
@@ -425,13 +431,6 @@ class Monitor:
             breaker_refusals_total=self._node.breaker_refusals,
             trainers=self._trainers,
         )
-
-
-def _append(queue: deque[Any], reading: Any, keep_s: float) -> None:
-    queue.append(reading)
-    horizon = reading.t - keep_s
-    while len(queue) > 1 and queue[0].t < horizon:
-        queue.popleft()
 
 
 def _describe(reading: GpuEvent | GpuError) -> str:

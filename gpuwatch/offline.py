@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,14 +21,32 @@ from gpuwatch.monitor import Monitor
 from gpuwatch.trace import Trace
 
 
-def check(config: Config, samples: int = 3, spacing_s: float = 1.0) -> Snapshot:
-    """Sample every GPU `samples` times `spacing_s` apart and judge; the caller maps states to an exit code."""
+def check(config: Config, samples: int = 3, spacing_s: float = 1.0, duration_s: float | None = None) -> Snapshot:
+    """Sample every GPU `samples` times `spacing_s` apart (or for `duration_s`) and judge.
+
+    The caller maps states to an exit code. On the sim backend time is simulated and passes at once,
+    and `duration_s` defaults to the scenario's `judged_by_s`, so `check --sim-scenario RULE` shows
+    its fault without waiting for it; the scenario's shortened rule windows apply, as in the daemon.
+    """
     backend, statics = open_backend(config)
+    rules = config.rules
+    clock: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    scenario = getattr(backend, "scenario", None)
+    if scenario is not None:
+        simulated = _StepClock(time.time())
+        clock, sleep = simulated, simulated.advance
+        backend.clock = simulated  # type: ignore[attr-defined]  # the sim's scripted events follow it
+        rules = dataclasses.replace(rules, **scenario.rules_overrides)
+        if duration_s is None and scenario.judged_by_s:
+            duration_s = scenario.judged_by_s
+    if duration_s is not None:
+        samples = max(samples, int(duration_s / spacing_s) + 1)
     try:
-        monitor = Monitor(backend, statics, config)
+        monitor = Monitor(backend, statics, config, rules=rules, clock=clock)
         snapshot = monitor.tick()
         for _ in range(samples - 1):
-            time.sleep(spacing_s)
+            sleep(spacing_s)
             monitor.handle_events(backend.wait_events(0.0))
             snapshot = monitor.tick()
         return snapshot
@@ -57,8 +76,8 @@ class GpuReplay:
         }
 
 
-class _TraceClock:
-    """The trace's own time: the monitor judges each tick at the time of its readings."""
+class _StepClock:
+    """Time that moves only when set or advanced: a trace's own time, or the sim's without the wait."""
 
     def __init__(self, t: float) -> None:
         self.t = t
@@ -66,10 +85,13 @@ class _TraceClock:
     def __call__(self) -> float:
         return self.t
 
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
 
 def replay(trace: Trace, config: Config) -> list[GpuReplay]:
     """Run a trace through the rules and the state machine; record worst state and each new finding."""
-    clock = _TraceClock(next((r.t for r in trace.readings), 0.0))
+    clock = _StepClock(next((r.t for r in trace.readings), 0.0))
     config = dataclasses.replace(config, backend="replay", interval_s=max(1.0, _median_spacing(trace)))
     # The backend only names the source here: readings come from iter_ticks, judged on the trace's time.
     monitor = Monitor(ReplayBackend(config), trace.statics, config, clock=clock)

@@ -1,4 +1,10 @@
-"""Trace files (shared/traces/FORMAT.md, version 1): the reader the replay backend uses and the writer `record` uses.
+"""Trace files, version 1: the reader the replay backend uses and the writer `record` uses.
+
+The format is documented in docs/trace-format.md: JSON lines; line 1 is the header
+`{"format": "gpuwatch-trace", "version": 1, "note": ..., "static": [GpuStatic fields per GPU]}`;
+every other line is one GPU at time `t` (Unix seconds): a sample (GpuSample's fields, any of them
+null or absent), an event (`"event": "xid" | "ecc_dbe" | "ecc_sbe"`, `"xid": N`), or an error
+(`"error": "gpu_lost" | "reset_required" | "unknown"`).
 
 Stdlib only. Every malformed thing raises TraceError with one line `FILE:LINE: what is wrong`, so a
 bad trace is fixed from the message alone. Unknown fields are ignored: later versions may add some.

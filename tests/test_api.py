@@ -108,3 +108,41 @@ def test_an_empty_token_file_is_replaced(tmp_path: Path) -> None:
     token = ensure_token(path)
     assert len(token) >= 32 and path.read_text().strip() == token
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_release_of_an_unhealthy_gpu_needs_force_and_names_its_findings(node: SimNode) -> None:
+    inject = node.client.post("/v1/gpus/1/inject", json={"event": "xid", "xid": 79}, headers=node.auth)
+    assert inject.status_code == 200
+    assert node.gpu(1)["quarantined"] is True and node.gpu(1)["state"] == "unhealthy"
+    refused = node.client.post("/v1/gpus/1/release", json={"reason": "looks fine"}, headers=node.auth)
+    assert refused.status_code == 409
+    detail = refused.json()["detail"]
+    assert detail.startswith("GPU 1 is still unhealthy: xid_critical (unhealthy): ") and "--force" in detail
+    assert node.gpu(1)["quarantined"] is True, "a refused release changes nothing"
+    forced = node.client.post("/v1/gpus/1/release", json={"reason": "swapped", "force": True}, headers=node.auth)
+    assert forced.status_code == 200
+    assert (forced.json()["changed"], forced.json()["message"]) == (True, "GPU 1 released; state unhealthy")
+    assert node.gpu(1)["quarantined"] is False
+
+
+def test_release_of_a_gpu_not_quarantined_says_nothing_changed(node: SimNode) -> None:
+    body = node.client.post("/v1/gpus/2/release", json={}, headers=node.auth).json()
+    assert (body["changed"], body["message"]) == (False, "GPU 2 was not quarantined: nothing changed")
+
+
+def test_a_second_quarantine_says_what_it_did(node: SimNode) -> None:
+    first = node.client.post("/v1/gpus/2/quarantine", json={"reason": "fan noise"}, headers=node.auth).json()
+    assert (first["changed"], first["message"]) == (True, "GPU 2 quarantined (epoch 1): fan noise")
+    second = node.client.post("/v1/gpus/2/quarantine", json={"reason": "still noisy"}, headers=node.auth).json()
+    assert second["changed"] is False and second["quarantine_reason"] == "fan noise" and second["epoch"] == 1
+    assert second["message"] == (
+        "GPU 2 was already quarantined by an operator: nothing changed; the reason stays 'fan noise' (release it first)"
+    )
+
+
+def test_an_operator_quarantine_takes_over_an_automatic_one_and_says_so(node: SimNode) -> None:
+    node.client.post("/v1/gpus/3/inject", json={"event": "xid", "xid": 79}, headers=node.auth)
+    automatic = node.gpu(3)["quarantine_reason"]
+    body = node.client.post("/v1/gpus/3/quarantine", json={"reason": "RMA"}, headers=node.auth).json()
+    assert body["changed"] is True and body["quarantine_reason"] == "RMA"
+    assert body["message"] == f"GPU 3 was quarantined automatically ({automatic}); now held by the operator: RMA"

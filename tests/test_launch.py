@@ -65,6 +65,7 @@ class Run:
     rc: int = 1
     failures: tuple[Failure, ...] = ()
     step: int | None = None
+    first_step: int = 1
     error_code: int | None = None  # the root cause's error file (only when the worker left one)
 
 
@@ -101,7 +102,7 @@ class FakeTorchrun:
             trainers.mkdir(parents=True, exist_ok=True)
             report = {"pid": 1000 + len(self.calls), "job_id": env["GPUWATCH_JOB_ID"], "t": time.time()}
             (trainers / f"{report['pid']}.json").write_text(
-                json.dumps({**report, "step": outcome.step, "first_step": 1})
+                json.dumps({**report, "step": outcome.step, "first_step": outcome.first_step})
             )
         return Outcome(outcome.rc, None, outcome.failures)
 
@@ -184,7 +185,7 @@ def test_a_killed_rank_relaunches_naming_the_rank_gpu_signal_and_the_daemons_fin
     xid = {"rule": "xid", "reason": "XID 31 (application fault)"}
     daemon = FakeDaemon([gpu(0), gpu(1)], [gpu(0), {**gpu(1), "findings": [xid]}])
     teardown = (killed(1), exited(0, EXIT_RESUME))  # the survivor rescued and exited 75; the root cause is rank 1
-    torchrun = FakeTorchrun(Run(1, teardown, step=37), 0)
+    torchrun = FakeTorchrun(Run(1, teardown, step=37), Run(0, step=50, first_step=41))
     lines: list[str] = []
 
     assert Launcher(plan(runtime_dir=str(tmp_path)), daemon, torchrun, lines.append).run() == 0
@@ -193,6 +194,7 @@ def test_a_killed_rank_relaunches_naming_the_rank_gpu_signal_and_the_daemons_fin
         "gpuwatch launch: relaunch 1/3: rank 1 on GPU 1 (GPU-111) killed by SIGKILL after step 37, "
         "daemon: GPU 1 xid: XID 31 (application fault)"
     )
+    assert lines[3] == "gpuwatch launch: launch 2 resumed from step 40"  # as soon as a rank reported first_step 41
     assert torchrun.calls[1][1]["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-111"  # a finding alone does not condemn
     assert torchrun.calls[1][1]["GPUWATCH_RESUME"] == "1"
 

@@ -304,8 +304,9 @@ def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[...
     try:
         stdout, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
+        os.kill(hung, signal.SIGCONT)
+        proc.terminate()  # launch forwards it to torchrun (its own session), which tears the ranks down
+        stdout, stderr = proc.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGCONT)
@@ -316,3 +317,23 @@ def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[...
     (incident,) = [i for i in node.get("/v1/incidents")["incidents"] if i["kind"] == "trainer_hang"]
     assert (incident["status"], incident["steps_lost"]) == ("resumed", 0), incident
     assert "stopped reporting" in incident["reason"]
+
+
+def test_a_relaunch_shorter_than_one_report_interval_is_recorded_as_resumed(
+    start_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    """Issue 16: the first report carrying a step goes out at once, the last one stays after the exit."""
+    node = start_node()
+    proc = _launch(node, tmp_path / "ckpt", "--steps", "40", "--step-sleep", "0.05", "--report-interval", "60")
+    _wait_for_ranks(node, proc, ranks=2, step=1)  # the first step's report, long before the interval
+    time.sleep(0.5)
+
+    subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
+    stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert (summary["restarts"], summary["lost_steps"]) == (1, 0), summary
+    incident = _incident(node, "resumed")
+    assert incident["steps_lost"] == 0
+    assert incident["resumed_step"] == summary["resumed_from_steps"][0]

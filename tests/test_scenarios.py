@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from gpuwatch.backends.sim import SCENARIOS
-from tests.helpers import metric_samples, start_sim_node
+from gpuwatch.offline import check
+from tests.helpers import metric_samples, sim_config, start_sim_node
 
-RULE_SCENARIOS = sorted(name for name in SCENARIOS if name not in {"demo", "healthy"})
+RULE_SCENARIOS = sorted(name for name in SCENARIOS if name not in {"demo", "healthy", "idle"})
 # How long each fault needs before its rule can fire (windows, rates, repeats), in fake seconds.
 RUN_S = {"ecc_correctable_rate": 600.0, "xid_app_repeated": 120.0, "power_unstable": 300.0}
+WARNING_RULES = {"xid_app"}  # a warning finding never changes the GPU's state
 
 
 @pytest.mark.parametrize("scenario", RULE_SCENARIOS)
@@ -21,7 +24,7 @@ def test_rule_scenario_flags_only_its_gpu(tmp_path: Path, scenario: str) -> None
         node.run_for(RUN_S.get(scenario, 150.0))
         faulty = node.gpu(1)
         assert scenario in {f["rule"] for f in faulty["findings"]}, faulty["findings"]
-        assert faulty["state"] in {"degraded", "unhealthy"}
+        assert faulty["state"] in ({"healthy"} if scenario in WARNING_RULES else {"degraded", "unhealthy"})
         for index in (0, 2, 3):
             gpu = node.gpu(index)
             assert gpu["state"] == "healthy", (index, gpu["findings"])
@@ -70,3 +73,16 @@ def test_demo_flags_both_faulty_gpus_within_two_minutes_at_5s(tmp_path: Path) ->
         assert {("3", "clocks_hw_slowdown"), ("5", "ecc_uncorrectable")} <= findings
     finally:
         node.close()
+
+
+@pytest.mark.parametrize("scenario", RULE_SCENARIOS)
+def test_check_on_a_rule_scenario_shows_its_fault(tmp_path: Path, scenario: str) -> None:
+    """`gpuwatch check --sim-scenario RULE` simulates the scenario up to its judged_by_s, at once."""
+    started = time.monotonic()
+    snapshot = check(sim_config(tmp_path, scenario, gpus=2))
+    assert time.monotonic() - started < 20, "simulated time must not be waited for"
+    faulty, other = snapshot.gpu(1), snapshot.gpu(0)
+    assert faulty is not None and other is not None
+    assert scenario in {f.rule for f in faulty.findings}, faulty.findings
+    assert faulty.state.value in ({"healthy"} if scenario in WARNING_RULES else {"degraded", "unhealthy"})
+    assert other.state.value == "healthy" and other.findings == ()

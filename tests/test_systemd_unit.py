@@ -70,9 +70,9 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
     text = UNIT.read_text()
-    assert "ExecStart=/usr/local/bin/gpuwatch " in text
+    assert "ExecStart=/opt/gpuwatch/bin/gpuwatch " in text
     unit = tmp_path / "gpuwatch.service"
-    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatch ", f"ExecStart={fake} "))
+    unit.write_text(text.replace("ExecStart=/opt/gpuwatch/bin/gpuwatch ", f"ExecStart={fake} "))
     drop_in_dir = tmp_path / "gpuwatch.service.d"
     drop_in_dir.mkdir()
     shutil.copy(DROP_IN, drop_in_dir / DROP_IN.name)
@@ -114,7 +114,7 @@ def test_watchdog_allows_three_default_ticks(service: dict[str, list[str]]) -> N
 
 def test_exec_start_uses_the_default_config_path(service: dict[str, list[str]]) -> None:
     argv = one(service, "ExecStart").split()
-    assert argv[:2] == ["/usr/local/bin/gpuwatch", "run"]
+    assert argv[:2] == ["/opt/gpuwatch/bin/gpuwatch", "run"]  # the venv systemd/README.md makes
     assert argv[argv.index("--config") + 1] == str(config.DEFAULT_CONFIG_PATH)
 
 

@@ -171,3 +171,21 @@ def test_bad_input_gives_one_line(tmp_path: Path, content: str, line: int, messa
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot read trace"):
         read_trace(tmp_path / "nope.jsonl")
+
+
+def test_the_format_doc_in_the_repository_names_every_field_and_kind() -> None:
+    """docs/trace-format.md is what `record --help` points at; it must keep up with the model."""
+    from dataclasses import fields
+
+    from click.testing import CliRunner
+
+    from gpuwatch.cli import main
+    from gpuwatch.model import ERROR_KINDS, EVENT_KINDS
+    from gpuwatch.trace import FORMAT, VERSION
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "trace-format.md"
+    text = doc.read_text()
+    assert f'"format": "{FORMAT}", "version": {VERSION}' in text
+    named = {f.name for cls in (GpuSample, GpuStatic) for f in fields(cls)} | set(ERROR_KINDS) | set(EVENT_KINDS)
+    assert [name for name in sorted(named) if f"`{name}`" not in text and f'"{name}"' not in text] == []
+    assert "docs/trace-format.md" in " ".join(CliRunner().invoke(main, ["record", "--help"]).output.split())

@@ -69,7 +69,8 @@ class Fault:
     low clocks with reason 0x8, 0x40, 0x80, 0x20; `power_unstable` power collapses to 100–140 W with
     clocks dropping and no reason on about half the samples; `hot` temperature at slowdown − 2;
     `sbe_rate` 3000 correctable ECC errors a minute; `remap_pending`, `remap_failure`; `gpu_lost`
-    every read fails. Kinds that are events: `ecc_dbe` (counters +1 and an ecc_dbe event) and
+    every read fails; `reset_required` every read fails with the driver asking for a reset; `read_error`
+    every read fails for no named reason. Kinds that are events: `ecc_dbe` (counters +1 and an ecc_dbe event) and
     `xid` (event `xid`, again every `every_s` when set).
     """
 
@@ -88,16 +89,26 @@ class Scenario:
     description: str
     faults: tuple[Fault, ...] = ()
     rules_overrides: dict[str, float] = field(default_factory=dict)
+    idle: bool = False  # no load and no process on any GPU (what a drill that needs an empty GPU wants)
+    judged_by_s: float = 0.0  # seconds from the start by which the fault's rule has fired (`gpuwatch check`)
 
 
+_READ_ERRORS = {
+    "gpu_lost": ("gpu_lost", "has fallen off the bus"),
+    "reset_required": ("reset_required", "needs a reset"),
+    "read_error": ("unknown", "did not answer"),
+}
 _FAULTY_GPU = 1
 _FAULT_START_S = 10.0
 _CLOCK_FAST = {"clock_window_s": 30.0}
 _THERMAL_FAST = {"thermal_window_s": 30.0}
 
 
-def _rule_scenario(rule: str, description: str, fault: Fault, overrides: dict[str, float] | None = None) -> Scenario:
-    return Scenario(rule, description, (fault,), dict(overrides or {}))
+def _rule_scenario(
+    rule: str, description: str, fault: Fault, overrides: dict[str, float] | None = None, judged_after_s: float = 40.0
+) -> Scenario:
+    """One fault on GPU 1 from t+10 s, judged `judged_after_s` after it starts (windows, rates, repeats)."""
+    return Scenario(rule, description, (fault,), dict(overrides or {}), judged_by_s=_FAULT_START_S + judged_after_s)
 
 
 def _fault(kind: str, xid: int | None = None, every_s: float | None = None) -> Fault:
@@ -111,8 +122,10 @@ _SCENARIO_LIST = (
         "GPU 5 gets an uncorrectable ECC error (ecc_dbe event) at t+30s.",
         (Fault("hw_slowdown", 3, 20.0), Fault("ecc_dbe", 5, 30.0)),
         dict(_CLOCK_FAST),
+        judged_by_s=60.0,
     ),
     Scenario("healthy", "DDP training on every GPU with a 60 s checkpoint pause every 10 minutes; no faults."),
+    Scenario("idle", "Every GPU idle with no process on it; no faults.", idle=True),
     _rule_scenario(
         "sm_clock_low_unexplained",
         "SM clock 500 MHz at 100% utilization with no clocks-event reason.",
@@ -147,19 +160,29 @@ _SCENARIO_LIST = (
         "power_unstable",
         "At 100% utilization power collapses to 100-140 W on about half the samples, clocks drop, no reason.",
         _fault("power_unstable"),
+        judged_after_s=290.0,
     ),
     _rule_scenario(
         "ecc_uncorrectable", "An uncorrectable ECC error: DBE counters +1 and an ecc_dbe event.", _fault("ecc_dbe")
     ),
-    _rule_scenario("ecc_correctable_rate", "Correctable (SBE) ECC errors rise by 3000 a minute.", _fault("sbe_rate")),
+    _rule_scenario(
+        "ecc_correctable_rate", "Correctable (SBE) ECC errors rise by 3000 a minute.", _fault("sbe_rate"), None, 590.0
+    ),
     _rule_scenario("row_remap_pending", "A row remap is pending (needs a GPU reset).", _fault("remap_pending")),
     _rule_scenario("row_remap_failure", "Row remapping failed.", _fault("remap_failure")),
     _rule_scenario("xid_critical", "XID 79: the GPU has fallen off the bus (event only).", _fault("xid", xid=79)),
-    _rule_scenario("xid_app_repeated", "XID 31 (MMU fault) every 20 s.", _fault("xid", xid=31, every_s=20.0)),
+    _rule_scenario("xid_app", "One XID 31 (an application's MMU fault).", _fault("xid", xid=31), None, 5.0),
+    _rule_scenario(
+        "xid_app_repeated", "XID 31 (MMU fault) every 20 s.", _fault("xid", xid=31, every_s=20.0), None, 110.0
+    ),
     _rule_scenario(
         "thermal_margin_low", "GPU temperature 2 C below its slowdown temperature.", _fault("hot"), _THERMAL_FAST
     ),
     _rule_scenario("gpu_lost", "Every read of the GPU fails with gpu_lost.", _fault("gpu_lost")),
+    _rule_scenario(
+        "gpu_reset_required", "Every read of the GPU fails: the driver needs a GPU reset.", _fault("reset_required")
+    ),
+    _rule_scenario("gpu_read_error", "Every read of the GPU fails for no named reason.", _fault("read_error")),
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _SCENARIO_LIST}
 
@@ -279,8 +302,10 @@ class SimBackend:
             raise BackendError(f"sim: no GPU {index} (this node has {len(self._statics)})")
         t_rel = max(0.0, now - self._start(now))
         faults = [(f, t_rel - f.start_s) for f in self._faults if f.gpu == index and t_rel >= f.start_s]
-        if any(f.kind == "gpu_lost" for f, _ in faults):
-            raise GpuReadError("gpu_lost", f"GPU {index} has fallen off the bus (simulated)")
+        for fault, _ in faults:
+            if fault.kind in _READ_ERRORS:
+                kind, detail = _READ_ERRORS[fault.kind]
+                raise GpuReadError(kind, f"GPU {index} {detail} (simulated)")
         rng = random.Random(f"{self._seed}:{index}:{round(t_rel * 1000)}")
         sample = self._healthy(index, now, t_rel, rng)
         busy = (sample.util_gpu_pct or 0) > 0
@@ -292,8 +317,8 @@ class SimBackend:
 
     def _healthy(self, index: int, now: float, t_rel: float, rng: random.Random) -> GpuSample:
         profile = self._profiles[index]
-        phase = t_rel % CYCLE_S
-        level = _load_level(t_rel)
+        phase = BUSY_S + 60.0 if self.scenario.idle else t_rel % CYCLE_S
+        level = 0.0 if self.scenario.idle else _load_level(t_rel)
         temp = profile.idle_temp_c + level * (profile.hot_temp_c - profile.idle_temp_c) + rng.uniform(-0.6, 0.6)
         mem_temp = profile.idle_temp_c + 3 + level * (profile.hot_temp_c - profile.idle_temp_c - 8) + rng.uniform(-1, 1)
         if phase < BUSY_S:
@@ -331,7 +356,7 @@ class SimBackend:
             remapped_unc=0,
             remapped_pending=0,
             remapped_failure=0,
-            pids=(profile.pid,),
+            pids=() if self.scenario.idle else (profile.pid,),
         )
 
     def _count(self, sample: GpuSample, slow: bool) -> GpuSample:

@@ -3,26 +3,52 @@
 All processes run at once over the same period (so the period is paid once): gpuwatch at 1 s, gpuwatch
 at 30 s, and nvitop-exporter at 1 s where it is installed. CPU is counted from when each answers
 its first request, so start-up imports are left out; each is scraped every 15 s as Prometheus would.
-At a 1 s interval the rules' history keeps filling for the longest rule window (an hour): a period
-shorter than that measures a daemon whose ticks are still getting dearer (the sampling section
-measures the steady tick).
+The rules' state stops growing once their sample windows are full (two minutes; health/running.py), so
+the period need not cover the hour-long ECC window.
+
+Where the RSS goes: each import set below is loaded alone in a fresh interpreter and its RSS read, so
+the table shows the floor the mission's packages set (FastAPI, uvicorn, APScheduler, prometheus-client,
+and pynvml for NVML) before gpuwatch holds a single sample.
 """
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 from typing import Any
 
 import psutil
 
-from gpuwatch.bench.harness import Context, Daemon, Http, Service, nvitop_exporter, progress
+from gpuwatch.bench.harness import Context, Daemon, Http, Service, child_env, nvitop_exporter, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, target
-from gpuwatch.config import RulesConfig
-from gpuwatch.health import engine
 
 SCRAPE_EVERY_S = 15.0
 CPU_SHARE_OF_NVITOP = 0.5
+# label → the modules imported, alone in a fresh interpreter
+IMPORT_SETS: dict[str, tuple[str, ...]] = {
+    "python alone": (),
+    "prometheus_client": ("prometheus_client",),
+    "pynvml": ("pynvml",),
+    "apscheduler": ("apscheduler.schedulers.background",),
+    "uvicorn": ("uvicorn",),
+    "fastapi (with pydantic, starlette)": ("fastapi",),
+    "mission packages together": (
+        "prometheus_client",
+        "pynvml",
+        "apscheduler.schedulers.background",
+        "uvicorn",
+        "fastapi",
+    ),
+    "mission packages but fastapi": ("prometheus_client", "pynvml", "apscheduler.schedulers.background", "uvicorn"),
+    "gpuwatch run's imports": ("gpuwatch.cli", "gpuwatch.daemon"),
+}
+_RSS_PROBE = (
+    "import sys\n"
+    "for name in sys.argv[1:]: __import__(name)\n"
+    "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:')))"
+)
 
 
 def run(ctx: Context) -> Section:
@@ -47,14 +73,27 @@ def run(ctx: Context) -> Section:
         figures = _measure(services, period)
     figures["nvitop_exporter_1s"] = figures.get("nvitop_exporter_1s", {"status": peer_status})
     section.figures = {"period_s": period, "scrape_every_s": SCRAPE_EVERY_S, **figures}
-    history_s = engine.max_window_s(RulesConfig()) + 2.0
-    if period < history_s:
-        section.notes.append(
-            f"at 1 s the rules' history held {period:g} of its {history_s:g} s at the end, so its ticks were still "
-            "getting dearer: the sampling section's 'tick CPU at 1 s' is the steady cost"
-        )
     _rows(section, figures, peer_status == "ok")
+    section.figures["import_rss_mb"] = imports = import_rss()
+    for label, rss in imports.items():
+        section.rows.append(Row(f"RSS after importing {label}", rss, "MiB"))
     return section
+
+
+def import_rss() -> dict[str, float | None]:
+    """RSS (MiB) of a fresh interpreter after importing each set of IMPORT_SETS; None where one fails."""
+    result: dict[str, float | None] = {}
+    for label, modules in IMPORT_SETS.items():
+        probe = subprocess.run(
+            [sys.executable, "-c", _RSS_PROBE, *modules],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=child_env(),
+        )
+        result[label] = int(probe.stdout.strip()) / 1024 if probe.returncode == 0 else None
+    return result
 
 
 def _measure(services: dict[str, Service], period: float) -> dict[str, Any]:

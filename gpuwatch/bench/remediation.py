@@ -11,6 +11,7 @@ runs already: a quarantine signals every process on the GPU.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -38,6 +39,8 @@ def launch_available() -> bool:
 
 
 def run(ctx: Context) -> Section:
+    if importlib.util.find_spec("torch") is None:
+        raise Skip("needs torch for the example trainer (pip install torch, or the project's test extra)")
     if not launch_available():
         raise Skip("`gpuwatch launch` is not available yet (`gpuwatch launch --help` failed)")
     if ctx.gpus < 2:

@@ -6,24 +6,31 @@ so both see the same machine. On the sim backend there are no NVML calls: the fl
 sample, so the ratio only shows the harness's noise.
 
 A tick (Monitor.tick: sample every GPU, judge with every rule, step the state machine, build the
-Snapshot, sync findings to SQLite, write status.json) is what the daemon pays every interval. Its
-cost grows with the history the rules look back over, which fills for the longest rule window
-(ecc_window_s, an hour by default), so it is measured with the history already at its steady length.
+Snapshot, sync findings to SQLite, write status.json) is what the daemon pays every interval. The rules
+judge a running state updated once per sample (health/running.py), so a tick should cost the same with
+no history and with the longest rule window (an hour) behind it: the growth table measures it at 0,
+10 min and 1 h of history for 1, 8 and 64 GPUs (sim; nvml: 1 and the GPUs there are), with the bytes of
+rule state each GPU holds, and the windowed reference's rule cost beside the running state's at each
+history length (one GPU, rules only) to show the slope the running state removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.bench.harness import Context, progress, summarize
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, not_applicable, ratio, target
-from gpuwatch.config import Config, SimConfig
+from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.health import engine
+from gpuwatch.health.history import History
+from gpuwatch.health.running import RunningState
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import GpuSample, GpuStatic
 from gpuwatch.monitor import Monitor
@@ -31,6 +38,10 @@ from gpuwatch.runtime import RuntimeDir
 from gpuwatch.store import Store
 
 FLOOR_TARGET_RATIO = 3.0
+TICK_TARGET_US = 150.0  # per GPU with a full hour of history (issue 13, on an H200)
+HISTORIES_S = (0.0, 600.0, 3600.0)
+SIM_GPU_COUNTS = (1, 8, 64)
+WARM_UP_TICKS = 5
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
@@ -110,6 +121,8 @@ def run(ctx: Context) -> Section:
         rows.append(Row(f"tick CPU {label}", tick["core_pct"], "% core"))
     rows.append(Row("/metrics render per Snapshot", ticks["1s"]["render_ms"]["mean_ms"], "ms"))
     section.figures["tick"] = ticks
+    section.figures["growth"] = _growth(ctx, rows)
+    section.figures["rules_only"] = _rules_only(ctx, rows)
     section.notes.append(
         "a tick = sample + rules + state machine + Snapshot + SQLite findings sync + status.json, "
         "measured with the rules' history at its steady length (longest window + 2 intervals)"
@@ -185,12 +198,94 @@ def _sample_costs(
     return full, floor
 
 
-def _tick_cost(ctx: Context, interval_s: float, ticks: int) -> dict[str, Any]:
-    """Monitor.tick (with SQLite and status.json, as in the daemon) and the render after it, at steady history."""
-    root = ctx.workdir / f"tick-{interval_s:g}s"
+def _growth(ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+    """Tick cost per GPU and rule state per GPU against history length and GPU count, at a 1 s interval."""
+    counts = SIM_GPU_COUNTS if ctx.backend == "sim" else tuple(sorted({1, ctx.gpus}))
+    if ctx.quick:
+        counts = tuple(sorted({1, min(ctx.gpus, max(counts))}))
+    ticks = int(ctx.pick(100, 10))
+    cells = []
+    for gpus in counts:
+        flat: list[float] = []
+        for history_s in HISTORIES_S:
+            progress(f"sampling: tick with {gpus} GPU(s) and {history_s:g} s of history")
+            cell = _tick_cost(dataclasses.replace(ctx, gpus=gpus), 1.0, ticks, history_s=history_s)
+            per_gpu, nbytes = cell["tick_p50_per_gpu_us"], cell["history_bytes_per_gpu"]
+            flat.append(per_gpu)
+            cells.append({"gpus": gpus, "history_s": history_s, "tick_per_gpu_us": per_gpu, "bytes_per_gpu": nbytes})
+            label = f"tick per GPU (median), {gpus} GPU(s), {_history(history_s)}"
+            if history_s == HISTORIES_S[-1] and ctx.backend == "nvml":
+                rows.append(target(label, per_gpu, "µs", TICK_TARGET_US))
+            else:
+                rows.append(Row(label, per_gpu, "µs"))
+        rows.append(Row(f"tick per GPU, {gpus} GPU(s): 1 h of history / none", ratio(flat[-1], flat[0]), "×"))
+        rows.append(Row(f"rule state per GPU, {gpus} GPU(s), 1 h", cells[-1]["bytes_per_gpu"] / 1024, "KiB"))
+    return cells
+
+
+def _rules_only(ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+    """One GPU's rules alone, running state against the windowed reference, at each history length.
+
+    The same sample repeated with fresh timestamps (a healthy card, so no rule fires): what each pays
+    to reach its verdict, not what a finding costs to word.
+    """
+    cfg = RulesConfig()
+    backend, statics = open_backend(dataclasses.replace(ctx, gpus=1), bench_config(ctx))
+    try:
+        static = statics[0]
+        reading = backend.sample(static.index, time.time())
+    finally:
+        backend.close()
+    keep_s = engine.max_window_s(cfg) + 2.0
+    reps = int(ctx.pick(200, 20))
+    results = []
+    for history_s in HISTORIES_S:
+        t0 = time.time()
+        samples = [dataclasses.replace(reading, t=t0 + i) for i in range(int(history_s) + 1)]
+        running = RunningState(static, engine.conditions(static, cfg), keep_s)
+        for sample in samples:
+            running.add(sample)
+        now = samples[-1].t
+        history = History(static=static, now=now, samples=tuple(samples), baseline=samples[0])
+        perf = time.perf_counter
+        start = perf()
+        for _ in range(reps):
+            engine.judge(running.at(now), cfg)
+        middle = perf()
+        for _ in range(reps):
+            engine.evaluate(history, cfg)
+        end = perf()
+        result = {
+            "history_s": history_s,
+            "running_us": (middle - start) / reps * 1e6,
+            "windowed_us": (end - middle) / reps * 1e6,
+        }
+        results.append(result)
+        label = f"rules per GPU, {_history(history_s)}: running state / windowed reference"
+        rows.append(Row(label, f"{result['running_us']:.0f} / {result['windowed_us']:.0f}", "µs"))
+    return results
+
+
+def _history(seconds: float) -> str:
+    if not seconds:
+        return "no history"
+    return f"{seconds / 3600:g} h of history" if seconds >= 3600 else f"{seconds / 60:g} min of history"
+
+
+def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | None = None) -> dict[str, Any]:
+    """Monitor.tick (with SQLite and status.json, as in the daemon) and the render after it.
+
+    With `history_s` None, at the rules' steady history: the longest window plus two intervals. The
+    runtime dir is on tmpfs where there is one, as /run/gpuwatch is on a node: on a disk, replacing
+    status.json every tick can cost milliseconds of the filesystem's own (ext4 flushes a file renamed
+    over another), which would hide the daemon's cost.
+    """
+    root = ctx.workdir / f"tick-{interval_s:g}s-{ctx.gpus}-{history_s}"
+    tmpfs = Path("/dev/shm")
+    run_root = tempfile.TemporaryDirectory(prefix="gpuwatch-bench-", dir=tmpfs if tmpfs.is_dir() else root)
     clock = FakeClock(time.time())
     config = dataclasses.replace(
-        bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(root / "run")
+        bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(Path(run_root.name) / "run")
     )
     backend, statics = open_backend(ctx, config, clock)
     runtime = RuntimeDir(config.runtime_dir)
@@ -198,11 +293,15 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int) -> dict[str, Any]:
     store = Store(config.db_path)
     try:
         monitor = Monitor(backend, statics, config, store=store, runtime=runtime, clock=clock)
-        history_s = engine.max_window_s(monitor.rules) + 2 * interval_s
+        if history_s is None:
+            history_s = engine.max_window_s(monitor.rules) + 2 * interval_s
         _fill_history(monitor, backend, statics, clock, interval_s, math.ceil(history_s / interval_s))
         renderer = MetricsRenderer(SnapshotCollector(lambda: monitor.snapshot), key=lambda: id(monitor.snapshot))
         tick_s: list[float] = []
         render_s: list[float] = []
+        for _ in range(WARM_UP_TICKS):  # the first ones create status.json and the SQLite rows
+            clock.t += interval_s
+            monitor.tick()
         for _ in range(ticks):
             clock.t += interval_s
             start = time.perf_counter()
@@ -211,15 +310,19 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int) -> dict[str, Any]:
             renderer.render()
             render_s.append(time.perf_counter() - middle)
             tick_s.append(middle - start)
+        history_bytes = monitor.history_bytes()
     finally:
         store.close()
         backend.close()
+        run_root.cleanup()
     stats = summarize(tick_s, "ms")
     return {
         "interval_s": interval_s,
         "history_s": history_s,
         "tick_ms": stats,
         "tick_per_gpu_us": stats["mean_ms"] * 1e3 / len(statics),
+        "tick_p50_per_gpu_us": stats["p50_ms"] * 1e3 / len(statics),
+        "history_bytes_per_gpu": sum(history_bytes.values()) / len(history_bytes),
         "render_ms": summarize(render_s, "ms"),
         "cpu_s_per_hour": stats["mean_ms"] / 1e3 * 3600 / interval_s,
         "core_pct": stats["mean_ms"] / 1e3 / interval_s * 100,
@@ -229,18 +332,12 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int) -> dict[str, Any]:
 def _fill_history(
     monitor: Monitor, backend: Backend, statics: list[GpuStatic], clock: FakeClock, interval_s: float, steps: int
 ) -> None:
-    """Feed `steps` rounds of one real round's readings, re-stamped, with rules, SQLite and status.json off.
+    """Fold `steps` rounds of one real round's readings, re-stamped, into the rules' state without judging.
 
-    The cost of a tick depends on how many readings the rules walk, not on their values, and judging
-    each of the thousands of warm-up rounds would take minutes; so they are only recorded.
+    The cost of a tick depends on how much state the rules keep, not on the readings' values, and
+    judging each of the thousands of warm-up rounds would only slow the bench down.
     """
     readings: list[GpuSample] = [backend.sample(s.index, clock()) for s in statics]
-    rules, store, runtime = monitor.rules, monitor.store, monitor.runtime
-    monitor.rules = dataclasses.replace(rules, disabled=tuple(engine.module_name(m) for m in engine.RULE_MODULES))
-    monitor.store = monitor.runtime = None
-    try:
-        for _ in range(steps):
-            clock.t += interval_s
-            monitor.judge_readings([dataclasses.replace(r, t=clock.t) for r in readings])
-    finally:
-        monitor.rules, monitor.store, monitor.runtime = rules, store, runtime
+    for _ in range(steps):
+        clock.t += interval_s
+        monitor.preload(dataclasses.replace(r, t=clock.t) for r in readings)

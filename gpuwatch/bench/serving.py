@@ -5,19 +5,35 @@ level stops after a bounded number of requests or seconds, whichever comes first
 a 1 s interval, so its Snapshot (and the cached exposition) changes every second while it is scraped.
 Peers on the same machine: nvitop-exporter as its own process at a 1 s interval, and one
 `nvidia-smi --query-gpu=… --format=csv` call per scrape (what nvidia_gpu_exporter does), timed bare.
+
+Where the p99 goes: a timeline of ticks against requests. Each body names the Snapshot it came from
+(gpuwatch_last_sample_timestamp_seconds, the tick's start); the first request that got a new body
+ends that tick's window (the Snapshot was out and rendered by then). A request that overlaps a
+window was served while a tick ran; the p99 of those and of the others, and the share of the slowest
+1 % that overlapped a tick, say whether scrapes queue behind ticks.
 """
 
 from __future__ import annotations
 
 import http.client as http_client
 import itertools
+import re
 import shutil
 import subprocess
 import threading
 import time
 from typing import Any
 
-from gpuwatch.bench.harness import Context, Daemon, Http, exposition_size, nvitop_exporter, progress, summarize
+from gpuwatch.bench.harness import (
+    Context,
+    Daemon,
+    Http,
+    exposition_size,
+    nvitop_exporter,
+    percentile,
+    progress,
+    summarize,
+)
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, ratio, target
 
 LEVELS = (1, 10, 50)
@@ -25,6 +41,7 @@ P99_TARGET_MS = 5.0
 NVITOP_RATIO_TARGET = 8.0
 TARGET_LEVEL = 10
 WARM_UP_TIMEOUT_S = 120.0  # every client's first request, before the clock starts
+_SNAPSHOT_T = re.compile(rb"^gpuwatch_last_sample_timestamp_seconds (\S+)$", re.MULTILINE)
 NVIDIA_SMI_FIELDS = (
     "timestamp,index,uuid,name,driver_version,pstate,temperature.gpu,temperature.memory,utilization.gpu,"
     "utilization.memory,memory.total,memory.used,memory.free,power.draw,power.limit,clocks.sm,clocks.mem,"
@@ -60,6 +77,11 @@ def run(ctx: Context) -> Section:
         else:
             rows.append(Row(f"gpuwatch p99 {at}", p99, "ms"))
         rows.append(Row(f"gpuwatch throughput {at}", level["throughput_rps"], "req/s"))
+        ticks = level.get("ticks")
+        if clients == TARGET_LEVEL and ticks:
+            rows.append(Row(f"gpuwatch p99 {at}, requests overlapping a tick", ticks["during_p99_ms"], "ms"))
+            rows.append(Row(f"gpuwatch p99 {at}, the other requests", ticks["outside_p99_ms"], "ms"))
+            rows.append(Row(f"share of the slowest 1 % {at} that overlapped a tick", ticks["tail_share"] * 100, "%"))
         if measured_peer:
             peer = theirs["levels"][str(clients)]
             level["nvitop_p99_ratio"] = ratio(peer["p99_ms"], p99)
@@ -106,6 +128,8 @@ def _load(port: int, clients: int, max_requests: int, max_s: float) -> dict[str,
     """`clients` threads scraping /metrics back to back until `max_requests` in all or `max_s` seconds."""
     issued = itertools.count()
     latencies: list[list[float]] = [[] for _ in range(clients)]
+    timeline: list[list[tuple[float, float, float | None]]] = [[] for _ in range(clients)]
+    snapshot_of: dict[int, float | None] = {}  # body hash → the Snapshot it names (parsed once per body)
     errors = [0] * clients
     barrier = threading.Barrier(clients + 1)
 
@@ -117,17 +141,22 @@ def _load(port: int, clients: int, max_requests: int, max_s: float) -> dict[str,
             except (OSError, http_client.HTTPException):
                 errors[k] += 1
             barrier.wait()
-            perf = time.perf_counter
+            perf, wall = time.perf_counter, time.time
             deadline = perf() + max_s
             while perf() < deadline and next(issued) < max_requests:
-                start = perf()
+                started, start = wall(), perf()
                 try:
-                    status, _ = http.request("GET", "/metrics")
+                    status, body = http.request("GET", "/metrics")
                 except (OSError, http_client.HTTPException):
                     errors[k] += 1
                     continue
                 if status == 200:
                     latencies[k].append(perf() - start)
+                    key = hash(body)
+                    if key not in snapshot_of:
+                        found = _SNAPSHOT_T.search(body)
+                        snapshot_of[key] = float(found.group(1)) if found else None
+                    timeline[k].append((started, latencies[k][-1], snapshot_of[key]))
                 else:
                     errors[k] += 1
         finally:
@@ -144,12 +173,50 @@ def _load(port: int, clients: int, max_requests: int, max_s: float) -> dict[str,
     done = [x for per_client in latencies for x in per_client]
     if not done:
         raise RuntimeError(f"no successful /metrics request at {clients} clients ({sum(errors)} errors)")
-    return {
+    result: dict[str, Any] = {
         "clients": clients,
         **summarize(done, "ms"),
         "errors": sum(errors),
         "seconds": elapsed,
         "throughput_rps": len(done) / elapsed,
+    }
+    ticks = tick_overlap([r for per_client in timeline for r in per_client])
+    if ticks is not None:
+        result["ticks"] = ticks
+    return result
+
+
+def tick_overlap(requests: list[tuple[float, float, float | None]]) -> dict[str, Any] | None:
+    """Split (wall start, seconds, Snapshot time) requests into those that overlapped a tick and the rest.
+
+    None when the bodies do not name their Snapshot (a peer) or no tick fell inside the run.
+    """
+    requests.sort(key=lambda r: r[0])
+    windows: list[tuple[float, float]] = []
+    seen: set[float] = set()
+    for started, _, snapshot_t in requests:
+        if snapshot_t is None:
+            return None
+        if snapshot_t not in seen:
+            seen.add(snapshot_t)
+            windows.append((snapshot_t, started))
+    windows = windows[1:]  # the first body's tick ran before the first request
+    if not windows:
+        return None
+
+    def overlaps(started: float, seconds: float) -> bool:
+        return any(begin <= started + seconds and started <= end for begin, end in windows)
+
+    during = sorted(s for started, s, _ in requests if overlaps(started, s))
+    outside = sorted(s for started, s, _ in requests if not overlaps(started, s))
+    cut = percentile(sorted(s for _, s, _ in requests), 0.99)
+    tail = [(started, s) for started, s, _ in requests if s >= cut]
+    return {
+        "ticks": len(windows),
+        "during_n": len(during),
+        "during_p99_ms": percentile(during, 0.99) * 1e3 if during else None,
+        "outside_p99_ms": percentile(outside, 0.99) * 1e3 if outside else None,
+        "tail_share": sum(overlaps(started, s) for started, s in tail) / len(tail),
     }
 
 

@@ -15,13 +15,16 @@ from gpuwatch.errors import DaemonError
 
 
 class DrillApi(Protocol):
-    """The three calls a drill makes; JSON in and out, except /metrics."""
+    """The calls a drill makes; JSON in and out, except /metrics."""
 
     def get(self, path: str) -> Any: ...
 
     def text(self, path: str) -> str: ...
 
     def post(self, path: str, body: dict[str, Any]) -> Any: ...
+
+    def require_token(self) -> None:
+        """Raise DaemonError, saying what to pass, when the POSTs a drill makes could not authenticate."""
 
 
 class HttpApi(DaemonClient):

@@ -110,7 +110,7 @@ def drill(
         request = Request(
             name, value if isinstance(value, int) else None, spec, rank, await_release or config.drills.await_release
         )
-        code = _drill(config, request, dry_run or (KINDS[name].needs_yes and not yes), as_json)
+        code = _drill(config, request, dry_run or (KINDS[name].needs_yes and not yes), as_json, config_path)
     except GpuwatchError as exc:
         _fail(str(exc))
     sys.exit(code)
@@ -119,18 +119,20 @@ def drill(
 def run_as_script(option: str, argv: Sequence[str] | None = None) -> int:
     """fault_injection/<name>.py ARG [options] is `gpuwatch drill <option> ARG [options]`; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    # --help alone, else it would be taken for the option's value ("--inject --help").
+    command = ["--help"] if {"-h", "--help"} & set(args) else [option, *args]
     try:
-        drill.main(args=[option, *args], prog_name=f"gpuwatch drill {option}", standalone_mode=True)
+        drill.main(args=command, prog_name=f"gpuwatch drill {option}", standalone_mode=True)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     return 0
 
 
-def _drill(config: Config, request: Request, dry_run: bool, as_json: bool) -> int:
+def _drill(config: Config, request: Request, dry_run: bool, as_json: bool, config_path: str | None = None) -> int:
     from gpuwatch.drills.api import HttpApi
     from gpuwatch.drills.runner import plan, prepare, run_drill
 
-    api = HttpApi(config)
+    api = HttpApi(config, config_path=config_path)
     run = prepare(request, api, config, Clock(time.time, time.sleep, config.drills.poll_s))
     title = f"drill {run.kind.name} on GPU {run.gpu} ({run.uuid})"
     if dry_run:
@@ -140,6 +142,7 @@ def _drill(config: Config, request: Request, dry_run: bool, as_json: bool) -> in
         hint = "; add --yes to do it" if run.kind.needs_yes else ""
         click.echo(f"dry run: nothing was done{hint}")
         return 0
+    api.require_token()  # refused (exit 2, saying what to pass) before the drill, not a FAIL at its first step
     console = Console(stderr=True)
     with console.status(title) as status:
         verdict = run_drill(run, _progress(title, console, status.update, time.time()))

@@ -122,10 +122,10 @@ def running(pid: int) -> bool:
 
 
 def xid_script(config: Config) -> Path:
-    """fault_injection/xid_fault.py: from `tools.xid_fault`, else beside the gpuwatch package (a checkout)."""
+    """The sacrificial process: `tools.xid_fault` when set, else xid_fault.py beside this module (in the wheel)."""
     if config.tools.xid_fault:
         return Path(config.tools.xid_fault)
-    return Path(__file__).resolve().parents[2] / "fault_injection" / "xid_fault.py"
+    return Path(__file__).resolve().with_name("xid_fault.py")
 
 
 def run_xid_fault(script: Path, gpu: int, timeout_s: float = 120.0) -> dict[str, Any]:

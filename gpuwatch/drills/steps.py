@@ -107,7 +107,8 @@ def execute(steps: list[Step], clock: Clock, progress: Progress | None = None) -
             results.append(StepResult(step.name, NOT_RUN, 0.0, f"the chain broke at {broke_at}"))
             continue
         result = _run(step, clock, progress)
-        log.log(logging.WARNING if result.result == FAIL else logging.INFO, "drill step %s: %s", step.name, result)
+        level = logging.WARNING if result.result == FAIL else logging.INFO
+        log.log(level, "drill step %s: %s in %.2f s: %s", step.name, result.result, result.duration_s, result.detail)
         results.append(result)
         if result.result == FAIL and broke_at is None:
             broke_at = step.name

@@ -1,17 +1,20 @@
-"""Runs every rule module over one GPU's history; the one list of rules the daemon knows.
+"""Runs every rule module over one GPU's evidence; the one list of rules the daemon knows.
 
 Modules are listed here explicitly (no import-time registration), in the order their findings
-are reported. `RulesConfig.disabled` takes rule ids or module names.
+are reported. `RulesConfig.disabled` takes rule ids or module names. `judge` is what the daemon
+runs, on its running state; `evaluate` is the windowed reference over a History.
 """
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 from gpuwatch.config import RulesConfig
+from gpuwatch.health.evidence import Condition, Evidence, Windowed
 from gpuwatch.health.history import History
 from gpuwatch.health.rules import clocks, ecc, lost, power, row_remap, thermal, xid
-from gpuwatch.model import Finding
+from gpuwatch.model import Finding, GpuStatic
 
 RULE_MODULES: tuple[ModuleType, ...] = (lost, xid, ecc, row_remap, clocks, power, thermal)
 ALL_RULE_IDS: tuple[str, ...] = tuple(rule for module in RULE_MODULES for rule in module.RULE_IDS)
@@ -22,14 +25,34 @@ def module_name(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]
 
 
-def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
-    """Every finding of every enabled rule on this history."""
-    disabled = set(cfg.disabled)
+def enabled_modules(cfg: RulesConfig) -> tuple[ModuleType, ...]:
+    return _enabled(frozenset(cfg.disabled))
+
+
+@functools.cache
+def _enabled(disabled: frozenset[str]) -> tuple[ModuleType, ...]:
+    return tuple(module for module in RULE_MODULES if module_name(module) not in disabled)
+
+
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
+    """Every per-sample condition the enabled rules judge on this GPU."""
+    return tuple(c for module in enabled_modules(cfg) for c in module.conditions(static, cfg))
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    """Every finding of every enabled rule on this evidence."""
     findings: list[Finding] = []
-    for module in RULE_MODULES:
-        if module_name(module) not in disabled:
-            findings.extend(f for f in module.evaluate(history, cfg) if f.rule not in disabled)
+    for module in enabled_modules(cfg):
+        findings += module.judge(evidence, cfg)
+    if cfg.disabled and findings:
+        disabled = set(cfg.disabled)
+        findings = [f for f in findings if f.rule not in disabled]
     return findings
+
+
+def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    """The windowed reference: every finding of every enabled rule on a rescan of this history."""
+    return judge(Windowed(history, conditions(history.static, cfg)), cfg)
 
 
 def max_window_s(cfg: RulesConfig) -> float:

@@ -1,4 +1,10 @@
-"""Arithmetic the rules share: how long a condition held, how much a counter grew, stamping a Finding.
+"""What the rules judge, and the arithmetic they share: how long a condition held, how much a counter grew.
+
+A rule is written once against `Evidence`. Two things answer it: `Windowed`, the reference, which
+rescans a History (held, growth, the events and errors in it) and whose cost grows with the window;
+and `running.RunningState`, updated once per reading, which answers the same questions in constant
+time. Each rule declares the per-sample `Condition`s it needs, so the running state can fold them in
+as samples arrive.
 
 Every measure here is in seconds of the window, never in sample counts, so a rule means the same
 at a 1 s and at a 30 s sampling interval.
@@ -6,13 +12,15 @@ at a 1 s and at a 30 s sampling interval.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from itertools import pairwise
 from operator import attrgetter
+from typing import Literal, Protocol
 
 from gpuwatch.health.history import History
-from gpuwatch.model import Action, Finding, GpuSample, Severity
+from gpuwatch.model import Action, Finding, GpuEvent, GpuSample, Severity
 
 # A sustained condition needs at least this many samples showing it: one reading is never a trend
 # (HW slowdown, for one, "may be also reported during PState or clock change").
@@ -86,6 +94,79 @@ def growth(history: History, window_s: float, counter: str) -> int:
         if old is not None and new is not None and new > old:
             total += new - old
     return total
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A per-sample test a rule judges over the last `window_s` seconds, by name.
+
+    kind `held`: how long `test` held (`Evidence.held`); `falls`: how often `test` went from False
+    straight to True (`Evidence.falls`); `growth`: how much the sample field `name` grew (`Evidence.growth`).
+    """
+
+    name: str
+    kind: Literal["held", "falls", "growth"]
+    window_s: float
+    test: Callable[[GpuSample], bool | None] = field(default=lambda sample: None, compare=False)
+
+
+@dataclass(frozen=True)
+class ReadErrors:
+    """Failed reads newer than the last good sample: how many of each kind, and the last detail of each kind."""
+
+    counts: Counter[str]
+    details: dict[str, str]
+
+
+class Evidence(Protocol):
+    """What a rule may know about one GPU at `head.now`; `head` stamps findings (static, now, last sample)."""
+
+    @property
+    def head(self) -> History: ...
+
+    def held(self, name: str) -> Held: ...
+
+    def falls(self, name: str) -> int: ...
+
+    def growth(self, name: str) -> int: ...
+
+    def events_since(self, window_s: float) -> Sequence[GpuEvent]: ...
+
+    def read_errors(self) -> ReadErrors: ...
+
+
+class Windowed:
+    """The reference Evidence: every answer rescans the History (cost grows with the window)."""
+
+    def __init__(self, history: History, conditions: Iterable[Condition]) -> None:
+        self.head = history
+        self._conditions = {c.name: c for c in conditions}
+
+    def held(self, name: str) -> Held:
+        condition = self._conditions[name]
+        return held(self.head, condition.window_s, lambda s: bool(condition.test(s)))
+
+    def falls(self, name: str) -> int:
+        condition = self._conditions[name]
+        drops = 0
+        previous: bool | None = None
+        for sample in self.head.since(condition.window_s):
+            current = condition.test(sample)
+            if current and previous is False:
+                drops += 1
+            previous = current
+        return drops
+
+    def growth(self, name: str) -> int:
+        return growth(self.head, self._conditions[name].window_s, name)
+
+    def events_since(self, window_s: float) -> Sequence[GpuEvent]:
+        return self.head.events_since(window_s)
+
+    def read_errors(self) -> ReadErrors:
+        last_good = self.head.last.t if self.head.last is not None else float("-inf")
+        errors = [e for e in self.head.errors if e.t > last_good]
+        return ReadErrors(Counter(e.kind for e in errors), {e.kind: e.detail for e in errors})
 
 
 def finding(

@@ -91,17 +91,21 @@ def step(
     was not judged (no samples yet) and keeps its state.
     """
     decisions: list[Decision] = []
-    for index in [g.index for g in node.gpus]:
-        found = findings.get(index)
+    for position in range(len(node.gpus)):  # _put keeps each GPU at its position
+        before = node.gpus[position]
+        found = findings.get(before.index)
         if found is None:
             continue
-        gpu, changed = _judge(_get(node, index), found, now, policy)
-        node = _put(node, gpu)
+        gpu, changed = _judge(before, found, now, policy)
+        if gpu is not before:  # the usual round changes nothing: no copy of the node
+            node = _put(node, gpu)
         decisions += changed
         node, acted = _act(node, gpu, found, now, policy, gate)
         decisions += acted
     recent = _recent(node, now, policy)
     tripped = len(recent) >= breaker_limit(len(node.gpus), policy)
+    if recent == node.auto_quarantines and tripped == node.breaker_tripped:
+        return node, decisions
     return dataclasses.replace(node, auto_quarantines=recent, breaker_tripped=tripped), decisions
 
 
@@ -164,7 +168,8 @@ def _judge(
     if bad:
         # An episode is a drill while every bad finding in it is one; a real one in between makes it real.
         drill = all(f.drill for f in bad) and (gpu.drill or not _is_bad(gpu.state))
-    gpu = dataclasses.replace(gpu, clean_since=clean_since, calm_since=calm_since, drill=drill)
+    if (clean_since, calm_since, drill) != (gpu.clean_since, gpu.calm_since, gpu.drill):
+        gpu = dataclasses.replace(gpu, clean_since=clean_since, calm_since=calm_since, drill=drill)
     new = _next_state(gpu, target, now, policy.recovery_s)
     if new is gpu.state:
         return gpu, []

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import select
+import threading
 
 from gpuwatch.procfs import ProcFs
 
@@ -31,6 +32,8 @@ class ExitWatch:
         self._fds: dict[int, int] = {}  # pidfd → pid
         self._pids: dict[int, tuple[int | None, int | None]] = {}  # pid → (pidfd, start time)
         self._use_pidfd = hasattr(os, "pidfd_open")
+        self._wake_lock = threading.Lock()  # a wake never writes to a closed (or reused) descriptor
+        self._closed = False
 
     def __contains__(self, pid: int) -> bool:
         return pid in self._pids
@@ -71,10 +74,13 @@ class ExitWatch:
 
     def wake(self) -> None:
         """Make the current or next `wait()` return at once (any thread)."""
-        try:
-            os.write(self._wake_w, b"!")
-        except BlockingIOError:
-            pass  # already woken
+        with self._wake_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"!")
+            except BlockingIOError:
+                pass  # already woken
 
     def wait(self, timeout_s: float) -> list[int]:
         """Sleep until a watched process exits, `wake()` or the timeout; the pids that exited (no longer watched)."""
@@ -94,6 +100,11 @@ class ExitWatch:
         return exited
 
     def close(self) -> None:
+        """Release every descriptor; call once the waiting thread has ended."""
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
         for pid in list(self._pids):
             self.remove(pid)
         os.close(self._wake_r)

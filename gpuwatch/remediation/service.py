@@ -122,6 +122,8 @@ class Remediation:
         self._closed.set()
         self._exits.wake()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._exits.close()
 
     # -- the listener (sampling thread) ---------------------------------------------------------
 
@@ -168,7 +170,6 @@ class Remediation:
             except Exception:  # a bug here must not end stopping for good
                 log.exception("remediation step failed")
                 self._closed.wait(IDLE_WAIT_S)
-        self._exits.close()
 
     def _timeout(self) -> float:
         if self._stops:
@@ -246,7 +247,7 @@ class Remediation:
     ) -> Incident | None:
         """Open an incident and stop its ranks, unless (`always` aside) every rank is being stopped already."""
         stopping = {t.rank.pid for stop in self._stops for t in stop.incident.targets}
-        targets = [Target(r, r.gpu == gpu) for r in ranks if r.pid not in stopping]
+        targets = [Target(r, r.gpu == gpu) for r in ranks if r.pid not in stopping and not self._has_ended(r)]
         if not targets and not dead and not always:
             return None
         status = self._last.snapshot.gpu(gpu) if self._last is not None and gpu is not None else None
@@ -281,6 +282,13 @@ class Remediation:
             self._stops.append(JobStop(incident, self.cfg, self.stop_signal, self.proc))
         self._watch(incident)
         return incident
+
+    def _has_ended(self, rank: Rank) -> bool:
+        """The rank's link already said how it ended (it is on its way out): it is no one to signal."""
+        if "report" not in rank.sources:
+            return False
+        report = self.runtime.read_report(rank.pid)
+        return report is not None and report.info.ended is not None
 
     def _on_exit(self, pid: int) -> None:
         """A rank's process ended: a clean end is nothing to do; a death stops the rest of its job."""

@@ -64,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     use_cuda = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
+    if use_cuda:  # a blocked NCCL collective is aborted by TrainerLink (rescue)
         torch.cuda.set_device(device)
-    if use_cuda:  # a blocked NCCL collective is aborted by TrainerLink.rescue
         dist.init_process_group("nccl")
     else:  # gloo cannot be aborted: a peer that hangs ends the collective at this timeout
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.gloo_timeout))

@@ -13,10 +13,10 @@ calls `exit_for_resume()` (exit code 75). A rank blocked inside a collective nev
 boundary (its peer died or hangs), and a Python signal handler only runs when the main thread
 returns to bytecode, so signals also reach the daemon thread through `signal.set_wakeup_fd`: the C
 handler writes the signal number into the link's pipe from whatever thread the kernel picked, and
-the daemon thread, blocked in select() on the read end, sees it at once. When a stop is pending and
-the main thread has stayed inside one `rescue()` block for `abort_after_s`, the link aborts the
-default process group (NCCL) so the blocked collective fails, and `rescue()` saves the last
-completed step with no collective call and exits 75. gloo (torch 2.13) cannot be aborted: its
+the daemon thread, blocked in select() on the read end, sees it at once. When a stop is pending
+and the main thread has stayed inside one `rescue()` block for `abort_after_s` (after SIGTERM: at
+once), the link aborts the default process group (NCCL) so the blocked collective fails, and
+`rescue()` saves the last completed step with no collective call and exits 75. gloo (torch 2.13) cannot be aborted: its
 blocked collective ends at the process group's timeout, so a gloo job bounds that timeout itself.
 
 torch is never imported here: when the program has imported it, it gives the GPU UUID, the
@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +64,7 @@ FAULT_DRILL_SIGNAL = signal.SIGUSR2
 
 _STEP_TIME_WINDOW = 20
 _GRAD_NORM_WINDOW = 100
+_PENDING_STOP_POLL_S = 0.1  # with a stop pending, how often the thread looks for a rescue() block to time
 _WAKE = 0  # the byte step() and close() write to the pipe; signal numbers are never 0
 _MEMORY_STAT_KEYS = {
     "reserved_bytes": "reserved_bytes.all.current",
@@ -79,7 +81,8 @@ class TrainerLink:
     """One training rank's connection to the node's gpuwatch daemon, through the runtime directory.
 
     Use it as a context manager (or call `close()`): the rank's final report is written with how
-    it ended, and the previous signal handlers are restored.
+    it ended, and the previous signal handlers are restored (a stop signal whose previous action
+    was the default, which would end the process, is ignored from then on).
 
     Args:
         runtime_dir: the daemon's runtime directory; default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch.
@@ -92,7 +95,8 @@ class TrainerLink:
             grace period): a stop request too, so a rank blocked in a collective can still rescue its
             state; a loop that calls `step()` again after it is ended by it. None: left at its default.
         abort_after_s: how long a rank with a pending stop may stay inside one `rescue()` block before
-            the link aborts the default process group. Keep it above a collective checkpoint save's time.
+            the link aborts the default process group (after the term signal: no wait). Keep it above
+            a collective checkpoint save's time.
         allow_drills: accept `gpuwatch drill --fault-rank` (FAULT_DRILL_SIGNAL): raise a real, harmless
             XID 31 in this rank's CUDA context.
 
@@ -131,7 +135,8 @@ class TrainerLink:
         self.stop_reason: str | None = None
         self._stop_requested = False
         self._stop_t: float | None = None  # monotonic time of the first stop request
-        self._terminated = False  # term_signal arrived
+        self._terminated = False  # term_signal arrived and no handler of the program's own takes it
+        self._term_t: float | None = None  # monotonic time of the term signal
 
         self._step: int | None = None
         self._first_step: int | None = None
@@ -162,6 +167,7 @@ class TrainerLink:
         handled = self._stop_signals | ({FAULT_DRILL_SIGNAL} if allow_drills else set())
         self._install_handlers(handled)
 
+        _LIVE_LINKS.add(self)
         self._thread = threading.Thread(target=self._run, name="gpuwatch-trainer-link", daemon=True)
         self._thread.start()
 
@@ -281,9 +287,21 @@ class TrainerLink:
             self._thread.join(timeout=max(5.0, self.report_interval_s))
         self._write_report()  # the final one, after the thread is gone: no two writers
         self._restore_handlers()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        """Close the pipe, unless the C handler may still write to it (a number reused by another file)."""
+        if self._owns_wakeup_fd:
+            return
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker) is not this rank: its signals must not reach our thread."""
+        self._closed.set()
+        self._restore_handlers(exactly=True)  # the forking thread is the child's main thread
+        self._close_pipe()
 
     def __enter__(self) -> TrainerLink:
         return self
@@ -320,24 +338,29 @@ class TrainerLink:
         self.exit_for_resume(f"rescued step {self._step} after {why}")
 
     def _check_abort(self) -> None:
-        """Abort the default process group once a pending stop has waited `abort_after_s` on one rescue() block."""
-        entered, stop_t = self._block_entered_t, self._stop_t
-        if self._aborted or self._rescuing or entered is None or stop_t is None:
-            return
-        if time.monotonic() < max(entered, stop_t) + self.abort_after_s:
+        """Abort the default process group once a pending stop has waited too long on one rescue() block."""
+        due = self._abort_due()
+        if due is None or time.monotonic() < due:
             return
         self._aborted = True
         log.warning(
-            "rank %s: stop pending (%s) and the step has not ended in %.1f s: aborting the process group",
-            self.rank, self.stop_reason, self.abort_after_s,
+            "rank %s: stop pending (%s) and the step has not ended: aborting the process group",
+            self.rank, self.stop_reason,
         )  # fmt: skip
         _abort_default_process_group()
 
-    def _next_abort_check(self) -> float | None:
+    def _abort_due(self) -> float | None:
+        """When to abort: `abort_after_s` after the stop (or the block's start), at once after the term signal.
+
+        The term signal means the group is being torn down (torchrun: a peer failed; the daemon: the
+        grace period is over), so no step boundary is worth waiting for; the rescue is as good.
+        """
         entered, stop_t = self._block_entered_t, self._stop_t
-        if self._aborted or entered is None or stop_t is None:
+        if self._aborted or self._rescuing or entered is None or stop_t is None:
             return None
-        return max(entered, stop_t) + self.abort_after_s - time.monotonic()
+        if self._term_t is not None:
+            return max(entered, self._term_t)
+        return max(entered, stop_t) + self.abort_after_s
 
     def _end_by_term_signal(self) -> NoReturn:
         """The loop went on after the term signal: end the way that signal's default action would."""
@@ -379,21 +402,32 @@ class TrainerLink:
 
     def _note_stop_signal(self, signum: int) -> None:
         self.request_stop(f"signal {signal.Signals(signum).name}")
-        if signum == self._term_signal and not callable(self._previous_handlers.get(signum)):
-            self._terminated = True
+        if signum == self._term_signal:
+            self._term_t = self._term_t or time.monotonic()
+            self._terminated = not callable(self._previous_handlers.get(signum))
 
-    def _restore_handlers(self) -> None:
+    def _restore_handlers(self, *, exactly: bool = False) -> None:
         if not self._previous_handlers:
             return
         if threading.current_thread() is not threading.main_thread():
             log.debug("TrainerLink closed off the main thread: signal handlers left in place")
             return
-        if self._owns_wakeup_fd and signal.set_wakeup_fd(-1) != self._wake_w:
-            log.debug("the signal wakeup fd was replaced after TrainerLink set it")
+        if self._owns_wakeup_fd:
+            current = signal.set_wakeup_fd(-1)
+            if current != self._wake_w:  # replaced after we set it: put the newer owner's back
+                signal.set_wakeup_fd(current)
+            self._owns_wakeup_fd = False
         for signum, previous in self._previous_handlers.items():
-            if signal.getsignal(signum) == self._on_signal:
-                # None means a handler installed from C: it cannot be put back, so use the default.
-                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+            if signal.getsignal(signum) != self._on_signal:
+                continue
+            # None means a handler installed from C: it cannot be put back, so use the default.
+            previous = previous if previous is not None else signal.SIG_DFL
+            stop_only = signum in self._stop_signals and signum != self._term_signal
+            if stop_only and previous == signal.SIG_DFL and not exactly:
+                # A late stop request (the daemon does not know the loop is over) must not kill the
+                # process in its epilogue (an evaluation, an upload): SIGUSR1's default action would.
+                previous = signal.SIG_IGN
+            signal.signal(signum, previous)
         self._previous_handlers.clear()
 
     def _wake(self, byte: int = _WAKE) -> None:
@@ -423,9 +457,11 @@ class TrainerLink:
         next_report = 0.0
         while not self._closed.is_set():
             timeout = max(0.0, next_report - time.monotonic())
-            abort_in = self._next_abort_check()
-            if abort_in is not None:
-                timeout = min(timeout, max(0.0, abort_in))
+            due = self._abort_due()
+            if due is not None:
+                timeout = min(timeout, max(0.0, due - time.monotonic()))
+            elif self._stop_t is not None and not (self._aborted or self._rescuing):
+                timeout = min(timeout, _PENDING_STOP_POLL_S)  # the main thread may enter a block at any time
             try:
                 woken = self._wait(timeout)
                 if self._closed.is_set():
@@ -537,6 +573,18 @@ class TrainerLink:
         if self._write_failed:
             log.info("gpuwatch trainer report written to %s", self._report_path)
             self._write_failed = False
+
+
+_LIVE_LINKS: weakref.WeakSet[TrainerLink] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for link in list(_LIVE_LINKS):
+        if not link._closed.is_set():
+            link._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def bench_step(n: int = 100_000) -> float:

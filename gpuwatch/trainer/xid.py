@@ -21,6 +21,7 @@ How the store is made:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 DEFAULT_ADDRESS = 1 << 48
 
@@ -35,12 +36,22 @@ def torch_store(address: int = DEFAULT_ADDRESS, device: int | None = None) -> Ca
     """Launch a store to `address` on CUDA `device` (default: the current one); returns the synchronize
     that surfaces the fault as the framework's CUDA error.
 
+    The store goes on a stream of its own (a non-blocking pool stream), so it runs at once even when
+    the process's default stream is waiting, e.g. behind a collective of a training rank.
+
     Raises:
         ValueError: the address is not above the scratch allocation by whole elements.
     """
     import torch
 
-    target = torch.device("cuda", device) if device is not None else torch.device("cuda")
+    target = torch.device("cuda", device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device=target)
+    with torch.cuda.stream(stream):
+        return _torch_store_on_stream(torch, address, target, stream)
+
+
+def _torch_store_on_stream(torch: Any, address: int, target: Any, stream: Any) -> Callable[[], object]:
+    """The store itself, on the current stream (the caller's own)."""
     base = torch.zeros(1, dtype=torch.int32, device=target)
     pointer = base.data_ptr()
     if address <= pointer or (address - pointer) % base.element_size():
@@ -59,7 +70,7 @@ def torch_store(address: int = DEFAULT_ADDRESS, device: int | None = None) -> Ca
 
     view = torch.as_tensor(StridedView(), device=base.device)
     view.fill_(0x31)
-    return lambda: torch.cuda.synchronize(base.device)
+    return stream.synchronize
 
 
 def cupy_store(address: int = DEFAULT_ADDRESS, device: int | None = None) -> Callable[[], object]:

@@ -6,6 +6,7 @@ These tests look at raw samples and events, never at the health rules.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -17,28 +18,13 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.backends.sim import BUSY_S, CYCLE_S, SCENARIOS, SimBackend
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
+from gpuwatch.health.engine import ALL_RULE_IDS
 from gpuwatch.model import GpuEvent, GpuSample
 from gpuwatch.trace import read_trace
 
 T0 = 1_800_000_000.0
 FAULTY = 1
 START_S = 10.0
-RULE_IDS = (
-    "sm_clock_low_unexplained",
-    "clocks_hw_slowdown",
-    "clocks_hw_thermal",
-    "clocks_hw_power_brake",
-    "clocks_sw_thermal",
-    "power_unstable",
-    "ecc_uncorrectable",
-    "ecc_correctable_rate",
-    "row_remap_pending",
-    "row_remap_failure",
-    "xid_critical",
-    "xid_app_repeated",
-    "thermal_margin_low",
-    "gpu_lost",
-)
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_TRACE = next(
     (
@@ -161,8 +147,18 @@ def test_slow_fields_accumulate() -> None:
     assert second.violation_thermal_ns == 0 and second.pcie_replay == 0
 
 
-def test_every_rule_has_a_scenario() -> None:
-    assert set(SCENARIOS) == {"demo", "healthy", *RULE_IDS}
+def readme_rule_ids() -> set[str]:
+    """The rule ids of the README's health table (first column, comma-separated ids in backticks)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| rule id |") :].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    return {rule for row in rows for rule in re.findall(r"`(\w+)`", row.split("|")[1])}
+
+
+def test_every_rule_has_a_scenario_named_after_it() -> None:
+    """One scenario per rule id the engine has and the README's table promises, plus demo, healthy and idle."""
+    assert readme_rule_ids() == set(ALL_RULE_IDS)
+    assert set(SCENARIOS) == {"demo", "healthy", "idle", *ALL_RULE_IDS}
     rule_fields = dataclasses.asdict(RulesConfig())
     for scenario in SCENARIOS.values():
         assert scenario.description
@@ -171,7 +167,7 @@ def test_every_rule_has_a_scenario() -> None:
 
 
 def test_unknown_scenario_names_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"unknown scenario 'nope' \(choose from demo, healthy, sm_clock_low"):
+    with pytest.raises(ConfigError, match=r"unknown scenario 'nope' \(choose from demo, healthy, idle, sm_clock_low"):
         make("nope")
 
 
@@ -230,14 +226,26 @@ def test_correctable_errors_rise_by_thousands_a_minute() -> None:
     assert (later.ecc_sbe_aggregate or 0) >= 2000
 
 
-def test_gpu_lost_fails_reads_after_the_start() -> None:
-    backend = make("gpu_lost")
+READ_ERRORS = [("gpu_lost", "gpu_lost"), ("gpu_reset_required", "reset_required"), ("gpu_read_error", "unknown")]
+
+
+@pytest.mark.parametrize(("name", "kind"), READ_ERRORS)
+def test_read_error_scenarios_fail_reads_after_the_start(name: str, kind: str) -> None:
+    backend = make(name)
     backend.sample(FAULTY, T0)
     backend.sample(FAULTY, T0 + 9)
     with pytest.raises(GpuReadError) as info:
         backend.sample(FAULTY, T0 + 10)
-    assert info.value.kind == "gpu_lost"
+    assert info.value.kind == kind
     backend.sample(0, T0 + 60)
+
+
+def test_idle_scenario_has_no_load_and_no_process() -> None:
+    backend = make("idle")
+    for t in (0, 100, 300):
+        for index in range(4):
+            s = backend.sample(index, T0 + t)
+            assert (s.util_gpu_pct, s.pids, s.clocks_event_reasons) == (0, (), 0x1), s
 
 
 def test_timeline_starts_at_the_first_now() -> None:

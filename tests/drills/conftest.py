@@ -72,6 +72,9 @@ class ClientApi:
     def post(self, path: str, body: dict[str, Any]) -> Any:
         return self._check("POST", path, self.node.client.post(path, json=body, headers=self.node.auth)).json()
 
+    def require_token(self) -> None:
+        """The in-process client always holds the node's token."""
+
 
 def drill_service(node: SimNode) -> DrillService:
     """The node's installed drills, pointed at its in-process client and fake clock."""
@@ -127,6 +130,9 @@ class FakeDaemon:
 
     `react` runs after each POST and each clock step, so a test scripts how the "daemon" answers.
     """
+
+    def require_token(self) -> None:
+        """The fake takes any caller as authorised."""
 
     def __init__(self, gpus: list[dict[str, Any]], backend: str = "nvml") -> None:
         self.gpus = gpus

@@ -3,6 +3,7 @@ reacts, fails loudly at the step where it does not, and verdicts are stored, exp
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,7 +13,8 @@ import pytest
 from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.drills import install
 from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
-from gpuwatch.drills.steps import Verdict
+from gpuwatch.drills.steps import Clock, Step, Verdict, execute
+from gpuwatch.errors import DrillError
 from tests.drills.conftest import ClientApi, drill_service, sim_clock, start_drill_node
 from tests.helpers import SimNode, metric_samples
 
@@ -228,3 +230,14 @@ def test_promtool_accepts_the_drill_metrics(tmp_path: Path) -> None:
     for text in (empty, full):
         done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
+
+
+def test_a_failed_step_is_logged_as_text_not_as_a_repr(caplog: pytest.LogCaptureFixture) -> None:
+    """Without logging configured, Python prints warnings as they are: a `StepResult(...)` repr reached the terminal."""
+
+    def broken() -> str:
+        raise DrillError("no token")
+
+    with caplog.at_level(logging.INFO, logger="gpuwatch.drills"):
+        execute([Step("inject", "inject it", broken)], Clock(lambda: 5.0, lambda _s: None, 0.1))
+    assert [r.getMessage() for r in caplog.records] == ["drill step inject: fail in 0.00 s: no token"]

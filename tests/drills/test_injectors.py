@@ -3,6 +3,7 @@ kernel log, a stand-in for the sacrificial CUDA process, and real (harmless) chi
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.config import Config
 from gpuwatch.drills import injectors
 from gpuwatch.errors import DrillError
 from tests.drills.conftest import Tools
@@ -126,9 +128,35 @@ def test_xid_fault_that_did_not_fault_fails(tmp_path: Path) -> None:
         injectors.run_xid_fault(_fake_xid_script(tmp_path, 1, child=0), 2)
 
 
-def test_the_real_xid_fault_refuses_without_a_gpu() -> None:
-    """The shipped injector, here without any GPU: it refuses (exit 2) and says why in one line."""
-    script = Path(__file__).resolve().parents[2] / "fault_injection" / "xid_fault.py"
+@pytest.mark.parametrize("where", ["package", "checkout"])
+def test_the_real_xid_fault_refuses_without_a_gpu(where: str) -> None:
+    """The shipped injector (the drill's default) and the checkout's script over it, here without any GPU:
+    each refuses (exit 2) and says why in one line."""
+    root = Path(__file__).resolve().parents[2]
+    script = injectors.xid_script(Config()) if where == "package" else root / "fault_injection" / "xid_fault.py"
+    assert script.is_file()
     done = subprocess.run([sys.executable, str(script), "--gpu", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith("xid_fault: refused: "), done
     assert not [line for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize(
+    ("script", "option"),
+    [
+        ("inject", "--inject"),
+        ("kill_rank", "--kill-rank"),
+        ("reset_gpu", "--reset-gpu"),
+        ("pcie_remove", "--pcie-remove"),
+        ("dcgm_inject", "--dcgm-inject"),
+        ("xid_fault", "--gpu"),
+    ],
+)
+def test_each_fault_injection_script_runs_from_the_checkout(tmp_path: Path, script: str, option: str) -> None:
+    """`python3 fault_injection/<name>.py` works from a checkout, from any directory and without PYTHONPATH."""
+    path = Path(__file__).resolve().parents[2] / "fault_injection" / f"{script}.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert option in done.stdout

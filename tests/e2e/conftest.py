@@ -57,12 +57,14 @@ class RunningDaemon:
         )
 
 
-def start_daemon(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> RunningDaemon:
+def start_daemon(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1"
+) -> RunningDaemon:
     port = free_port()
     state, runtime = tmp_path / "state", tmp_path / "run"
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "gpuwatch", "run", "--backend", "sim", "--listen", f"127.0.0.1:{port}",
+            sys.executable, "-m", "gpuwatch", "run", "--backend", "sim", "--listen", f"{host}:{port}",
             "--state-dir", str(state), "--runtime-dir", str(runtime), *args,
         ],
         stdout=open(tmp_path / "daemon.log", "w"),  # noqa: SIM115 - closed with the process

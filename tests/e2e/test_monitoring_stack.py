@@ -250,7 +250,9 @@ def test_quarantine_alert_resolves_after_release(stack: Stack) -> None:
         lambda n: n.labels.get("alertname") == "GpuwatchGpuQuarantined" and n.labels.get("gpu") == "5"
         and n.status == "firing",
     )  # fmt: skip
-    released = stack.daemon.cli("release", "5", "--reason", "ci: replaced")
+    refused = stack.daemon.cli("release", "5", "--reason", "ci: replaced")  # its ECC finding is still active
+    assert refused.returncode == 2 and "ecc_uncorrectable" in refused.stderr, refused.stderr
+    released = stack.daemon.cli("release", "5", "--force", "--reason", "ci: replaced")
     assert released.returncode == 0, released.stderr
     stack.wait_for(
         "GpuwatchGpuQuarantined for GPU 5 resolved",

@@ -104,12 +104,10 @@ def test_a_rank_that_vanishes_stops_its_peers_at_once_and_the_resume_loses_no_st
     rank0, rank1 = two_ranks(sim, spawn)
     died_at = sim.clock.t
 
-    started = time.monotonic()
     rank1.kill()  # SIGKILL: its report stays with `ended` null
+    # No tick runs from here on (the fake clock stands still): the exit alone must start the stop.
     incident = incident_with(sim, kind="rank_died", status="stopped")
-    took = time.monotonic() - started
 
-    assert took < 2.0, "the peers must be stopped at once, not at the next tick or after a timeout"
     assert rank0.wait(5) == 75  # the stop signal reached the survivor
     assert (incident["cause"], incident["gpu"], incident["job"], incident["last_step"]) == ("rank_died", 1, "job", 40)
     assert {r["pid"]: r["ended"] for r in incident["ranks"]} == {rank1.pid: "died", rank0.pid: "exited"}

@@ -143,7 +143,8 @@ def test_stop_signal_sets_stop_requested(tmp_path: Path, restore_sigusr1: None) 
         assert link.stop_reason == "signal SIGUSR1"
         path = tmp_path / "trainers" / f"{os.getpid()}.json"
         _wait_for(lambda: (_read_report(path) or {}).get("stop_requested") is True)
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # put back on close
+    # Not put back to the default, which would end the process if a late stop request comes in its epilogue.
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
 
 
 def test_previous_handler_is_chained_and_restored(tmp_path: Path, restore_sigusr1: None) -> None:
@@ -479,3 +480,49 @@ def test_without_allow_drills_the_drill_signal_is_not_handled(tmp_path: Path, re
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     with TrainerLink(tmp_path):
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+
+
+def test_sigterm_aborts_a_stuck_step_at_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """torchrun's teardown (a peer failed) or the daemon's grace period: no step boundary is worth waiting for."""
+    saves = Saves()
+    with pytest.raises(SystemExit) as exited, TrainerLink(tmp_path, abort_after_s=60) as link:
+        link.step(3)
+        with link.rescue(saves):
+            os.kill(os.getpid(), signal.SIGTERM)
+            _wait_for(lambda: "aborting the process group" in caplog.text, timeout=1)
+    assert exited.value.code == EXIT_RESUME
+    assert saves == [3]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_forked_child_does_not_pass_its_signals_to_the_rank(tmp_path: Path, restore_sigusr1: None) -> None:
+    """A DataLoader worker is forked with our handlers and wakeup fd: its SIGTERM must not stop the rank."""
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    with TrainerLink(tmp_path, report_interval_s=FAST) as link:
+        pid = os.fork()
+        if pid == 0:  # the child: handlers back to what they were, then die of SIGTERM as before the link
+            restored = signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+            if restored:
+                os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(9)
+        _, status = os.waitpid(pid, 0)
+        time.sleep(10 * FAST)
+        assert os.waitstatus_to_exitcode(status) == -signal.SIGTERM
+        assert not link.stop_requested
+
+
+def test_a_step_entered_after_the_stop_is_timed_from_its_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread sleeps a whole report interval otherwise: with a stop pending it looks for a block often."""
+    saves = Saves()
+    with pytest.raises(SystemExit), TrainerLink(tmp_path, 3600, stop_signal=None, abort_after_s=0.2) as link:
+        link.step(4)
+        link.request_stop("test")
+        time.sleep(0.3)  # between steps: nothing to abort
+        assert "aborting" not in caplog.text
+        entered = time.monotonic()
+        with link.rescue(saves):
+            _wait_for(lambda: "aborting the process group" in caplog.text, timeout=2)
+            assert 0.2 <= time.monotonic() - entered < 1.0
+    assert saves == [4]

@@ -13,8 +13,10 @@ reason 0x4 (SW power cap), and an idle one drops to 345 MHz with 0x1 (DESIGN.md,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpuwatch.config import RulesConfig
-from gpuwatch.health.evidence import clock_text, finding, held
+from gpuwatch.health.evidence import Condition, Evidence, Windowed, clock_text, finding
 from gpuwatch.health.history import History
 from gpuwatch.model import (
     REASON_APP_CLOCKS,
@@ -28,6 +30,7 @@ from gpuwatch.model import (
     Action,
     Finding,
     GpuSample,
+    GpuStatic,
     Severity,
 )
 
@@ -46,10 +49,28 @@ BENIGN_REASONS = REASON_GPU_IDLE | REASON_APP_CLOCKS | REASON_SW_POWER_CAP | REA
 EXPLAINS_LOW_CLOCK = BENIGN_REASONS | REASON_HW_SLOWDOWN | REASON_SW_THERMAL | REASON_HW_THERMAL | REASON_HW_POWER_BRAKE
 
 
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
+    window = cfg.clock_window_s
+    found = [Condition(rule, "held", window, _has_bit(bit)) for rule, (bit, _) in THROTTLE_RULES.items()]
+    max_mhz = static.max_sm_clock_mhz
+    if max_mhz:
+        found.append(Condition(LOW_CLOCK_RULE, "held", window, lambda s: _low_unexplained(s, cfg, max_mhz)))
+    return tuple(found)
+
+
 def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
-    found = [_low_clock(history, cfg)]
-    found += [_throttle(history, cfg, rule, bit, label) for rule, (bit, label) in THROTTLE_RULES.items()]
+    """The windowed reference: judge() over a rescan of `history`."""
+    return judge(Windowed(history, conditions(history.static, cfg)), cfg)
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    found = [_low_clock(evidence, cfg)]
+    found += [_throttle(evidence, cfg, rule, label) for rule, (_, label) in THROTTLE_RULES.items()]
     return [f for f in found if f is not None]
+
+
+def _has_bit(bit: int) -> Callable[[GpuSample], bool]:
+    return lambda s: bool((s.clocks_event_reasons or 0) & bit)
 
 
 def _low_unexplained(sample: GpuSample, cfg: RulesConfig, max_mhz: int) -> bool:
@@ -62,25 +83,27 @@ def _low_unexplained(sample: GpuSample, cfg: RulesConfig, max_mhz: int) -> bool:
     )
 
 
-def _low_clock(history: History, cfg: RulesConfig) -> Finding | None:
+def _low_clock(evidence: Evidence, cfg: RulesConfig) -> Finding | None:
+    history = evidence.head
     max_mhz = history.static.max_sm_clock_mhz
     if not max_mhz:
         return None
-    evidence = held(history, cfg.clock_window_s, lambda s: _low_unexplained(s, cfg, max_mhz))
-    if not evidence.sustained(cfg.level_duty):
+    held = evidence.held(LOW_CLOCK_RULE)
+    if not held.sustained(cfg.level_duty):
         return None
     clock = clock_text(history.last, max_mhz)
     reason = (
         f"SM clock under {cfg.clock_low_ratio:.0%} of max while busy, unexplained by clocks-event reasons, "
-        f"{evidence.describe()}" + (f"; {clock}" if clock else "")
+        f"{held.describe()}" + (f"; {clock}" if clock else "")
     )
     return finding(history, LOW_CLOCK_RULE, Severity.DEGRADED, Action.RESET_GPU, reason)
 
 
-def _throttle(history: History, cfg: RulesConfig, rule: str, bit: int, label: str) -> Finding | None:
-    evidence = held(history, cfg.clock_window_s, lambda s: bool((s.clocks_event_reasons or 0) & bit))
-    if not evidence.sustained(cfg.throttle_duty):
+def _throttle(evidence: Evidence, cfg: RulesConfig, rule: str, label: str) -> Finding | None:
+    held = evidence.held(rule)
+    if not held.sustained(cfg.throttle_duty):
         return None
+    history = evidence.head
     clock = clock_text(history.last, history.static.max_sm_clock_mhz)
-    reason = f"{label} active {evidence.describe()}" + (f"; {clock}" if clock else "")
+    reason = f"{label} active {held.describe()}" + (f"; {clock}" if clock else "")
     return finding(history, rule, Severity.DEGRADED, Action.HARDWARE_INSPECTION, reason)

@@ -8,9 +8,9 @@ once (the state machine's recovery time still applies). One unexplained failed r
 from __future__ import annotations
 
 from gpuwatch.config import RulesConfig
-from gpuwatch.health.evidence import finding
+from gpuwatch.health.evidence import Condition, Evidence, Windowed, finding
 from gpuwatch.health.history import History
-from gpuwatch.model import Action, Finding, Severity
+from gpuwatch.model import Action, Finding, GpuStatic, Severity
 
 LOST = "gpu_lost"
 RESET_REQUIRED = "gpu_reset_required"
@@ -19,22 +19,30 @@ RULE_IDS: tuple[str, ...] = (LOST, RESET_REQUIRED, READ_ERROR)
 MIN_READ_ERRORS = 2
 
 
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
+    return ()  # read errors only
+
+
 def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
-    last_good = history.last.t if history.last is not None else float("-inf")
-    errors = [e for e in history.errors if e.t > last_good]
+    """The windowed reference: judge() over a rescan of `history`."""
+    return judge(Windowed(history, ()), cfg)
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    history = evidence.head
+    errors = evidence.read_errors()
     findings = []
-    lost = [e for e in errors if e.kind == "gpu_lost"]
-    if lost:
-        reason = f"the GPU has fallen off the bus: {len(lost)} failed read(s) since {_since(history)}"
+    if lost := errors.counts["gpu_lost"]:
+        reason = f"the GPU has fallen off the bus: {lost} failed read(s) since {_since(history)}"
         findings.append(finding(history, LOST, Severity.UNHEALTHY, Action.REBOOT, reason))
-    reset = [e for e in errors if e.kind == "reset_required"]
-    if reset:
-        reason = f"the driver needs a GPU reset: {len(reset)} failed read(s) since {_since(history)}"
+    if reset := errors.counts["reset_required"]:
+        reason = f"the driver needs a GPU reset: {reset} failed read(s) since {_since(history)}"
         findings.append(finding(history, RESET_REQUIRED, Severity.UNHEALTHY, Action.RESET_GPU, reason))
-    unknown = [e for e in errors if e.kind == "unknown"]
-    if len(unknown) >= MIN_READ_ERRORS:
-        detail = f" ({unknown[-1].detail})" if unknown[-1].detail else ""
-        reason = f"{len(unknown)} failed reads since {_since(history)}{detail}"
+    unknown = errors.counts["unknown"]
+    if unknown >= MIN_READ_ERRORS:
+        last_detail = errors.details.get("unknown", "")
+        detail = f" ({last_detail})" if last_detail else ""
+        reason = f"{unknown} failed reads since {_since(history)}{detail}"
         findings.append(finding(history, READ_ERROR, Severity.DEGRADED, Action.NONE, reason))
     return findings
 

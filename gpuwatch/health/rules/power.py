@@ -21,28 +21,36 @@ so it stays the throttle rule's business. It fires on at least `MIN_DROPS` falls
 from __future__ import annotations
 
 from gpuwatch.config import RulesConfig
-from gpuwatch.health.evidence import finding
+from gpuwatch.health.evidence import Condition, Evidence, Windowed, finding
 from gpuwatch.health.history import History
 from gpuwatch.health.rules.clocks import BENIGN_REASONS
-from gpuwatch.model import Action, Finding, GpuSample, Severity
+from gpuwatch.model import Action, Finding, GpuSample, GpuStatic, Severity
 
 RULE = "power_unstable"
 RULE_IDS: tuple[str, ...] = (RULE,)
 MIN_DROPS = 2
 
 
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
+    limit_w, max_mhz = static.power_limit_w, static.max_sm_clock_mhz
+    if not limit_w or not max_mhz:
+        return ()
+    floor_w, floor_mhz = cfg.power_unstable_drop_ratio * limit_w, cfg.clock_low_ratio * max_mhz
+    return (Condition(RULE, "falls", cfg.power_window_s, lambda s: _collapsed(s, cfg, floor_w, floor_mhz)),)
+
+
 def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    """The windowed reference: judge() over a rescan of `history`."""
+    return judge(Windowed(history, conditions(history.static, cfg)), cfg)
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    history = evidence.head
     limit_w, max_mhz = history.static.power_limit_w, history.static.max_sm_clock_mhz
     if not limit_w or not max_mhz:
         return []
     floor_w, floor_mhz = cfg.power_unstable_drop_ratio * limit_w, cfg.clock_low_ratio * max_mhz
-    drops = 0
-    previous: bool | None = None
-    for sample in history.since(cfg.power_window_s):
-        current = _collapsed(sample, cfg, floor_w, floor_mhz)
-        if current and previous is False:
-            drops += 1
-        previous = current
+    drops = evidence.falls(RULE)
     if drops < MIN_DROPS:
         return []
     reason = (

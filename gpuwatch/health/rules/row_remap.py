@@ -9,16 +9,26 @@ DCGM_FR_PENDING_ROW_REMAP to RESET_GPU and DCGM_FR_ROW_REMAP_FAILURE to field di
 from __future__ import annotations
 
 from gpuwatch.config import RulesConfig
-from gpuwatch.health.evidence import finding
+from gpuwatch.health.evidence import Condition, Evidence, Windowed, finding
 from gpuwatch.health.history import History
-from gpuwatch.model import Action, Finding, Severity
+from gpuwatch.model import Action, Finding, GpuStatic, Severity
 
 PENDING = "row_remap_pending"
 FAILURE = "row_remap_failure"
 RULE_IDS: tuple[str, ...] = (PENDING, FAILURE)
 
 
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
+    return ()  # the latest sample only
+
+
 def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    """The windowed reference: judge() over `history`."""
+    return judge(Windowed(history, ()), cfg)
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    history = evidence.head
     last = history.last
     if last is None:
         return []

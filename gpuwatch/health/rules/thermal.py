@@ -9,16 +9,15 @@ temperature and HBM against its maximum, both from the card's static facts, for 
 from __future__ import annotations
 
 from gpuwatch.config import RulesConfig
-from gpuwatch.health.evidence import finding, held
+from gpuwatch.health.evidence import Condition, Evidence, Windowed, finding
 from gpuwatch.health.history import History
-from gpuwatch.model import Action, Finding, GpuSample, Severity
+from gpuwatch.model import Action, Finding, GpuSample, GpuStatic, Severity
 
 RULE = "thermal_margin_low"
 RULE_IDS: tuple[str, ...] = (RULE,)
 
 
-def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
-    static = history.static
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
     gpu_limit, mem_limit = static.slowdown_temp_c, static.mem_max_temp_c
 
     def near(value: int | None, limit: int | None) -> bool:
@@ -27,12 +26,23 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
     def hot(sample: GpuSample) -> bool:
         return near(sample.temp_c, gpu_limit) or near(sample.mem_temp_c, mem_limit)
 
-    evidence = held(history, cfg.thermal_window_s, hot)
-    if not evidence.sustained(cfg.level_duty):
+    return (Condition(RULE, "held", cfg.thermal_window_s, hot),)
+
+
+def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    """The windowed reference: judge() over a rescan of `history`."""
+    return judge(Windowed(history, conditions(history.static, cfg)), cfg)
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    held = evidence.held(RULE)
+    if not held.sustained(cfg.level_duty):
         return []
+    history = evidence.head
+    gpu_limit, mem_limit = history.static.slowdown_temp_c, history.static.mem_max_temp_c
     last = history.last
     now = ""
     if last is not None:
         now = f"; now GPU {last.temp_c} °C (slowdown {gpu_limit} °C), HBM {last.mem_temp_c} °C (max {mem_limit} °C)"
-    reason = f"GPU or HBM within {cfg.thermal_margin_c} °C of its limit {evidence.describe()}{now}"
+    reason = f"GPU or HBM within {cfg.thermal_margin_c} °C of its limit {held.describe()}{now}"
     return [finding(history, RULE, Severity.DEGRADED, Action.HARDWARE_INSPECTION, reason)]

@@ -14,10 +14,10 @@ from collections import Counter
 from collections.abc import Sequence
 
 from gpuwatch.config import RulesConfig
-from gpuwatch.health.evidence import finding
+from gpuwatch.health.evidence import Condition, Evidence, Windowed, finding
 from gpuwatch.health.history import History
 from gpuwatch.health.xid_catalog import XidInfo, lookup
-from gpuwatch.model import Action, Finding, GpuEvent, Severity
+from gpuwatch.model import Action, Finding, GpuEvent, GpuStatic, Severity
 
 CRITICAL = "xid_critical"
 APP_REPEATED = "xid_app_repeated"
@@ -31,9 +31,20 @@ _ACTION_ORDER = (Action.NONE, Action.RESTART_APP, Action.RESET_GPU, Action.REBOO
 _Judged = tuple[GpuEvent, int, XidInfo]
 
 
+def conditions(static: GpuStatic, cfg: RulesConfig) -> tuple[Condition, ...]:
+    return ()  # events only
+
+
 def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
+    """The windowed reference: judge() over a rescan of `history`."""
+    return judge(Windowed(history, ()), cfg)
+
+
+def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
+    history = evidence.head
     window = cfg.xid_window_s
-    judged = [(e, e.xid, lookup(e.xid)) for e in history.events_since(window) if e.kind == "xid" and e.xid is not None]
+    events = evidence.events_since(window)
+    judged = [(e, e.xid, lookup(e.xid)) for e in events if e.kind == "xid" and e.xid is not None]
     critical = [j for j in judged if j[2].severity is Severity.UNHEALTHY]
     other = [j for j in judged if j[2].severity is not Severity.UNHEALTHY]
     app = [j for j in other if j[2].action is Action.RESTART_APP]

@@ -1,0 +1,135 @@
+"""The operator's commands against a real daemon process (sim, 4 GPUs, listening on a host name):
+what they print, what they refuse, and how they find the daemon and its token.
+
+One daemon for the module; each test works on its own GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import RunningDaemon, start_daemon, stop_daemon
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    tmp = tmp_path_factory.mktemp("operator")
+    running = start_daemon(tmp, "--sim-scenario", "healthy", "--sim-gpus", "4", "--interval", "1", host="localhost")
+    yield running
+    stop_daemon(running)
+
+
+def gpuwatch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwatch", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPUWATCH_CONFIG": "", **(env or {})},
+    )
+
+
+def at(daemon: RunningDaemon) -> list[str]:
+    """The flags that point a command at the daemon, by host name."""
+    return ["--listen", f"localhost:{daemon.port}", "--state-dir", str(daemon.state_dir)]
+
+
+def one_line(result: subprocess.CompletedProcess[str], code: int = 2) -> str:
+    assert result.returncode == code, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_status_piped_shows_one_gpu_per_line_in_full(daemon: RunningDaemon) -> None:
+    result = gpuwatch("status", *at(daemon))
+    assert result.returncode == 0, result.stderr
+    uuids = [g["uuid"] for g in daemon.get("/v1/gpus")["gpus"]]
+    lines = result.stdout.splitlines()
+    assert [line.split(", ")[:2] for line in lines] == [[f"GPU {i}", f"UUID: {u}"] for i, u in enumerate(uuids)]
+    assert all("state: healthy, quarantined: no" in line for line in lines)
+    assert "…" not in result.stdout
+
+
+def test_status_wide_is_the_table_at_full_width(daemon: RunningDaemon) -> None:
+    reason = "[bold]fan[/] noise at 3x the usual"  # an operator's text: shown as written, never as markup
+    assert gpuwatch("quarantine", "3", "--reason", reason, *at(daemon)).returncode == 0
+    result = gpuwatch("status", "--wide", *at(daemon))
+    assert gpuwatch("release", "3", *at(daemon)).returncode == 0
+    assert result.returncode == 0, result.stderr
+    assert "quarantined" in result.stdout and "…" not in result.stdout
+    assert all(g["uuid"] in result.stdout for g in daemon.get("/v1/gpus")["gpus"])
+    assert f"yes: {reason}" in result.stdout
+
+
+def test_quarantine_and_release_say_what_they_did(daemon: RunningDaemon) -> None:
+    steps = [
+        (["quarantine", "1", "--reason", "fan noise"], "GPU 1 quarantined (epoch 1): fan noise"),
+        (
+            ["quarantine", "1", "--reason", "again"],
+            "GPU 1 was already quarantined by an operator: nothing changed; the reason stays 'fan noise' "
+            "(release it first)",
+        ),
+        (["release", "1"], "GPU 1 released; state healthy"),
+        (["release", "1"], "GPU 1 was not quarantined: nothing changed"),
+    ]
+    for args, said in steps:
+        result = gpuwatch(*args, *at(daemon))
+        assert (result.returncode, result.stdout.strip()) == (0, said), result.stderr
+
+
+def test_release_of_an_unhealthy_gpu_needs_force(daemon: RunningDaemon) -> None:
+    token = (daemon.state_dir / "token").read_text().strip()
+    inject = urllib.request.Request(
+        f"{daemon.base}/v1/gpus/0/inject",
+        data=json.dumps({"event": "xid", "xid": 79}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(inject, timeout=5).close()
+    assert daemon.get("/v1/gpus/0")["quarantined"] is True
+    line = one_line(gpuwatch("release", "0", *at(daemon)))
+    assert "HTTP 409: GPU 0 is still unhealthy: xid_critical (unhealthy): " in line
+    assert line.endswith("(gpuwatch release 0 --force)")
+    assert daemon.get("/v1/gpus/0")["quarantined"] is True
+    forced = gpuwatch("release", "0", "--force", "--reason", "reseated", *at(daemon))
+    assert (forced.returncode, forced.stdout.strip()) == (0, "GPU 0 released; state unhealthy"), forced.stderr
+    assert daemon.get("/v1/gpus/0")["quarantined"] is False
+
+
+def test_commands_find_the_daemon_and_token_through_the_config_file(daemon: RunningDaemon, tmp_path: Path) -> None:
+    config = tmp_path / "gpuwatch.toml"
+    config.write_text(f'listen = "localhost:{daemon.port}"\nstate_dir = "{daemon.state_dir}"\n')
+    from_env = gpuwatch("quarantine", "2", "--reason", "by config", env={"GPUWATCH_CONFIG": str(config)})
+    assert from_env.stdout.strip() == "GPU 2 quarantined (epoch 1): by config", from_env.stderr
+    from_flag = gpuwatch("release", "2", "--config", str(config))
+    assert from_flag.stdout.strip() == "GPU 2 released; state healthy", from_flag.stderr
+    listed = gpuwatch("drill", "--inject", "gpu=2,preset=xid79", "--dry-run", "--config", str(config))
+    assert listed.returncode == 0 and "dry run: nothing was done" in listed.stdout, listed.stderr
+
+
+def test_without_the_token_each_command_says_what_to_pass(daemon: RunningDaemon, tmp_path: Path) -> None:
+    elsewhere = ["--listen", f"localhost:{daemon.port}", "--state-dir", str(tmp_path / "no-state")]
+    for args in (["quarantine", "3", "--reason", "x"], ["drill", "--inject", "gpu=3,preset=xid79"]):
+        line = one_line(gpuwatch(*args, *elsewhere))
+        assert f"cannot read the API token {tmp_path}/no-state/token" in line
+        assert "pass --state-dir with the daemon's state dir, or --config with its config file" in line
+    assert daemon.get("/v1/gpus/3")["quarantined"] is False, "the drill was refused before it injected anything"
+    assert daemon.get("/v1/injections")["injections"] == []
+
+
+def test_without_a_daemon_the_error_names_the_config_used(tmp_path: Path) -> None:
+    config = tmp_path / "gpuwatch.toml"
+    config.write_text('listen = "localhost:1"\n')
+    line = one_line(gpuwatch("status", "--config", str(config)))
+    assert line.startswith("gpuwatch: error: cannot reach the gpuwatch daemon at http://localhost:1: ")
+    assert f"(config {config}); is it running? Pass --listen HOST:PORT, or --config" in line
