@@ -178,24 +178,74 @@ def _fmt(value: Any, pattern: str = "{}") -> str:
     "the default there is the scenario's time to show its fault.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option(
+    "--slurm", is_flag=True, help="Ask the running daemon (else sample), then drain or resume this node in Slurm."
+)
 @one_line_errors
-def check(config_path: str | None, samples: int, duration_s: float | None, as_json: bool, **flags: Any) -> None:
+def check(
+    config_path: str | None, samples: int, duration_s: float | None, as_json: bool, slurm: bool, **flags: Any
+) -> None:
     """One-shot sample and judgement. Exit 0 healthy, 1 degraded or unhealthy, 2 error (Slurm HealthCheckProgram)."""
-    from gpuwatch.offline import check as run_check
+    config = build_config(config_path, **flags)
+    rows = _daemon_rows(config) if slurm else None
+    from_daemon = rows is not None
+    if rows is None:
+        from gpuwatch.offline import check as run_check
 
-    snapshot = run_check(build_config(config_path, **flags), samples=samples, duration_s=duration_s)
-    bad = [g for g in snapshot.gpus if g.state.value in {"degraded", "unhealthy"}]
-    if as_json:
+        snapshot = run_check(config, samples=samples, duration_s=duration_s)
         rows = [
-            {"index": g.index, "uuid": g.uuid, "state": g.state.value, "findings": [f.as_dict() for f in g.findings]}
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "state": g.state.value,
+                "quarantined": g.quarantined,
+                "quarantine_reason": g.quarantine_reason,
+                "findings": [f.as_dict() for f in g.findings],
+            }
             for g in snapshot.gpus
         ]
-        click.echo(json.dumps({"gpus": rows}, indent=2))
+    bad = [g for g in rows if g["state"] in {"degraded", "unhealthy"}]
+    done = _slurm_check(config, rows, may_resume=from_daemon) if slurm else None
+    if as_json:
+        click.echo(json.dumps({"gpus": rows, **({"slurm": done} if done else {})}, indent=2))
     else:
-        for g in snapshot.gpus:
-            reasons = "; ".join(f"{f.rule}: {f.reason}" for f in g.findings) or "no findings"
-            click.echo(f"GPU {g.index} {g.uuid} {g.state.value}: {reasons}")
+        for g in rows:
+            reasons = "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "no findings"
+            click.echo(f"GPU {g['index']} {g['uuid']} {g['state']}: {reasons}")
+        if done:
+            click.echo(f"slurm: node {done['node']} {done['done']} (state {done['state']}, reason {done['reason']!r})")
     sys.exit(1 if bad else 0)
+
+
+def _daemon_rows(config: Config) -> list[dict[str, Any]] | None:
+    """The running daemon's GPUs (GET /v1/gpus), or None when no daemon answers."""
+    from gpuwatch.client import DaemonClient
+    from gpuwatch.errors import DaemonError
+
+    try:
+        return DaemonClient(config, timeout_s=5.0).gpus()
+    except DaemonError as exc:
+        click.echo(f"gpuwatch check: {exc}; sampling the GPUs itself", err=True)
+        return None
+
+
+def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -> dict[str, str]:
+    """Drain or resume the node as the daemon would; asks the fleet breaker first when one is configured.
+
+    Only the daemon knows the quarantines it persisted: judged from a sample of its own, check drains but
+    never resumes.
+    """
+    from gpuwatch import slurm
+    from gpuwatch.fleet import FleetBreaker
+
+    gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None
+    scontrol = slurm.Scontrol(config.slurm.scontrol, config.slurm.timeout_s)
+    name = slurm.node_name(config.slurm)
+    want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm)
+    if want.action == "resume" and not may_resume:
+        want = slurm.Want("hold")
+    node, done = slurm.reconcile(scontrol, name, want, gate)
+    return {"node": name, "done": done, "state": node.state, "reason": node.reason}
 
 
 @main.command()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -148,6 +149,33 @@ class ApiConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    """Draining this node in Slurm while gpuwatch holds a GPU out of service (gpuwatch/slurm.py)."""
+
+    enabled: bool = False
+    node_name: str = ""  # "": this host's short name, as Slurm names nodes
+    drain_on: str = "unhealthy"  # unhealthy | any_quarantine | usable_below
+    min_usable_gpus: int = 1  # drain_on = usable_below: drain when fewer GPUs than this are usable
+    scontrol: str = "scontrol"
+    timeout_s: float = 10.0  # one scontrol call; a hung slurmctld must not hang gpuwatch
+    retry_max_s: float = 300.0  # back-off after failed calls doubles from 1 s up to this
+    reconcile_s: float = 60.0  # re-read the node's state this often even when nothing changed
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The fleet-wide circuit breaker: Prometheus' view of every node, asked before acting (gpuwatch/fleet.py)."""
+
+    prometheus_url: str = ""  # "": off
+    max_quarantined_share: float = 0.1  # refuse when this share of the fleet's GPUs is quarantined
+    max_drained_nodes: int = 5  # refuse a Slurm drain when this many nodes were drained by gpuwatch in the window
+    window_s: float = 3600.0
+    timeout_s: float = 2.0
+    cache_s: float = 5.0  # one answer serves the decisions of this many seconds
+    on_unreachable: str = "open"  # open: the node breaker alone decides | closed: refuse
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration. Build with `load()`; `Config()` is all defaults."""
 
@@ -168,6 +196,8 @@ class Config:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     drills: DrillsConfig = field(default_factory=DrillsConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     @property
     def listen_host(self) -> str:
@@ -280,10 +310,18 @@ def validate(config: Config) -> None:
     for number, entry in enumerate(config.drills.schedule, start=1):
         _check_range(f"drills.schedule[{number}].require_healthy_share", entry.require_healthy_share, 0.0, 1.0)
 
+    _validate_fleet(config)
+
 
 # Durations that may be 0 ("at once"); every other `_s` / `_days` setting must be positive.
 _ZERO_DURATION_OK = frozenset(
-    {"policy.quarantine_degraded_after_s", "policy.recovery_s", "trainer.grace_period_s", "trainer.kill_after_s"}
+    {
+        "policy.quarantine_degraded_after_s",
+        "policy.recovery_s",
+        "trainer.grace_period_s",
+        "trainer.kill_after_s",
+        "fleet.cache_s",
+    }
 )
 
 
@@ -318,6 +356,36 @@ def _check_range(key: str, value: float, low: float, high: float, *, low_open: b
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise ConfigError(f"{key}: {value} is out of range {bracket}{low:g}, {high:g}]")
+
+
+def _validate_fleet(config: Config) -> None:
+    """The [slurm] and [fleet] sections."""
+    slurm, fleet = config.slurm, config.fleet
+    if slurm.drain_on not in {"unhealthy", "any_quarantine", "usable_below"}:
+        raise ConfigError(f"slurm.drain_on: {slurm.drain_on!r} is not unhealthy, any_quarantine or usable_below")
+    if not 0 <= slurm.min_usable_gpus <= 64:
+        raise ConfigError(f"slurm.min_usable_gpus: {slurm.min_usable_gpus} is out of range (0 to 64)")
+    if slurm.node_name and not re.fullmatch(r"[\w.\-]+", slurm.node_name):
+        raise ConfigError(f"slurm.node_name: {slurm.node_name!r} is not a Slurm node name")
+    if slurm.enabled and not slurm.scontrol:
+        raise ConfigError("slurm.scontrol: empty")
+    for name in ("timeout_s", "retry_max_s", "reconcile_s"):
+        if not 0.0 < getattr(slurm, name) <= 86400.0:
+            raise ConfigError(f"slurm.{name}: {getattr(slurm, name)} is out of range (0 to 86400 seconds)")
+    if fleet.prometheus_url and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", fleet.prometheus_url):
+        raise ConfigError(f"fleet.prometheus_url: {fleet.prometheus_url!r} is not an http(s) URL")
+    if not 0.0 < fleet.max_quarantined_share <= 1.0:
+        raise ConfigError(f"fleet.max_quarantined_share: {fleet.max_quarantined_share} is not in (0, 1]")
+    if fleet.max_drained_nodes < 1:
+        raise ConfigError(f"fleet.max_drained_nodes: {fleet.max_drained_nodes} must be at least 1")
+    if not 1.0 <= fleet.window_s <= 30 * 86400.0:
+        raise ConfigError(f"fleet.window_s: {fleet.window_s} is out of range (1 s to 30 days)")
+    if not 0.1 <= fleet.timeout_s <= 30.0:
+        raise ConfigError(f"fleet.timeout_s: {fleet.timeout_s} is out of range (0.1 to 30 seconds)")
+    if not 0.0 <= fleet.cache_s <= 600.0:
+        raise ConfigError(f"fleet.cache_s: {fleet.cache_s} is out of range (0 to 600 seconds)")
+    if fleet.on_unreachable not in {"open", "closed"}:
+        raise ConfigError(f"fleet.on_unreachable: {fleet.on_unreachable!r} is not open or closed")
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError, StoreError
+from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.health.state import Decision
 from gpuwatch.httpserver import ACCEPT_BURST, AcceptErrorLog, ServerLimits, limited_protocol, raise_fd_limit
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
@@ -38,6 +39,7 @@ from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import Store
 
@@ -159,6 +161,17 @@ class Daemon:
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
         install_drills(self)
+        self.fleet = FleetBreaker(config.fleet) if config.fleet.prometheus_url else None
+        if self.fleet is not None:
+            self.monitor.quarantine_gate = self.fleet.allow_quarantine
+            self.renderer.registry.register(FleetCollector(self.fleet.status))
+            self.key_parts.append(self.fleet.status)
+        self.drainer: Drainer | None = None
+        if config.slurm.enabled:
+            self.drainer = Drainer(config.slurm, gate=self.fleet.allow_drain if self.fleet is not None else None)
+            self.monitor.listeners.append(self.drainer.on_publish)
+            self.renderer.registry.register(SlurmCollector(self.drainer.status))
+            self.key_parts.append(self.drainer.status)
         # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out (while
         # scrapes read every Snapshot), so a scrape finds the bytes ready instead of rendering them
         # while the other scrapes queue behind it.
@@ -225,6 +238,8 @@ class Daemon:
         )
         self.scheduler.start()
         self._event_thread.start()
+        if self.drainer is not None:
+            self.drainer.start()
         systemd.ready()
         systemd.status(f"watching {len(self.monitor.statics)} GPU(s) with {self.backend.name}")
 
@@ -237,6 +252,8 @@ class Daemon:
         self.remediation.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
+        if self.drainer is not None:
+            self.drainer.stop()
         unsaved = self.monitor.flush_store()
         if unsaved:
             log.error(

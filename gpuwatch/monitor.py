@@ -156,6 +156,7 @@ class Monitor:
         self.clock = clock
         self.statics = {s.index: s for s in statics}
         self.listeners: list[Listener] = []
+        self.quarantine_gate: state.QuarantineGate | None = None  # asked before each automatic quarantine
         self._lock = threading.RLock()
         self._keep_s = engine.max_window_s(self.rules) + 2 * config.interval_s
         self._running = {
@@ -354,7 +355,7 @@ class Monitor:
                 found = list(self._findings.get(index, ()))
             findings[index] = [dataclasses.replace(f, drill=True) if drill else f for f in found]
         self._findings = findings
-        node, decisions = state.step(self._node, findings, now, self.config.policy)
+        node, decisions = state.step(self._node, findings, now, self.config.policy, self.quarantine_gate)
         self._node = node
         return self._after_decisions(decisions, now)
 

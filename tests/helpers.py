@@ -96,3 +96,26 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
         for s in family.samples
         if s.name == name
     ]
+
+
+def fake_scontrol(directory: Path) -> tuple[str, Path]:
+    """An scontrol stand-in for one node, where a real Slurm would be beside the point; (program, node file).
+
+    `show` prints the node (IDLE, or what the last drain wrote to the node file); `update …
+    State=DRAIN Reason=…` writes it, `State=RESUME` removes it. tests/e2e/slurmctl.py runs the real one.
+    """
+    node_file = directory / "node"
+    program = directory / "scontrol"
+    program.write_text(
+        f"""#!/bin/sh
+case "$1" in
+show) if [ -f {node_file} ]; then cat {node_file}; else printf 'NodeName=n\\n   State=IDLE\\n'; fi;;
+update) case "$3" in
+  State=DRAIN) printf 'NodeName=n\\n   State=IDLE+DRAIN\\n   Reason=%s [root@now]\\n' "${{4#Reason=}}" > {node_file};;
+  State=RESUME) rm -f {node_file};;
+  esac;;
+esac
+"""
+    )
+    program.chmod(0o755)
+    return str(program), node_file

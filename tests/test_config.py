@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,49 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_config_env_var_names_file(tmp_path: Path) -> None:
     path = write(tmp_path, "interval_s = 7\n")
     assert load(environ={"GPUWATCH_CONFIG": str(path)}).interval_s == 7.0
+
+
+def test_slurm_and_fleet_from_file_and_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, '[slurm]\nenabled = true\ndrain_on = "usable_below"\nmin_usable_gpus = 6\n')
+    config = load(
+        path,
+        environ={
+            "GPUWATCH_SLURM_NODE_NAME": "gpu-017",
+            "GPUWATCH_FLEET_PROMETHEUS_URL": "http://prometheus:9090",
+            "GPUWATCH_FLEET_ON_UNREACHABLE": "closed",
+        },
+    )
+    assert (config.slurm.enabled, config.slurm.drain_on, config.slurm.min_usable_gpus) == (True, "usable_below", 6)
+    assert config.slurm.node_name == "gpu-017"
+    assert (config.fleet.prometheus_url, config.fleet.on_unreachable) == ("http://prometheus:9090", "closed")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (
+            "GPUWATCH_SLURM_DRAIN_ON",
+            "always",
+            "slurm.drain_on: 'always' is not unhealthy, any_quarantine or usable_below",
+        ),
+        ("GPUWATCH_SLURM_NODE_NAME", "a b", "slurm.node_name: 'a b' is not a Slurm node name"),
+        ("GPUWATCH_SLURM_TIMEOUT_S", "0", "slurm.timeout_s: 0.0 must be positive"),
+        (
+            "GPUWATCH_FLEET_PROMETHEUS_URL",
+            "prometheus:9090",
+            "fleet.prometheus_url: 'prometheus:9090' is not an http(s) URL",
+        ),
+        ("GPUWATCH_FLEET_MAX_QUARANTINED_SHARE", "1.5", "fleet.max_quarantined_share: 1.5 is not in (0, 1]"),
+        ("GPUWATCH_FLEET_MAX_DRAINED_NODES", "0", "fleet.max_drained_nodes: 0 must be at least 1"),
+        ("GPUWATCH_FLEET_TIMEOUT_S", "60", "fleet.timeout_s: 60.0 is out of range"),
+        ("GPUWATCH_FLEET_ON_UNREACHABLE", "maybe", "fleet.on_unreachable: 'maybe' is not open or closed"),
+        (
+            "GPUWATCH_SLURM_MIN_USABLE_GPUS",
+            "x",
+            "environment variable GPUWATCH_SLURM_MIN_USABLE_GPUS: expected an integer",
+        ),
+    ],
+)
+def test_bad_slurm_and_fleet_settings_name_the_key(tmp_path: Path, variable: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        load(write(tmp_path, ""), environ={variable: value})

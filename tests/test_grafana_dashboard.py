@@ -37,7 +37,7 @@ from gpuwatch.model import (
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "grafana" / "gpuwatch.json"
 
-# Families exposed by the trainer, drill and incident collectors, which gpuwatch.metrics only hosts.
+# Families exposed by the trainer, drill, incident, Slurm and fleet collectors, which gpuwatch.metrics only hosts.
 EXTRA_METRICS = frozenset(
     {
         "gpuwatch_trainer_memory_fragmentation_ratio",
@@ -51,6 +51,10 @@ EXTRA_METRICS = frozenset(
         "gpuwatch_incidents_total",
         "gpuwatch_incident_time_to_stop_seconds",
         "gpuwatch_incident_time_to_resume_seconds",
+        "gpuwatch_slurm_drained",
+        "gpuwatch_slurm_scontrol_failing",
+        "gpuwatch_fleet_breaker_refusals_total",
+        "gpuwatch_fleet_prometheus_up",
     }
 )
 # Series Prometheus itself records for every scrape target.

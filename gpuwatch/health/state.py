@@ -12,17 +12,22 @@ the next state and the decisions to act on (the monitor logs, persists and execu
 * Circuit breaker: at most max(1, ⌊breaker_max_share × GPUs⌋) auto quarantines within
   `breaker_window_s`, so a bad rule, driver or rack cannot take a whole node out. Operator
   quarantines bypass it. It counts drill quarantines too: a drill takes real GPUs out.
+* Gate: an optional callable asked after the node breaker allows an auto quarantine (the fleet
+  breaker, gpuwatch/fleet.py, which asks Prometheus); it returns None to allow or why it refuses.
+  This module only calls it: whatever it reads is the caller's business.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatch.config import PolicyConfig
 from gpuwatch.model import Finding, Health, worst
+
+QuarantineGate = Callable[[int, str], "str | None"]  # (GPU index, reason) → None to allow, else the refusal
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,11 @@ def initial(indices: Iterable[int]) -> NodeState:
 
 
 def step(
-    node: NodeState, findings: Mapping[int, Sequence[Finding]], now: float, policy: PolicyConfig
+    node: NodeState,
+    findings: Mapping[int, Sequence[Finding]],
+    now: float,
+    policy: PolicyConfig,
+    gate: QuarantineGate | None = None,
 ) -> tuple[NodeState, list[Decision]]:
     """Advance every GPU judged this round.
 
@@ -91,7 +100,7 @@ def step(
         if gpu is not before:  # the usual round changes nothing: no copy of the node
             node = _put(node, gpu)
         decisions += changed
-        node, acted = _act(node, gpu, found, now, policy)
+        node, acted = _act(node, gpu, found, now, policy, gate)
         decisions += acted
     recent = _recent(node, now, policy)
     tripped = len(recent) >= breaker_limit(len(node.gpus), policy)
@@ -192,14 +201,19 @@ def _next_state(gpu: GpuState, target: Health, now: float, recovery_s: float) ->
 
 
 def _act(
-    node: NodeState, gpu: GpuState, found: Sequence[Finding], now: float, policy: PolicyConfig
+    node: NodeState,
+    gpu: GpuState,
+    found: Sequence[Finding],
+    now: float,
+    policy: PolicyConfig,
+    gate: QuarantineGate | None = None,
 ) -> tuple[NodeState, list[Decision]]:
     """Quarantine a GPU that has earned it, or release one that has burned in."""
     if not gpu.quarantined:
         why = _quarantine_reason(gpu, found, now, policy)
         if why is None or gpu.acknowledged:
             return node, []
-        return _auto_quarantine(node, gpu, why, now, gpu.drill, policy)
+        return _auto_quarantine(node, gpu, why, now, gpu.drill, policy, gate)
     burned_in = gpu.clean_since is not None and now - gpu.clean_since >= policy.burn_in_s
     if gpu.quarantine_auto and gpu.state is Health.HEALTHY and burned_in:
         why = f"burn-in: no degraded-or-worse finding for {policy.burn_in_s:g} s"
@@ -218,13 +232,26 @@ def _quarantine_reason(gpu: GpuState, found: Sequence[Finding], now: float, poli
 
 
 def _auto_quarantine(
-    node: NodeState, gpu: GpuState, reason: str, now: float, drill: bool, policy: PolicyConfig
+    node: NodeState,
+    gpu: GpuState,
+    reason: str,
+    now: float,
+    drill: bool,
+    policy: PolicyConfig,
+    gate: QuarantineGate | None = None,
 ) -> tuple[NodeState, list[Decision]]:
     if gpu.quarantined:
         return node, []
     recent = _recent(node, now, policy)
     limit = breaker_limit(len(node.gpus), policy)
     if len(recent) < limit:
+        refusal = gate(gpu.index, reason) if gate is not None else None
+        if refusal is not None:
+            if gpu.refused:
+                return node, []
+            why = f"fleet breaker refused the quarantine: {refusal}; wanted for {reason}"
+            refused = Decision("refused", gpu.index, now, why, gpu.state, drill)
+            return _put(node, dataclasses.replace(gpu, refused=True)), [refused]
         node = dataclasses.replace(node, auto_quarantines=(*recent, now))
         return _quarantine(node, gpu, reason, now, auto=True, drill=drill)
     node = dataclasses.replace(node, auto_quarantines=recent, breaker_tripped=True)

@@ -273,3 +273,42 @@ def test_a_real_finding_during_a_drill_makes_it_real() -> None:
     node, decisions = advance(node, 10, {0: [replace(DEGRADED, drill=True), UNHEALTHY]})
     assert not gpu(node).drill
     assert all(not d.drill for d in decisions)
+
+
+def test_a_gate_refuses_once_per_episode_then_allows_and_never_sees_operator_quarantines() -> None:
+    asked: list[tuple[int, str]] = []
+    answer: list[str | None] = ["fleet says no"]
+
+    def gate(index: int, reason: str) -> str | None:
+        asked.append((index, reason))
+        return answer[0]
+
+    node, _ = advance(state.initial([0, 1]), 0, {0: [], 1: []})
+    node, decisions = state.step(node, {0: [UNHEALTHY], 1: []}, 10, POLICY, gate)
+    refused = [d for d in decisions if d.kind == "refused"]
+    assert [d.index for d in refused] == [0] and not gpu(node, 0).quarantined
+    assert (
+        refused[0].reason
+        == "fleet breaker refused the quarantine: fleet says no; wanted for unhealthy: xid_critical: XID 79"
+    )
+    assert node.breaker_refusals == 0 and not node.breaker_tripped and node.auto_quarantines == ()  # not the node's
+    node, decisions = state.step(node, {0: [UNHEALTHY], 1: []}, 20, POLICY, gate)
+    assert decisions == [] and len(asked) == 2  # asked again every round, reported once
+    answer[0] = None
+    node, decisions = state.step(node, {0: [UNHEALTHY], 1: []}, 30, POLICY, gate)
+    assert kinds(decisions) == [("quarantine", 0)] and node.auto_quarantines == (30,)
+    node, _ = state.quarantine(node, 1, "operator", 40)
+    assert gpu(node, 1).quarantined and len(asked) == 3
+
+
+def test_the_node_breaker_is_asked_before_the_gate() -> None:
+    asked: list[int] = []
+
+    def gate(index: int, reason: str) -> None:
+        asked.append(index)
+
+    policy = replace(POLICY, breaker_max_share=0.5)  # 1 of 2
+    node, _ = advance(state.initial([0, 1]), 0, {0: [], 1: []})
+    node, _ = state.step(node, {0: [UNHEALTHY], 1: []}, 10, policy, gate)
+    node, decisions = state.step(node, {0: [UNHEALTHY], 1: [UNHEALTHY]}, 20, policy, gate)
+    assert asked == [0] and decisions[-1].reason.startswith("circuit breaker refused")

@@ -1,0 +1,171 @@
+"""gpuwatch/fleet.py: the verdicts, the Prometheus query and its failures, caching, counting, the collector.
+
+A real Prometheus runs in tests/e2e/test_fleet_breaker.py; here a small HTTP server answers with
+what Prometheus' query API returns, including the answers it gives when something is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpuwatch.config import FleetConfig
+from gpuwatch.fleet import (
+    QUARANTINED_SHARE,
+    FleetBreaker,
+    FleetCollector,
+    FleetError,
+    FleetStatus,
+    FleetView,
+    Prometheus,
+    drained_nodes_query,
+    judge_drain,
+    judge_quarantine,
+)
+from gpuwatch.slurm import DrainStatus, SlurmCollector
+from tests.e2e.conftest import free_port
+from tests.helpers import FakeClock
+
+LIMITS = FleetConfig(prometheus_url="http://x", max_quarantined_share=0.2, max_drained_nodes=3)
+
+
+def test_verdicts() -> None:
+    assert judge_quarantine(FleetView(0.19, 9), LIMITS) is None
+    assert judge_quarantine(FleetView(0.25, 0), LIMITS) == (
+        "25.0% of the fleet's GPUs are quarantined, at or above fleet.max_quarantined_share 20.0%"
+    )
+    assert judge_drain(FleetView(0.9, 2), LIMITS) is None
+    assert judge_drain(FleetView(0.0, 3), LIMITS) == (
+        "3 node(s) drained by gpuwatch in the last 3600 s, at or above fleet.max_drained_nodes 3"
+    )
+    down = FleetView(error="connection refused")
+    assert judge_quarantine(down, LIMITS) is None and judge_drain(down, LIMITS) is None  # open: the node decides
+    closed = FleetConfig(on_unreachable="closed")
+    assert judge_quarantine(down, closed) == (
+        "Prometheus cannot be asked (connection refused) and fleet.on_unreachable is closed"
+    )
+
+
+class FakePrometheus:
+    """Answers /api/v1/query from a dict of query → response body; records the queries."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, Any] = {}
+        self.queries: list[str] = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["query"][0]
+                owner.queries.append(query)
+                body = json.dumps(owner.answers.get(query, {"status": "success", "data": {"result": []}})).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, query: str, value: float) -> None:
+        self.answers[query] = {
+            "status": "success",
+            "data": {"resultType": "vector", "result": [{"metric": {}, "value": [1, str(value)]}]},
+        }
+
+
+@pytest.fixture
+def prometheus() -> Iterator[FakePrometheus]:
+    fake = FakePrometheus()
+    yield fake
+    fake.server.shutdown()
+
+
+def test_scalar_and_its_failures(prometheus: FakePrometheus) -> None:
+    client = Prometheus(prometheus.url + "/", 1.0)
+    prometheus.answer("up", 0.5)
+    assert client.scalar("up") == 0.5
+    with pytest.raises(FleetError, match=r"returned 0 series, not 1 \(recording rules loaded\?\)"):
+        client.scalar(QUARANTINED_SHARE)
+    prometheus.answers["bad"] = {"status": "error", "error": "parse error"}
+    with pytest.raises(FleetError, match="query 'bad' failed"):
+        client.scalar("bad")
+    closed_port = free_port()
+    with pytest.raises(FleetError, match=f"^http://127.0.0.1:{closed_port}: .*Connection refused"):
+        Prometheus(f"http://127.0.0.1:{closed_port}", 0.5).scalar("up")
+
+
+def test_breaker_caches_counts_each_refused_gpu_once_and_lets_go(prometheus: FakePrometheus) -> None:
+    clock = FakeClock(0)
+    config = FleetConfig(prometheus_url=prometheus.url, max_quarantined_share=0.2, cache_s=5)
+    breaker = FleetBreaker(config, clock=clock)
+    prometheus.answer(QUARANTINED_SHARE, 0.25)
+    prometheus.answer(drained_nodes_query(config.window_s), 1)
+    assert breaker.allow_quarantine(1, "xid") is not None
+    assert breaker.allow_quarantine(1, "xid") is not None
+    assert breaker.allow_quarantine(2, "xid") is not None
+    assert len(prometheus.queries) == 2  # one answer served all three
+    assert breaker.allow_drain() is None
+    assert breaker.status() == FleetStatus(quarantined_share=0.25, drained_nodes=1, tripped=True, refusals_total=2)
+    prometheus.answer(QUARANTINED_SHARE, 0.1)
+    clock.advance(5)
+    assert breaker.allow_quarantine(1, "xid") is None
+    assert breaker.allow_quarantine(2, "xid") is None
+    assert breaker.status() == FleetStatus(quarantined_share=0.1, drained_nodes=1, tripped=False, refusals_total=2)
+
+
+def test_unreachable_open_and_closed(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    clock = FakeClock(0)
+    opened = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, cache_s=0), clock=clock)
+    assert opened.allow_quarantine(0, "xid") is None
+    clock.advance(29)
+    assert opened.allow_quarantine(0, "xid") is None  # a failure is not retried at once: no timeout every round
+    assert opened.status() == FleetStatus(reachable=False, query_failures_total=1)
+    clock.advance(1)
+    assert opened.allow_quarantine(0, "xid") is None
+    assert opened.status() == FleetStatus(reachable=False, query_failures_total=2)
+    said = [r.getMessage() for r in caplog.records if "cannot ask Prometheus" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("the node breaker alone decides until it answers")  # once, not per ask
+    closed = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, on_unreachable="closed"))
+    assert "fleet.on_unreachable is closed" in (closed.allow_drain() or "")
+    assert closed.status().tripped and closed.status().refusals_total == 1
+
+
+def test_collector_exports_exact_values_on_a_fresh_registry() -> None:
+    status = FleetStatus(False, 0.25, 4, True, 3, 7)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(lambda: status))
+    names = [
+        "gpuwatch_fleet_prometheus_up",
+        "gpuwatch_fleet_quarantined_ratio",
+        "gpuwatch_fleet_drained_nodes",
+        "gpuwatch_fleet_breaker_tripped",
+        "gpuwatch_fleet_breaker_refusals_total",
+        "gpuwatch_fleet_query_failures_total",
+    ]
+    assert [registry.get_sample_value(n) for n in names] == [0.0, 0.25, 4.0, 1.0, 3.0, 7.0]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_check_metrics_is_clean_for_the_slurm_and_fleet_families() -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(FleetStatus))
+    registry.register(SlurmCollector(DrainStatus))
+    text = generate_latest(registry).decode()
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout + proc.stderr == "", proc.stdout + proc.stderr
+    assert text.count("# TYPE gpuwatch_") == 14
