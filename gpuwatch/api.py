@@ -115,6 +115,7 @@ def gpu_json(g: GpuStatus, now: float) -> dict[str, Any]:
         "sample_age_s": round(now - sample.t, 3) if sample else None,
         "sample": {k: getattr(sample, k) for k in SAMPLE_FIELDS if k not in {"index", "uuid"}} if sample else None,
         "xids": {str(x): n for x, n in g.xid_counts},
+        "kernel_xids": [{"t": e.t, "xid": e.xid, "line": e.detail} for e in g.kernel_xids],
         "trainers": [trainer_json(t) for t in g.trainers],
         "static": dataclasses.asdict(g.static),
     }

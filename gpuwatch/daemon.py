@@ -27,17 +27,21 @@ from gpuwatch import __version__, remediation, systemd
 from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
+from gpuwatch.backends.kmsg import KernelLog
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError
 from gpuwatch.health.state import Decision
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
-from gpuwatch.model import Snapshot
+from gpuwatch.model import GpuEvent, Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.daemon")
+
+
+LIVE_BACKENDS = frozenset({"nvml", "dcgm"})
 
 
 def setup_logging(level: str) -> None:
@@ -136,6 +140,9 @@ class Daemon:
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
+        # The kernel log is a second XID source on real GPUs only (sim and replay have no driver lines).
+        self.kernel_log = KernelLog(config.tools.kmsg, statics) if self.backend.name in LIVE_BACKENDS else None
+        self._kernel_thread: threading.Thread | None = None
         install_drills(self)
         # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out, so a scrape
         # finds the bytes ready instead of rendering them while the other scrapes queue behind it.
@@ -191,9 +198,34 @@ class Daemon:
             misfire_grace_time=None,
         )
         self.scheduler.start()
+        self._start_kernel_log()
         self._event_thread.start()
         systemd.ready()
         systemd.status(f"watching {len(self.monitor.statics)} GPU(s) with {self.backend.name}")
+
+    def _start_kernel_log(self) -> None:
+        """Replay what the kernel buffer still holds (judged by kernel time), then follow it in a thread."""
+        kernel_log = self.kernel_log
+        if kernel_log is None or not self.config.tools.kmsg:
+            return
+        kernel_log.open()
+        self.monitor.kernel_log_readable = kernel_log.readable
+        if not kernel_log.readable:
+            return
+        old = kernel_log.read_available()
+        self.monitor.kernel_sxids_total = kernel_log.sxids_total
+        if old:
+            log.info("kernel log: %d XID(s) since boot: %s", len(old), "; ".join(e.detail for e in old[-5:]))
+            self.monitor.handle_events(old)
+
+        def handle(events: list[GpuEvent]) -> None:
+            self.monitor.kernel_sxids_total = kernel_log.sxids_total
+            self.monitor.handle_events(events)
+
+        self._kernel_thread = threading.Thread(
+            target=kernel_log.follow, args=(self.stop_event, handle), name="gpuwatch-kmsg", daemon=True
+        )
+        self._kernel_thread.start()
 
     def stop(self) -> None:
         systemd.stopping()
@@ -203,6 +235,10 @@ class Daemon:
         self.backend.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
+        if self._kernel_thread is not None:
+            self._kernel_thread.join(timeout=5)
+        if self.kernel_log is not None:
+            self.kernel_log.close()
         self.store.close()
         log.info("gpuwatch stopped")
 

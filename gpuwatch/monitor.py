@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +42,9 @@ log = logging.getLogger("gpuwatch.monitor")
 Listener = Callable[[Snapshot, list[state.Decision]], None]
 # Sample fields a drill may override, plus `error` (a read error kind: gpu_lost, reset_required, unknown).
 _INJECTABLE = (frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}) | {"error"}
+# An XID from NVML's event set and one from the kernel log, same GPU and code, this close in time: one fault.
+DEDUPE_S = 5.0
+KERNEL_XIDS_LISTED = 16  # per GPU, the newest kernel-log XIDs shown with their kernel time
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,10 @@ class Monitor:
         }
         self._synced: dict[int, frozenset[str]] = {}  # the finding rules last written to the store, per GPU
         self._xids: dict[int, Counter[int]] = {i: Counter() for i in self.statics}
+        self._xid_seen: dict[int, deque[list[Any]]] = {i: deque(maxlen=64) for i in self.statics}
+        self._kernel_xids: dict[int, deque[GpuEvent]] = {i: deque(maxlen=KERNEL_XIDS_LISTED) for i in self.statics}
+        self.kernel_log_readable: bool | None = None  # set by the kernel log follower (daemon.py)
+        self.kernel_sxids_total = 0
         self._findings: dict[int, list[Finding]] = {i: [] for i in self.statics}
         self._drill_until: dict[int, float] = {}
         self._injections: dict[int, Injection] = {}
@@ -148,13 +155,32 @@ class Monitor:
 
     def handle_events(self, readings: Iterable[GpuEvent | GpuError]) -> Snapshot | None:
         """Judge event-type faults at once, not at the next tick."""
-        batch = [r for r in readings if r.index in self.statics]
-        if not batch:
-            return None
         with self._lock:
+            readings = [r for r in readings if r.index in self.statics]
+            batch = [r for r in readings if not self._duplicate(r)]
+            if not batch:
+                if readings:  # only duplicates: the kernel log's listing may still have grown
+                    self.snapshot = self._build_snapshot(self.snapshot.t)
+                return None
             for reading in batch:
                 self._record(reading)
             return self._judge_and_publish(max(max(r.t for r in batch), self.clock()))
+
+    def _duplicate(self, reading: GpuEvent | GpuError) -> bool:
+        """True for an XID already taken from the other source (NVML events, kernel log); lists kernel XIDs."""
+        if not isinstance(reading, GpuEvent) or reading.kind != "xid":
+            return False
+        if reading.source == "kmsg":
+            self._kernel_xids[reading.index].append(reading)
+        seen = self._xid_seen[reading.index]
+        for entry in seen:  # each event pairs with at most one of the other source
+            other: GpuEvent = entry[0]
+            close = abs(other.t - reading.t) <= DEDUPE_S
+            if not entry[1] and other.source != reading.source and other.xid == reading.xid and close:
+                entry[1] = True
+                return True
+        seen.append([reading, False])
+        return False
 
     def run_events(self, stop: threading.Event, timeout_s: float = 0.5) -> None:
         """The event thread: wait in the backend's event call and hand each batch on."""
@@ -414,6 +440,7 @@ class Monitor:
                     xid_counts=tuple(sorted(self._xids[index].items())),
                     drill_active=self._drill_until.get(index, 0.0) > now,
                     trainers=tuple(trainers_by_uuid.get(static.uuid, ())),
+                    kernel_xids=tuple(self._kernel_xids[index]),
                 )
             )
         return Snapshot(
@@ -426,6 +453,8 @@ class Monitor:
             breaker_tripped=self._node.breaker_tripped,
             breaker_refusals_total=self._node.breaker_refusals,
             trainers=self._trainers,
+            kernel_log_readable=self.kernel_log_readable,
+            kernel_sxids_total=self.kernel_sxids_total,
         )
 
 
