@@ -214,7 +214,7 @@ _GAUGE_DOCS = {
     "gpuwatch_gpu_pcie_link_generation_max": "Highest PCIe generation the GPU and its slot allow.",
     "gpuwatch_gpu_pcie_link_width": "Current PCIe link width (lanes).",
     "gpuwatch_gpu_pcie_link_width_max": "Widest PCIe link the GPU and its slot allow (lanes).",
-    "gpuwatch_gpu_recovery_action": "Driver recovery action 0 none, 1 GPU reset, 2 reboot, 3 drain P2P, 4 drain, reset.",
+    "gpuwatch_gpu_recovery_action": "Driver recovery action: 0 none, 1 GPU reset, 2 reboot, 3/4 drain (and reset).",
     "gpuwatch_gpu_nvlink_down": "NVLinks not active (absent on a GPU without NVLink).",
     "gpuwatch_gpu_fabric_state": "NVSwitch fabric registration state (3 completed; absent without a fabric).",
 }
