@@ -50,6 +50,7 @@ class QuarantineBody(BaseModel):
 class ReleaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field(default="operator", min_length=1, max_length=500)
+    validate_first: bool = Field(default=False, alias="validate")  # run the GPU test; release only if it passes
 
 
 class InjectBody(BaseModel):
@@ -194,7 +195,12 @@ def create_app(
     @app.post("/v1/gpus/{index}/release", dependencies=[Depends(require_token)])
     def release(index: int, body: ReleaseBody) -> dict[str, Any]:
         gpu_or_404(index)
-        return gpu_json(monitor.release(index, body.reason), clock())
+        if not body.validate_first:
+            return gpu_json(monitor.release(index, body.reason), clock())
+        status, result = monitor.release_validated(index, body.reason)  # blocks for the GPU test (threadpool)
+        if not result.passed:
+            raise HTTPException(409, f"GPU {index} stays quarantined: validation {result.outcome}: {result.reason}")
+        return {**gpu_json(status, clock()), "validation": {"outcome": result.outcome, "reason": result.reason}}
 
     @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)])
     def inject(index: int, body: InjectBody) -> dict[str, Any]:

@@ -230,14 +230,26 @@ def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -
 @main.command()
 @click.argument("index", type=int)
 @click.option("--reason", default="operator", show_default=True, help="Why the GPU may be used again.")
+@click.option("--validate", is_flag=True, help="Run the GPU test first; release only if it passes (exit 1 if not).")
 @config_options
 @one_line_errors
-def release(index: int, reason: str, config_path: str | None, **flags: Any) -> None:
+def release(index: int, reason: str, validate: bool, config_path: str | None, **flags: Any) -> None:
     """Release GPU INDEX from quarantine."""
     from gpuwatch.client import DaemonClient
+    from gpuwatch.errors import DaemonError
 
-    g = DaemonClient(build_config(config_path, **flags)).release(index, reason)
+    config = build_config(config_path, **flags)
+    wait_s = config.validation.timeout_s * 2 + 30 if validate else None  # the GPU test, then dcgmi diag
+    try:
+        g = DaemonClient(config).release(index, reason, validate_timeout_s=wait_s)
+    except DaemonError as exc:
+        if validate and "HTTP 409" in str(exc):  # the test failed or could not run: still quarantined
+            click.echo(f"gpuwatch: {exc}", err=True)
+            raise SystemExit(1) from None
+        raise
     click.echo(f"GPU {g['index']} {g['uuid']} released; state {g['state']}")
+    if validate:
+        click.echo(f"validation {g['validation']['outcome']}: {g['validation']['reason']}")
 
 
 main.add_command(launch)

@@ -29,7 +29,9 @@ class DaemonClient:
         except OSError as exc:
             raise DaemonError(f"cannot read the API token {self.token_path}: {exc.strerror or exc}") from None
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Any:
         headers = {"Accept": "application/json"}
         data = None
         if method != "GET":
@@ -38,7 +40,7 @@ class DaemonClient:
             data = json.dumps(body or {}).encode()
         req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
@@ -57,8 +59,12 @@ class DaemonClient:
     def quarantine(self, index: int, reason: str) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/gpus/{index}/quarantine", {"reason": reason}))
 
-    def release(self, index: int, reason: str = "operator") -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/gpus/{index}/release", {"reason": reason}))
+    def release(self, index: int, reason: str = "operator", validate_timeout_s: float | None = None) -> dict[str, Any]:
+        """Release GPU `index`; with `validate_timeout_s`, only after the GPU test passes (waited for that long)."""
+        if validate_timeout_s is None:
+            return dict(self.request("POST", f"/v1/gpus/{index}/release", {"reason": reason}))
+        body = {"reason": reason, "validate": True}
+        return dict(self.request("POST", f"/v1/gpus/{index}/release", body, timeout_s=validate_timeout_s))
 
     def inject(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/gpus/{index}/inject", body))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import socket
@@ -23,7 +24,7 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
-from gpuwatch import __version__, remediation, systemd
+from gpuwatch import __version__, remediation, systemd, validation
 from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
@@ -143,6 +144,8 @@ class Daemon:
         # The kernel log is a second XID source on real GPUs only (sim and replay have no driver lines).
         self.kernel_log = KernelLog(config.tools.kmsg, statics) if self.backend.name in LIVE_BACKENDS else None
         self._kernel_thread: threading.Thread | None = None
+        if self.backend.name in LIVE_BACKENDS:  # the GPU test needs a real GPU
+            self.monitor.validator = functools.partial(validation.validate, config=config)
         install_drills(self)
         # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out, so a scrape
         # finds the bytes ready instead of rendering them while the other scrapes queue behind it.
