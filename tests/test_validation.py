@@ -206,3 +206,25 @@ def test_quarantines_spread_beyond_the_window_are_no_repeat(tmp_path: Path) -> N
     gpu = monitor.snapshot.gpu(1)
     assert gpu is not None and not gpu.quarantine_reason.startswith("repeat offender")
     store.close()
+
+
+def test_api_release_validate(tmp_path: Path) -> None:
+    from tests.helpers import start_sim_node
+
+    sim = start_sim_node(tmp_path, gpus=2)
+    try:
+        url = "/v1/gpus/1/release"
+        assert sim.client.post("/v1/gpus/1/quarantine", json={"reason": "suspect"}, headers=sim.auth).status_code == 200
+        refused = sim.client.post(url, json={"validate": True}, headers=sim.auth)
+        assert refused.status_code == 409 and "no GPU test on this backend" in refused.json()["detail"]
+        sim.daemon.monitor.validator = lambda static, pids: validate(static, (), config("--tflops 100"))
+        failed = sim.client.post(url, json={"validate": True}, headers=sim.auth)
+        assert failed.status_code == 409 and "matmul 100 TFLOPS below reference 600" in failed.json()["detail"]
+        assert sim.gpu(1)["quarantined"] is True
+        sim.daemon.monitor.validator = lambda static, pids: validate(static, (), config())
+        passed = sim.client.post(url, json={"validate": True, "reason": "checked"}, headers=sim.auth)
+        assert passed.status_code == 200, passed.text
+        assert passed.json()["quarantined"] is False and passed.json()["validation"]["outcome"] == "passed"
+        assert sim.client.post(url, json={"validate": "maybe"}, headers=sim.auth).status_code == 422
+    finally:
+        sim.close()
