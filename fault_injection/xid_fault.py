@@ -12,17 +12,8 @@ XID 31 is an application fault (dcgm.md §4.1: RESTART_APP, NONFATAL): no settin
 changes, no other process's memory is touched and no reset follows, so it is harmless to the card.
 That makes it the one real XID a drill can raise on a healthy GPU.
 
-How the store is made:
-* CuPy (preferred): a RawKernel stores to `--address`, passed at run time so the compiler cannot
-  see it.
-* torch (when CuPy is missing): torch has no way to launch a kernel on a raw integer address, but
-  `torch.as_tensor` accepts any object with the public `__cuda_array_interface__`, and checks only
-  its base pointer. The interface describes a real one-element allocation with a byte stride that
-  puts element 1 at `--address`; `fill_()` then writes it.
-
-The default address, 2**48, lies above every user address an x86-64 CPU can map (2**47) and so
-above every CUDA allocation, which shares the CPU's address space (unified addressing), yet inside
-the GPU's own virtual address range: the store reaches the MMU and faults there.
+How the store is made, and why the address faults: gpuwatch/trainer/xid.py (the same store the
+fault-rank drill makes inside a training rank through TrainerLink(allow_drills=True)).
 
 Guards (DESIGN.md): nothing runs without --yes; a GPU that has any process on it is refused (NVML
 is asked, so a GPU it cannot see is refused too).
@@ -41,18 +32,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-DEFAULT_ADDRESS = 1 << 48
+from gpuwatch.trainer.xid import DEFAULT_ADDRESS, cupy_store, torch_store
+
 CHILD_FAULTED = 3
 CHILD_NOT_FAULTED = 0
 CHILD_SETUP_FAILED = 2
-
-_KERNEL = r"""
-extern "C" __global__ void gpuwatch_xid31(unsigned long long address) {
-    *(volatile unsigned int *)address = 0x31u;
-}
-"""
 
 
 class Refused(Exception):
@@ -148,7 +134,7 @@ def _check_gpu(index: int) -> str:
 def _child(via: str, address: int) -> int:
     """The sacrificial process: store to `address` on the only visible GPU and report how it ended."""
     try:
-        launch = _cupy_store if via == "cupy" else _torch_store
+        launch = cupy_store if via == "cupy" else torch_store
         synchronize = launch(address)
     except Exception as exc:  # any failure before the store is a setup failure, not the fault
         print(f"xid_fault child: setup failed: {exc!r}", file=sys.stderr)
@@ -161,40 +147,6 @@ def _child(via: str, address: int) -> int:
         os._exit(CHILD_FAULTED)
     print(f"xid_fault child: the store to {address:#x} did not fault", file=sys.stderr)
     return CHILD_NOT_FAULTED
-
-
-def _cupy_store(address: int) -> Callable[[], object]:
-    """Launch the store kernel with CuPy; returns the synchronize that surfaces the fault."""
-    import cupy
-
-    kernel = cupy.RawKernel(_KERNEL, "gpuwatch_xid31")
-    kernel((1,), (1,), (cupy.uint64(address),))
-    return cupy.cuda.runtime.deviceSynchronize
-
-
-def _torch_store(address: int) -> Callable[[], object]:
-    """Launch a store to `address` with torch through a strided `__cuda_array_interface__` view."""
-    import torch
-
-    base = torch.zeros(1, dtype=torch.int32, device="cuda")
-    pointer = base.data_ptr()
-    if address <= pointer or (address - pointer) % base.element_size():
-        raise ValueError(f"address {address:#x} is not above the allocation at {pointer:#x} by whole elements")
-
-    class StridedView:
-        """Two int32 elements: the real allocation, and the unmapped address one stride later."""
-
-        __cuda_array_interface__ = {
-            "shape": (2,),
-            "typestr": "<i4",
-            "data": (pointer, False),
-            "strides": (address - pointer,),
-            "version": 3,
-        }
-
-    view = torch.as_tensor(StridedView(), device="cuda")
-    view.fill_(0x31)
-    return torch.cuda.synchronize
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ class TrainerConfig:
     straggler_ratio: float = 1.25
     grad_var_jump: float = 10.0
     grad_var_history_s: float = 1800.0  # the running level the latest grad-norm variance is compared to
+    hang_after_s: float = 60.0  # a job whose steps stop this long (at least) is hung: trainer_hang
+    hang_step_times: float = 10.0  # ... or this many of its recent step times, when that is longer
+    hang_idle_util_pct: int = 5  # where the backend sees the job's GPUs, "idle" is at most this utilization
+    restart_hung_jobs: bool = True  # stop a hung job (stop signal, SIGTERM, SIGKILL) so its launcher relaunches it
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ class DrillSchedule:
     gpu: str = "idle"
     args: str = ""
     require_healthy_share: float = 1.0
-    skip_if_trainers: bool = True  # kill_rank ignores it: its target must have a trainer
+    skip_if_trainers: bool = True  # kill_rank, hang_rank, fault_rank ignore it: their target must have a trainer
     allow_destructive: bool = False  # reset_gpu and pcie_remove run on a schedule only with this set
 
 

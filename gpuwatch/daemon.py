@@ -24,7 +24,7 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
-from gpuwatch import __version__, remediation, systemd, validation
+from gpuwatch import __version__, remediation_api, systemd, validation
 from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
@@ -36,6 +36,8 @@ from gpuwatch.health.state import Decision
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import GpuEvent, Snapshot
 from gpuwatch.monitor import Monitor
+from gpuwatch.remediation import Remediation
+from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.store import Store
 
@@ -136,7 +138,12 @@ class Daemon:
         self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
         self.key_parts: list[Callable[[], object]] = []
         self.gpu_views: list[Callable[[int], dict[str, Any]]] = []
-        self.remediation = remediation.install(self)
+        self.remediation = Remediation(config, self.store, self.runtime, clock=clock)
+        self.monitor.listeners.append(self.remediation.on_publish)
+        self.collector.extras.append(RemediationCollector(self.remediation).collect)
+        self.key_parts.append(self.remediation.version)
+        self.route_hooks.append(lambda app, _token: remediation_api.add_routes(app, self.remediation, self.store))
+        self.gpu_views.append(lambda index: remediation_api.gpu_view(self.remediation, index))
         self._last_prune = 0.0
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
@@ -147,8 +154,9 @@ class Daemon:
         if self.backend.name in LIVE_BACKENDS:  # the GPU test needs a real GPU
             self.monitor.validator = functools.partial(validation.validate, config=config)
         install_drills(self)
-        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out, so a scrape
-        # finds the bytes ready instead of rendering them while the other scrapes queue behind it.
+        # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out (while
+        # scrapes read every Snapshot), so a scrape finds the bytes ready instead of rendering them
+        # while the other scrapes queue behind it.
         self.monitor.listeners.append(self._prerender)
         log.info(
             "gpuwatch %s: backend %s, %d GPU(s), interval %.0f s, state %s, runtime %s",
@@ -161,7 +169,7 @@ class Daemon:
         )
 
     def _prerender(self, snapshot: Snapshot, decisions: list[Decision]) -> None:
-        self.renderer.render()
+        self.renderer.prerender()
 
     def metrics_key(self) -> object:
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
@@ -236,6 +244,7 @@ class Daemon:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         self.backend.close()
+        self.remediation.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
         if self._kernel_thread is not None:

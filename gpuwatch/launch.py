@@ -6,14 +6,23 @@ that are neither quarantined nor unhealthy, runs `python -m torch.distributed.ru
 on them (CUDA_VISIBLE_DEVICES = their UUIDs, never indices), and reads how the job ended:
 
 * torchrun exit 0: done.
-* the root-cause worker exited 75 (TrainerLink.exit_for_resume: checkpoint saved, stop requested):
-  torchrun itself exits 1 whatever its workers did, so the 75 is read from the error file torchrun
-  writes to TORCHELASTIC_ERROR_FILE (`errorCode`). Relaunch on the GPUs usable now, with
-  GPUWATCH_RESUME=1, and log which GPUs left and why.
-* anything else: exit with torchrun's code and one line.
+* the root-cause worker exited 75 (TrainerLink.exit_for_resume: checkpoint saved, stop requested
+  or peers' state rescued): relaunch on the GPUs usable now, with GPUWATCH_RESUME=1, and log which
+  GPUs left and why. torchrun itself exits 1 whatever its workers did; the workers' codes and
+  signals come from the summary torchrun prints on its stderr (which passes through us) and from
+  the error file it writes to TORCHELASTIC_ERROR_FILE (only when the root cause left one).
+* anything else (a rank killed by a signal, a non-zero exit, torchrun tearing the group down): a
+  crash. Relaunch the same way, logging which rank, which GPU, the exit code or signal, and the
+  daemon's finding on that GPU. A crash that did not get past the furthest step of the previous
+  crash, with no hardware finding on the launch's GPUs, is a software fault: stop (exit 3).
 
-It stops with one line and exit code 3 when fewer than --min-nproc GPUs are usable or after
---max-restarts relaunches. GPUWATCH_JOB_ID (and torchrun's run id, so TORCHELASTIC_RUN_ID) stays the
+The job's progress (furthest step, first step of a relaunch) comes from its ranks' reports in the
+runtime dir. When the daemon cannot be reached before a relaunch, that is said in one line and the
+job relaunches on the same GPUs: a daemon restart must not kill the job.
+
+It stops with one line and exit code 3 when fewer than --min-nproc GPUs are usable, after
+--max-restarts relaunches (stops for resume and crashes alike), or on a crash loop.
+GPUWATCH_JOB_ID (and torchrun's run id, so TORCHELASTIC_RUN_ID) stays the
 same across relaunches: it is how the daemon ties the new launch to the incident of the old one.
 Rendezvous options pass through to torchrun for multi-node jobs (each node drops its own bad GPUs;
 torchrun numbers the ranks across nodes of different sizes, though its docs only promise equal ones).
@@ -21,13 +30,19 @@ torchrun numbers the ranks across nodes of different sizes, though its docs only
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,14 +53,15 @@ import click
 
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR
 
-EXIT_RESUME = 75  # gpuwatch.trainer.EXIT_RESUME; not imported, so the launcher does not load the trainer side
 EXIT_STOPPED = 3
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 _SINGLE_NODE = {None, "1", "1:1"}
 
 Gpus = Callable[[], list[dict[str, Any]]]
-Runner = Callable[[list[str], dict[str, str]], tuple[int, int | None]]
+Runner = Callable[[list[str], dict[str, str]], "Outcome"]
+_TAIL_BYTES = 64 * 1024
 
 
 class LaunchStopped(Exception):
@@ -112,7 +128,12 @@ def rendezvous_args(
 
 
 def root_cause(error_file: Path) -> tuple[int | None, str]:
-    """The root-cause worker's exit code and first message line from torchrun's error file (None, "" if absent)."""
+    """The root-cause worker's exit code and first message line from torchrun's error file (None, "" if absent).
+
+    torchrun writes it only when the root-cause worker left its own error file (TrainerLink's
+    exit_for_resume does; a worker killed by a signal cannot): the summary on its stderr is the
+    source that is always there (`failures`).
+    """
     try:
         body = json.loads(error_file.read_text())
     except (OSError, ValueError):
@@ -126,18 +147,83 @@ def root_cause(error_file: Path) -> tuple[int | None, str]:
     return (code if isinstance(code, int) else None), (lines[0] if lines else "")
 
 
-def run_torchrun(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
-    """Run torchrun in its own session; SIGINT/SIGTERM to us go to it once. Its exit code, and the signal forwarded.
+@dataclass(frozen=True)
+class Failure:
+    """One failed worker as torchrun's closing summary lists it."""
 
-    Its own session, so a terminal's Ctrl-C reaches torchrun once (through us), not twice.
+    rank: int
+    local_rank: int
+    exitcode: int  # negative: killed by that signal
+    pid: int | None = None
+
+    def how(self) -> str:
+        """ "killed by SIGKILL" or "exited 7"."""
+        if self.exitcode < 0:
+            try:
+                return f"killed by {signal.Signals(-self.exitcode).name}"
+            except ValueError:
+                return f"killed by signal {-self.exitcode}"
+        return f"exited {self.exitcode}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one torchrun run ended: its exit code, the signal we forwarded to it, its failed workers."""
+
+    rc: int
+    forwarded: int | None = None
+    failures: tuple[Failure, ...] = ()  # torchrun's root cause first
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+_ROOT_HEADER = "Root Cause (first observed failure):"
+
+
+def parse_failures(stderr_tail: str) -> tuple[Failure, ...]:
+    """The failed workers of torchrun's last summary (ChildFailedError), root cause first; () when none."""
+    root_at = stderr_tail.rfind(_ROOT_HEADER)
+    if root_at < 0:
+        return ()
+    others_at = stderr_tail.rfind("Failures:", 0, root_at)
+    sections = (stderr_tail[root_at:], stderr_tail[others_at:root_at] if others_at >= 0 else "")
+    return tuple(
+        Failure(int(rank), int(local_rank), int(code), int(pid))
+        for section in sections
+        for rank, local_rank, code, pid in _FAILURE.findall(section)
+    )
+
+
+def cause_of(failures: Sequence[Failure]) -> Failure | None:
+    """The failure that ended the launch: torchrun's root cause, unless that is a rank that exited 75
+    in the same second as a real failure (torchrun orders failures by whole seconds) or a teardown."""
+    if not failures:
+        return None
+    root = failures[0]
+    if root.exitcode in (EXIT_RESUME, -signal.SIGTERM):
+        real = [f for f in failures if f.exitcode not in (EXIT_RESUME, -signal.SIGTERM)]
+        if real:
+            return real[0]
+    return root
+
+
+def run_torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
+    """Run torchrun in its own session; SIGINT/SIGTERM to us go to it once. How it ended.
+
+    Its own session, so a terminal's Ctrl-C reaches torchrun once (through us), not twice. Its
+    stderr passes through us, unchanged, so we can read its closing summary: which worker failed
+    and how (torchrun's error file is not written for a worker killed by a signal).
 
     Raises:
         LaunchStopped: torchrun could not be started.
     """
     try:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, stderr=subprocess.PIPE)
     except OSError as exc:
         raise LaunchStopped(2, f"cannot start torchrun ({argv[0]}): {exc.strerror or exc}") from None
+    assert isinstance(proc.stderr, io.BufferedReader)
+    tail = bytearray()
+    copier = threading.Thread(target=_pass_through, args=(proc.stderr, tail), name="torchrun-stderr", daemon=True)
+    copier.start()
     received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -150,11 +236,105 @@ def run_torchrun(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return rc, (received[0] if received else None)
+    copier.join(timeout=5)
+    text = bytes(tail).decode(errors="replace")
+    return Outcome(rc, received[0] if received else None, parse_failures(text))
+
+
+def _pass_through(stream: io.BufferedReader, tail: bytearray) -> None:
+    """Copy torchrun's stderr to ours as it comes, keeping its last _TAIL_BYTES for the summary."""
+    try:
+        out = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        out = None
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        if out is not None:
+            with contextlib.suppress(OSError):
+                os.write(out, chunk)
+        else:
+            sys.stderr.write(chunk.decode(errors="replace"))
+        tail += chunk
+        del tail[:-_TAIL_BYTES]
+
+
+class ProgressWatch:
+    """The job's progress in one launch, from its ranks' reports (trainers/*.json of our job and user).
+
+    A light thread reads them every POLL_S while the launch runs (the daemon removes a dead rank's
+    report once it read it) and once more at the end. Only reports written after the launch began
+    count, so a relaunch never sees its predecessor's steps.
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self, runtime_dir: str, job_id: str, since: float) -> None:
+        self.trainers = Path(runtime_dir) / TRAINERS_DIR
+        self.job_id = job_id
+        self.since = since
+        self.furthest: int | None = None
+        self.first_step: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-launch-progress", daemon=True)
+
+    def __enter__(self) -> ProgressWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+        self.read()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            self.read()
+
+    def read(self) -> None:
+        """Fold the reports there now into `furthest` and `first_step`."""
+        try:
+            paths = list(self.trainers.glob("*.json"))
+        except OSError:
+            return
+        for path in paths:
+            report = _read_own_report(path)
+            if report is None or report.get("job_id") != self.job_id:
+                continue
+            t, step, first = report.get("t"), report.get("step"), report.get("first_step")
+            if not isinstance(t, (int, float)) or t < self.since:
+                continue
+            if isinstance(step, int) and (self.furthest is None or step > self.furthest):
+                self.furthest = step
+            if isinstance(first, int) and (self.first_step is None or first < self.first_step):
+                self.first_step = first
+
+
+def _read_own_report(path: Path) -> dict[str, Any] | None:
+    """A report written by our own user (trainers/ is world-writable), as a dict; None otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_REPORT_BYTES:
+            return None
+        body = json.loads(os.read(fd, MAX_REPORT_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    return body if isinstance(body, dict) else None
+
+
+@dataclass
+class _Crash:
+    """The previous crashed launch, for the crash-loop rule."""
+
+    furthest: int | None
 
 
 class Launcher:
-    """The launch loop: pick GPUs, run torchrun, relaunch on a stop for resume."""
+    """The launch loop: pick GPUs, run torchrun, relaunch after a stop for resume or a crash."""
 
     def __init__(self, plan: Plan, gpus: Gpus, runner: Runner = run_torchrun, echo: Callable[[str], None] = print):
         self.plan = plan
@@ -166,11 +346,13 @@ class Launcher:
         """Launch until the job finishes; 0 on success.
 
         Raises:
-            LaunchStopped: too few GPUs, restarts used up, torchrun failed or was interrupted.
-            GpuwatchError: the daemon could not be asked.
+            LaunchStopped: too few GPUs, restarts used up, a crash loop, torchrun failed to start or
+                was interrupted.
+            GpuwatchError: the daemon could not be asked before the first launch.
         """
         with tempfile.TemporaryDirectory(prefix="gpuwatch-launch-") as tmp:
             launch, reason, gpus = 0, "first launch", usable(self.gpus())
+            last_crash: _Crash | None = None
             while True:
                 chosen = self._choose(gpus)
                 error_file = Path(tmp) / f"error-{launch}.json"
@@ -179,28 +361,93 @@ class Launcher:
                     f"gpuwatch launch: launch {launch + 1} ({reason}): job {self.plan.job_id}, {n} rank(s) on GPU "
                     + ",".join(str(g["index"]) for g in chosen)
                 )
-                rc, forwarded = self.runner(self._argv(n), self._env(chosen, error_file, resume=launch > 0))
-                if rc == 0:
+                env = self._env(chosen, error_file, resume=launch > 0)
+                with ProgressWatch(self.plan.runtime_dir, self.plan.job_id, since=time.time()) as progress:
+                    outcome = self.runner(self._argv(n), env)
+                if outcome.rc == 0:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {launch} relaunch(es)")
                     return 0
-                code, message = root_cause(error_file)
-                if forwarded is not None:
-                    raise LaunchStopped(rc, f"stopped by {signal.Signals(forwarded).name}; torchrun exited {rc}")
-                if code != EXIT_RESUME:
-                    cause = (
-                        f"root cause exit code {code}: {message}" if code is not None else "see torchrun's log above"
-                    )
-                    raise LaunchStopped(rc, f"torchrun exited {rc} ({cause})")
-                if launch >= self.plan.max_restarts:
+                if outcome.forwarded is not None:
                     raise LaunchStopped(
-                        EXIT_STOPPED,
-                        f"the job stopped for resume, but --max-restarts {self.plan.max_restarts} is used up",
+                        outcome.rc, f"stopped by {signal.Signals(outcome.forwarded).name}; torchrun exited {outcome.rc}"
                     )
-                everything = self.gpus()
-                gpus = usable(everything)
-                reason = _why_relaunch(chosen, everything, gpus, message)
+                code, message = root_cause(error_file)
+                failure = cause_of(outcome.failures)
+                resumed = failure.exitcode == EXIT_RESUME if failure is not None else code == EXIT_RESUME
+                everything = self._ask_daemon()
+                if resumed:
+                    what = "the job stopped for resume"
+                    cause = None
+                else:
+                    cause = self._crash_cause(failure, outcome.rc, chosen, everything, progress.furthest)
+                    what = f"the job crashed ({cause})"
+                    self._stop_a_crash_loop(last_crash, progress.furthest, chosen, everything)
+                    last_crash = _Crash(progress.furthest)
+                if launch >= self.plan.max_restarts:
+                    raise LaunchStopped(EXIT_STOPPED, f"{what}, but --max-restarts {self.plan.max_restarts} is used up")
+                if everything is None:
+                    gpus = chosen
+                    reason = cause or "the job stopped for resume"
+                else:
+                    gpus = usable(everything)
+                    reason = _why_relaunch(chosen, everything, gpus, message, cause)
                 launch += 1
                 self.echo(f"gpuwatch launch: relaunch {launch}/{self.plan.max_restarts}: {reason}")
+
+    def _ask_daemon(self) -> list[dict[str, Any]] | None:
+        """The daemon's GPUs now, or None (said in one line) when it cannot be reached: relaunch on the same GPUs."""
+        try:
+            return self.gpus()
+        except GpuwatchError as exc:
+            self.echo(f"gpuwatch launch: {exc}: relaunching on the same GPUs")
+            return None
+
+    def _crash_cause(
+        self,
+        failure: Failure | None,
+        rc: int,
+        chosen: list[dict[str, Any]],
+        everything: list[dict[str, Any]] | None,
+        furthest: int | None,
+    ) -> str:
+        """ "rank 1 on GPU 1 (GPU-…) killed by SIGKILL after step 37, daemon: no finding on GPU 1"."""
+        at = f" after step {furthest}" if furthest is not None else " before its first step"
+        if failure is None:
+            return f"torchrun exited {rc}{at}, no worker named: see torchrun's log above"
+        gpu = chosen[failure.local_rank] if failure.local_rank < len(chosen) else None
+        if gpu is None:
+            return f"rank {failure.rank} {failure.how()}{at}"
+        where = f"GPU {gpu['index']} ({gpu['uuid']})"
+        if everything is None:
+            daemon = "daemon not reachable"
+        else:
+            found = _hardware_findings([gpu], everything)
+            daemon = f"daemon: {found[0]}" if found else f"daemon: no finding on GPU {gpu['index']}"
+        return f"rank {failure.rank} on {where} {failure.how()}{at}, {daemon}"
+
+    def _stop_a_crash_loop(
+        self,
+        last_crash: _Crash | None,
+        furthest: int | None,
+        chosen: list[dict[str, Any]],
+        everything: list[dict[str, Any]] | None,
+    ) -> None:
+        """Stop (exit 3) when this crash repeats the last one's step with no hardware finding: a software fault.
+
+        Without the daemon's answer a finding cannot be ruled out: no stop (--max-restarts still bounds it).
+        """
+        if last_crash is None or everything is None or _hardware_findings(chosen, everything):
+            return
+        before = -1 if last_crash.furthest is None else last_crash.furthest
+        if (-1 if furthest is None else furthest) > before:
+            return
+        at = f"at step {furthest}" if furthest is not None else "before its first step"
+        indices = ",".join(str(g["index"]) for g in chosen)
+        raise LaunchStopped(
+            EXIT_STOPPED,
+            f"job {self.plan.job_id} crashed twice {at} with no hardware finding on GPU {indices}: "
+            "a software fault, not relaunching",
+        )
 
     def _choose(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
         want = len(gpus) if self.plan.nproc is None else min(self.plan.nproc, len(gpus))
@@ -235,10 +482,33 @@ class Launcher:
         return env
 
 
+def _hardware_findings(chosen: list[dict[str, Any]], everything: list[dict[str, Any]]) -> list[str]:
+    """What the daemon holds against these GPUs: findings, quarantine, a state worse than healthy, or gone."""
+    by_uuid = {g["uuid"]: g for g in everything}
+    found = []
+    for gpu in chosen:
+        now = by_uuid.get(gpu["uuid"])
+        name = f"GPU {gpu['index']}"
+        if now is None:
+            found.append(f"{name} gone")
+            continue
+        for finding in now.get("findings") or ():
+            found.append(f"{name} {finding.get('rule')}: {finding.get('reason')}")
+        if now.get("quarantined"):
+            found.append(f"{name} quarantined: {now.get('quarantine_reason')}")
+        elif now.get("state") not in ("healthy", None):
+            found.append(f"{name} {now.get('state')}")
+    return found
+
+
 def _why_relaunch(
-    chosen: list[dict[str, Any]], everything: list[dict[str, Any]], now_usable: list[dict[str, Any]], message: str
+    chosen: list[dict[str, Any]],
+    everything: list[dict[str, Any]],
+    now_usable: list[dict[str, Any]],
+    message: str,
+    crash: str | None = None,
 ) -> str:
-    """Which of the launch's GPUs left and why (from the daemon), or the job's own reason when none did."""
+    """The crash's cause and which of the launch's GPUs left and why (from the daemon)."""
     still = {g["uuid"] for g in now_usable}
     by_uuid = {g["uuid"]: g for g in everything}
     left = []
@@ -248,6 +518,8 @@ def _why_relaunch(
         now = by_uuid.get(gpu["uuid"], {})
         why = f"quarantined: {now.get('quarantine_reason')}" if now.get("quarantined") else now.get("state", "gone")
         left.append(f"GPU {gpu['index']} ({gpu['uuid']}) left, {why}")
+    if crash is not None:
+        return "; ".join([crash, *left])
     if left:
         return "; ".join(left)
     return f"the job stopped for resume ({message or 'no reason given'}) with all its GPUs usable"
@@ -313,8 +585,8 @@ def launch(
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
 
-    Workers that stop for gpuwatch exit 75 (gpuwatch.trainer.TrainerLink); the relaunch sets
-    GPUWATCH_RESUME=1. Exit 3: too few GPUs or restarts used up; otherwise torchrun's code.
+    Workers that stop for gpuwatch exit 75 (gpuwatch.trainer.TrainerLink); a crash relaunches too; the
+    relaunch sets GPUWATCH_RESUME=1. Exit 3: too few GPUs, restarts used up, or a crash loop.
     """
     if command[0].startswith("-") and command[0] not in {"-m", "--module"}:
         _fail(2, f"expected [-m] SCRIPT after the options, not {command[0]!r} (put the job after --)")

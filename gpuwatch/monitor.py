@@ -298,13 +298,16 @@ class Monitor:
         return status
 
     def _read_trainers(self, now: float) -> tuple[TrainerInfo, ...]:
+        """The running ranks' reports, not older than trainer.stale_after_s (the runtime dir is untrusted)."""
         if self.runtime is None:
             return ()
         try:
-            return tuple(self.runtime.read_trainers(now, self.config.trainer.stale_after_s))
+            reports = self.runtime.read_reports()
         except OSError as exc:
             log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
             return ()
+        stale_after_s = self.config.trainer.stale_after_s
+        return tuple(r.info for r in reports if r.running and now - (r.info.updated_t or 0.0) <= stale_after_s)
 
     def _overlay(self, reading: GpuSample | GpuError, now: float) -> GpuSample | GpuError:
         injection = self._injections.get(reading.index)

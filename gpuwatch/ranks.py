@@ -8,31 +8,24 @@
 * A trainer's own report (TrainerLink) wins where it says something: torch knows its device's UUID.
 
 Anything the daemon may signal must be a trainer (a report, or torchrun's variables in its
-environment), and a report only counts when its file's owner is root or the process's own user,
-so one user cannot point the daemon at another user's process. The start time from /proc/PID/stat
-travels with each rank so a recycled PID is never signalled.
+environment). Reports come already attributed (gpuwatch.runtime: the file is `<pid>.json`, its
+owner is root or the process's own user), so one user cannot point the daemon at another user's
+process. The start time from /proc/PID/stat travels with each rank so a recycled PID is never
+signalled.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from gpuwatch.model import GpuStatus, TrainerInfo
+from gpuwatch.procfs import ProcFs
 
 log = logging.getLogger("gpuwatch.ranks")
 
 PID_BACKENDS = frozenset({"nvml", "dcgm"})
-_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GPUWATCH_JOB_ID")
-_ENV_INTS = {
-    "rank": "RANK",
-    "local_rank": "LOCAL_RANK",
-    "world_size": "WORLD_SIZE",
-    "local_world_size": "LOCAL_WORLD_SIZE",
-}
 
 
 @dataclass(frozen=True)
@@ -54,92 +47,27 @@ class Rank:
         return self.info.job_id
 
 
-class ProcFs:
-    """Reads /proc (a root given for tests); environments are cached per process, as they never change."""
-
-    def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
-        self.root = Path(root)
-        self._environ: dict[tuple[int, int | None], dict[str, str] | None] = {}
-
-    def start_time(self, pid: int) -> int | None:
-        """Field 22 of /proc/PID/stat (clock ticks after boot): with the PID, a process's identity."""
-        fields = self._stat_fields(pid)
-        return int(fields[19]) if fields else None
-
-    def alive(self, pid: int, start_time: int | None) -> bool:
-        """The same process still runs (a zombie has finished; a different start time is a recycled PID)."""
-        fields = self._stat_fields(pid)
-        if fields is None or fields[0] in {"Z", "X"}:
-            return False
-        return start_time is None or int(fields[19]) == start_time
-
-    def uid(self, pid: int) -> int | None:
-        try:
-            return (self.root / str(pid)).stat().st_uid
-        except OSError:
-            return None
-
-    def environ(self, pid: int) -> dict[str, str] | None:
-        """The trainer variables of PID's environment at exec; None when unreadable (gone, other user)."""
-        key = (pid, self.start_time(pid))
-        if key not in self._environ:
-            if len(self._environ) > 4096:
-                self._environ.clear()
-            self._environ[key] = self._read_environ(pid)
-        return self._environ[key]
-
-    def _read_environ(self, pid: int) -> dict[str, str] | None:
-        try:
-            raw = (self.root / str(pid) / "environ").read_bytes()
-        except OSError:
-            return None
-        env = {}
-        for entry in raw.split(b"\0"):
-            name, sep, value = entry.partition(b"=")
-            if sep and name.decode(errors="replace") in (*_ENV_KEYS, "CUDA_VISIBLE_DEVICES"):
-                env[name.decode()] = value.decode(errors="replace")
-        return env
-
-    def _stat_fields(self, pid: int) -> list[str] | None:
-        """/proc/PID/stat after the command name (which may hold spaces): state is [0], starttime [19]."""
-        try:
-            text = (self.root / str(pid) / "stat").read_text()
-        except OSError:
-            return None
-        fields = text.rpartition(")")[2].split()
-        return fields if len(fields) > 19 else None
-
-
 def map_ranks(
     gpus: Sequence[GpuStatus],
     reports: Iterable[TrainerInfo],
     proc: ProcFs,
     *,
     use_pids: bool,
-    report_owner: Mapping[int, int | None],
 ) -> list[Rank]:
     """Every trainer rank on this node, with its GPU resolved by UUID.
 
     Args:
         gpus: the Snapshot's GPUs (their samples' `pids` are NVML's process lists).
-        reports: the trainers' live reports.
+        reports: the trainers' live reports, attributed to their processes by gpuwatch.runtime.
         proc: where to read environments, owners and start times.
         use_pids: trust the samples' PIDs (only real backends: nvml, dcgm).
-        report_owner: pid → uid of the report file; a report whose owner is neither root nor the
-            process's user is ignored.
     """
     on_gpus: dict[int, list[GpuStatus]] = {}
     if use_pids:
         for gpu in gpus:
             for pid in gpu.sample.pids if gpu.sample is not None else ():
                 on_gpus.setdefault(pid, []).append(gpu)
-    by_report: dict[int, TrainerInfo] = {}
-    for report in reports:
-        uid, owner = proc.uid(report.pid), report_owner.get(report.pid)
-        if owner is None or owner not in {0, uid}:
-            log.warning("ignoring trainers/%d.json: owned by uid %s, the process by uid %s", report.pid, owner, uid)
-            continue
-        by_report[report.pid] = report
+    by_report = {report.pid: report for report in reports}
     ranks = []
     for pid in sorted({*on_gpus, *by_report}):
         env = proc.environ(pid) or {}

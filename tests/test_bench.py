@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpuwatch.bench.cli import SECTIONS, bench
+from gpuwatch.bench.serving import tick_overlap
 
 
 def _numbers(value: Any) -> list[float]:
@@ -51,6 +52,11 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
     figures = {name: section["figures"] for name, section in sections.items()}
     assert figures["sampling"]["full_sample_us"]["mean_us"] > 0
     assert figures["sampling"]["tick"]["1s"]["tick_per_gpu_us"] > 0
+    growth = figures["sampling"]["growth"]
+    assert {(c["gpus"], c["history_s"]) for c in growth} == {(g, h) for g in (1, 2) for h in (0.0, 600.0, 3600.0)}
+    assert all(c["tick_per_gpu_us"] > 0 and 0 < c["bytes_per_gpu"] < 256 * 1024 for c in growth), growth
+    assert [r["history_s"] for r in figures["sampling"]["rules_only"]] == [0.0, 600.0, 3600.0]
+    assert figures["footprint"]["import_rss_mb"]["mission packages together"] > 0
     assert figures["trainer"]["step_us"]["median"] > 0
     assert figures["serving"]["gpuwatch"]["levels"]["10"]["p99_ms"] > 0
     assert figures["detection"]["event"]["api_s_max"] >= 0
@@ -66,3 +72,22 @@ def test_bad_only_is_one_line_and_exit_2(only: str) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpuwatch: error: --only:"), result.stderr
     assert "choose from sampling," in lines[0]
+
+
+def test_tick_overlap_splits_requests_by_the_ticks_they_overlapped() -> None:
+    """Snapshot 10.0 is the first body; a tick starts at 11.0 and its body first comes back at 11.5."""
+    requests = [
+        (10.10, 0.001, 10.0),
+        (10.90, 0.200, 10.0),  # in flight when the tick at 11.0 began: overlapped, and slow
+        (11.20, 0.010, 10.0),  # inside the tick
+        (11.50, 0.001, 11.0),  # the first to get the new Snapshot ends the window
+        (11.60, 0.001, 11.0),
+        (11.70, 0.002, 11.0),
+    ]
+    found = tick_overlap(list(requests))
+    assert found is not None
+    assert (found["ticks"], found["during_n"]) == (1, 3)
+    assert found["during_p99_ms"] == 200.0 and found["outside_p99_ms"] == 2.0
+    assert found["tail_share"] == 1.0
+    assert tick_overlap([(1.0, 0.001, None)]) is None  # a peer's body names no Snapshot
+    assert tick_overlap([(1.0, 0.001, 5.0), (1.1, 0.001, 5.0)]) is None  # no tick during the run

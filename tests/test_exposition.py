@@ -1,14 +1,15 @@
-"""metrics.text_exposition writes exactly what prometheus_client's generate_latest writes."""
+"""metrics.text_exposition writes exactly what prometheus_client's generate_latest writes; the renderer
+renders ahead only for scrapers that read every Snapshot."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch.metrics import text_exposition
+from gpuwatch.metrics import MetricsRenderer, SnapshotCollector, text_exposition
 
 
 class Families(Collector):
@@ -47,3 +48,34 @@ def test_anything_else_goes_through_generate_latest() -> None:
     for odd in (histogram, created, stamped):
         families = [*plain(), odd]
         assert text_exposition(families) == generate_latest(Families(families)), odd.name
+
+
+class CountingCollector(SnapshotCollector):
+    def __init__(self) -> None:
+        super().__init__(lambda: None)  # type: ignore[arg-type,return-value]  # collect() is overridden
+        self.collected = 0
+
+    def collect(self) -> Iterator[Metric]:
+        self.collected += 1
+        return iter(plain())
+
+
+def test_prerender_renders_ahead_only_while_every_snapshot_is_read() -> None:
+    collector, version = CountingCollector(), [0]
+    renderer = MetricsRenderer(collector, key=lambda: version[0])
+    renderer.prerender()
+    assert collector.collected == 0  # nobody has scraped: nothing to render ahead for
+    assert renderer.render() == generate_latest(Families(plain()))
+    assert collector.collected == 1
+    version[0] += 1  # a new Snapshot, and the last body was read: render it now, not in the next scrape
+    renderer.prerender()
+    assert collector.collected == 2
+    renderer.render()
+    assert collector.collected == 2  # the scrape got the bytes rendered ahead
+    version[0] += 1
+    renderer.prerender()
+    version[0] += 1
+    renderer.prerender()  # the body rendered ahead was never read: a slow scraper renders on demand
+    assert collector.collected == 3
+    renderer.render()
+    assert collector.collected == 4

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,17 @@ import pytest
 from click.testing import CliRunner
 
 from gpuwatch.client import DaemonClient
+from gpuwatch.errors import DaemonError
 from gpuwatch.launch import (
     EXIT_RESUME,
+    Failure,
     Launcher,
     LaunchStopped,
+    Outcome,
     Plan,
+    cause_of,
     launch,
+    parse_failures,
     rendezvous_args,
     root_cause,
     run_torchrun,
@@ -52,33 +58,65 @@ def plan(**overrides: Any) -> Plan:
     return Plan(**{**values, **overrides})
 
 
-class FakeTorchrun:
-    """Ends each launch as scripted: 0, or (rc, root-cause errorCode) written to the error file as torchrun does."""
+@dataclass
+class Run:
+    """One scripted torchrun run: its exit code, the failed workers of its summary, the step its ranks reached."""
 
-    def __init__(self, *outcomes: int | tuple[int, int]) -> None:
+    rc: int = 1
+    failures: tuple[Failure, ...] = ()
+    step: int | None = None
+    error_code: int | None = None  # the root cause's error file (only when the worker left one)
+
+
+def killed(local_rank: int, sig: int = signal.SIGKILL) -> Failure:
+    return Failure(rank=local_rank, local_rank=local_rank, exitcode=-sig, pid=100 + local_rank)
+
+
+def exited(local_rank: int, code: int) -> Failure:
+    return Failure(rank=local_rank, local_rank=local_rank, exitcode=code, pid=100 + local_rank)
+
+
+class FakeTorchrun:
+    """Ends each launch as scripted: 0, (rc, root-cause errorCode) written to the error file as torchrun
+    does, or a Run (whose ranks leave a report in the runtime dir with the step they reached)."""
+
+    def __init__(self, *outcomes: int | tuple[int, int] | Run) -> None:
         self.outcomes = list(outcomes)
         self.calls: list[tuple[list[str], dict[str, str]]] = []
 
-    def __call__(self, argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    def __call__(self, argv: list[str], env: dict[str, str]) -> Outcome:
         self.calls.append((argv, env))
         outcome = self.outcomes.pop(0)
         if outcome == 0:
-            return 0, None
-        assert isinstance(outcome, tuple)
-        rc, code = outcome
-        error = {"message": {"message": f"worker said {code}\ntraceback", "errorCode": code, "extraInfo": {}}}
-        Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(error))
-        return rc, None
+            return Outcome(0)
+        if isinstance(outcome, tuple):
+            outcome = Run(outcome[0], (exited(0, outcome[1]),), error_code=outcome[1])
+        assert isinstance(outcome, Run)
+        if outcome.error_code is not None:
+            code = outcome.error_code
+            error = {"message": {"message": f"worker said {code}\ntraceback", "errorCode": code, "extraInfo": {}}}
+            Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(error))
+        if outcome.step is not None:
+            trainers = Path(env["GPUWATCH_RUNTIME_DIR"]) / "trainers"
+            trainers.mkdir(parents=True, exist_ok=True)
+            report = {"pid": 1000 + len(self.calls), "job_id": env["GPUWATCH_JOB_ID"], "t": time.time()}
+            (trainers / f"{report['pid']}.json").write_text(
+                json.dumps({**report, "step": outcome.step, "first_step": 1})
+            )
+        return Outcome(outcome.rc, None, outcome.failures)
 
 
 class FakeDaemon:
-    """GET /v1/gpus answers, one list per call (the last repeats)."""
+    """GET /v1/gpus answers, one list per call (the last repeats); None: the daemon cannot be reached."""
 
-    def __init__(self, *answers: list[dict[str, Any]]) -> None:
+    def __init__(self, *answers: list[dict[str, Any]] | None) -> None:
         self.answers = list(answers)
 
     def __call__(self) -> list[dict[str, Any]]:
-        return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        if answer is None:
+            raise DaemonError("cannot reach the gpuwatch daemon at http://127.0.0.1:9835: refused")
+        return answer
 
 
 def test_stop_for_resume_relaunches_on_the_gpus_left_with_resume_set() -> None:
@@ -142,25 +180,105 @@ def test_max_restarts_stops_with_3() -> None:
     assert str(stopped.value) == "the job stopped for resume, but --max-restarts 1 is used up"
 
 
-def test_any_other_failure_exits_with_torchruns_code_and_the_root_cause() -> None:
+def test_a_killed_rank_relaunches_naming_the_rank_gpu_signal_and_the_daemons_finding(tmp_path: Path) -> None:
+    xid = {"rule": "xid", "reason": "XID 31 (application fault)"}
+    daemon = FakeDaemon([gpu(0), gpu(1)], [gpu(0), {**gpu(1), "findings": [xid]}])
+    teardown = (killed(1), exited(0, EXIT_RESUME))  # the survivor rescued and exited 75; the root cause is rank 1
+    torchrun = FakeTorchrun(Run(1, teardown, step=37), 0)
+    lines: list[str] = []
+
+    assert Launcher(plan(runtime_dir=str(tmp_path)), daemon, torchrun, lines.append).run() == 0
+
+    assert lines[1] == (
+        "gpuwatch launch: relaunch 1/3: rank 1 on GPU 1 (GPU-111) killed by SIGKILL after step 37, "
+        "daemon: GPU 1 xid: XID 31 (application fault)"
+    )
+    assert torchrun.calls[1][1]["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-111"  # a finding alone does not condemn
+    assert torchrun.calls[1][1]["GPUWATCH_RESUME"] == "1"
+
+
+def test_a_nonzero_exit_relaunches_on_the_gpus_left() -> None:
+    daemon = FakeDaemon([gpu(0), gpu(1)], [gpu(0), gpu(1, "unhealthy", True, "xid 79")])
+    torchrun = FakeTorchrun(Run(1, (exited(1, 7),)), 0)
+    lines: list[str] = []
+
+    assert Launcher(plan(), daemon, torchrun, lines.append).run() == 0
+
+    assert lines[1] == (
+        "gpuwatch launch: relaunch 1/3: rank 1 on GPU 1 (GPU-111) exited 7 before its first step, "
+        "daemon: GPU 1 quarantined: xid 79; GPU 1 (GPU-111) left, quarantined: xid 79"
+    )
+    assert torchrun.calls[1][1]["CUDA_VISIBLE_DEVICES"] == "GPU-000"
+
+
+def test_a_crash_at_the_same_step_with_no_finding_is_a_software_fault_exit_3(tmp_path: Path) -> None:
+    torchrun = FakeTorchrun(Run(1, (exited(0, 1),), step=12), Run(1, (exited(0, 1),), step=12), 0)
+    lines: list[str] = []
+
     with pytest.raises(LaunchStopped) as stopped:
-        Launcher(plan(), FakeDaemon([gpu(0)]), FakeTorchrun((1, 7)), lambda _: None).run()
+        Launcher(plan(runtime_dir=str(tmp_path)), FakeDaemon([gpu(0), gpu(1)]), torchrun, lines.append).run()
 
-    assert (stopped.value.code, str(stopped.value)) == (1, "torchrun exited 1 (root cause exit code 7: worker said 7)")
+    assert stopped.value.code == 3
+    assert str(stopped.value) == (
+        "job job-7 crashed twice at step 12 with no hardware finding on GPU 0,1: a software fault, not relaunching"
+    )
+    assert len(torchrun.calls) == 2
 
 
-def test_a_failure_without_an_error_file_points_at_the_log() -> None:
-    def torchrun(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
-        return 2, None
+def test_crashes_that_progress_or_have_a_finding_keep_relaunching(tmp_path: Path) -> None:
+    ecc = {"rule": "ecc_dbe", "reason": "double-bit ECC error"}
+    daemon = FakeDaemon([gpu(0)], [gpu(0)], [{**gpu(0), "state": "degraded", "findings": [ecc]}])
+    crashes = [Run(1, (killed(0),), step=s) for s in (10, 20, 20)]  # 20 > 10: progress; then 20 again, with ECC
+    torchrun = FakeTorchrun(*crashes, 0)
 
-    with pytest.raises(LaunchStopped, match=r"torchrun exited 2 \(see torchrun's log above\)"):
-        Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lambda _: None).run()
+    assert Launcher(plan(runtime_dir=str(tmp_path)), daemon, torchrun, lambda _: None).run() == 0
+    assert len(torchrun.calls) == 4
+
+
+def test_crashes_count_against_max_restarts() -> None:
+    torchrun = FakeTorchrun(Run(1, (killed(0),)))
+
+    with pytest.raises(LaunchStopped) as stopped:
+        Launcher(plan(max_restarts=0), FakeDaemon([gpu(0)]), torchrun, lambda _: None).run()
+
+    assert (stopped.value.code, str(stopped.value)) == (
+        3,
+        "the job crashed (rank 0 on GPU 0 (GPU-000) killed by SIGKILL before its first step, daemon: no finding "
+        "on GPU 0), but --max-restarts 0 is used up",
+    )
+
+
+def test_an_unreachable_daemon_relaunches_on_the_same_gpus_and_says_so() -> None:
+    daemon = FakeDaemon([gpu(0), gpu(1)], None)
+    torchrun = FakeTorchrun(Run(1, (killed(1),)), Run(1, (killed(1),)), 0)
+    lines: list[str] = []
+
+    assert Launcher(plan(), daemon, torchrun, lines.append).run() == 0
+
+    assert lines[1] == (
+        "gpuwatch launch: cannot reach the gpuwatch daemon at http://127.0.0.1:9835: refused: "
+        "relaunching on the same GPUs"
+    )
+    assert "killed by SIGKILL before its first step, daemon not reachable" in lines[2]
+    assert [c[1]["CUDA_VISIBLE_DEVICES"] for c in torchrun.calls] == ["GPU-000,GPU-111"] * 3  # no crash-loop verdict
+
+
+def test_a_failure_torchrun_does_not_name_points_at_the_log() -> None:
+    torchrun = FakeTorchrun(Run(2), Run(2))
+    lines: list[str] = []
+
+    with pytest.raises(LaunchStopped, match="crashed twice before its first step"):
+        Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lines.append).run()
+    assert lines[1] == (
+        "gpuwatch launch: relaunch 1/3: torchrun exited 2 before its first step, no worker named: "
+        "see torchrun's log above"
+    )
 
 
 def test_a_forwarded_signal_never_relaunches() -> None:
-    def torchrun(argv: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    def torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
         Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": {"errorCode": 75}}))
-        return 1, signal.SIGTERM
+        return Outcome(1, signal.SIGTERM, (exited(0, EXIT_RESUME),))
 
     with pytest.raises(LaunchStopped) as stopped:
         Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lambda _: None).run()
@@ -208,6 +326,48 @@ def test_root_cause(tmp_path: Path, body: Any, expected: tuple[int | None, str])
 
     assert root_cause(path) == expected
     assert root_cause(tmp_path / "missing.json") == (None, "")
+
+
+SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+kill.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-30_21:09:18
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 75 (pid: 13878)
+  error_file: /tmp/x/error.json
+  traceback : gpuwatch: stopped for resume (rescued step 3)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_21:09:18
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 13879)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 13879
+============================================================
+"""  # torchrun 2.13's closing summary, as test_launch_e2e.py sees it for real
+
+
+def test_parse_failures_reads_torchruns_summary_root_cause_first() -> None:
+    assert parse_failures("worker output\n" + SUMMARY) == (
+        Failure(rank=1, local_rank=1, exitcode=-9, pid=13879),
+        Failure(rank=0, local_rank=0, exitcode=75, pid=13878),
+    )
+    assert parse_failures("no summary at all") == ()
+    assert killed(1).how() == "killed by SIGKILL" and exited(0, 7).how() == "exited 7"
+
+
+def test_the_cause_is_a_real_failure_over_a_75_or_a_teardown_of_the_same_second() -> None:
+    assert cause_of([exited(0, EXIT_RESUME), killed(1)]) == killed(1)
+    assert cause_of([killed(0, signal.SIGTERM), exited(1, 3)]) == exited(1, 3)
+    assert cause_of([exited(0, EXIT_RESUME), exited(1, EXIT_RESUME)]) == exited(0, EXIT_RESUME)
+    assert cause_of([]) is None
 
 
 # -- the click command: every refusal is one line -------------------------------------------------
@@ -285,5 +445,5 @@ def test_sigterm_to_the_launcher_is_forwarded_to_torchrun_once(tmp_path: Path) -
     previous = signal.getsignal(signal.SIGTERM)
     threading.Thread(target=terminate_us, daemon=True).start()
 
-    assert run_torchrun([sys.executable, "-c", child], dict(os.environ)) == (7, signal.SIGTERM)
+    assert run_torchrun([sys.executable, "-c", child], dict(os.environ)) == Outcome(7, signal.SIGTERM, ())
     assert signal.getsignal(signal.SIGTERM) == previous

@@ -8,8 +8,11 @@ reports CUDA_VISIBLE_DEVICES[LOCAL_RANK] as its GPU, which is how the daemon fin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -86,13 +89,17 @@ def start_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
     log.close()
 
 
-def _launch(node: Node, ckpt: Path, *example_args: str) -> subprocess.Popen[str]:
-    command = node.gpuwatch("launch", "--runtime-dir", str(node.runtime_dir), "--max-restarts", "2")
+def _launch(node: Node, ckpt: Path, *example_args: str, max_restarts: int = 2) -> subprocess.Popen[str]:
     example = ["-m", "gpuwatch.trainer.example", "--ckpt-dir", str(ckpt), "--report-interval", "0.2"]
+    return _launch_job(node, ckpt.parent, *example, *example_args, max_restarts=max_restarts)
+
+
+def _launch_job(node: Node, cwd: Path, *job: str, max_restarts: int = 2, nproc: str = "auto") -> subprocess.Popen[str]:
+    command = node.gpuwatch("launch", "--runtime-dir", str(node.runtime_dir), "--max-restarts", str(max_restarts))
     return subprocess.Popen(
-        [*command, "--", *example, *example_args],
+        [*command, "--nproc-per-node", nproc, "--", *job],
         env=node.env,
-        cwd=ckpt.parent,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -160,15 +167,152 @@ def test_a_rank_that_ignores_the_stop_is_terminated_after_the_grace_period(
     start_node: Callable[..., Node], tmp_path: Path
 ) -> None:
     node = start_node(GPUWATCH_TRAINER_GRACE_PERIOD_S="1")
-    proc = _launch(node, tmp_path / "ckpt", "--steps", "5000", "--step-sleep", "0.02", "--ignore-stop")
+    args = ("--steps", "5000", "--step-sleep", "0.02", "--ignore-stop")
+    proc = _launch(node, tmp_path / "ckpt", *args, max_restarts=0)
     _wait_for_ranks(node, proc, ranks=2, step=10)
 
     subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
     _, stderr = proc.communicate(timeout=TIMEOUT_S)
 
-    assert proc.returncode == 1
-    assert stderr.strip().splitlines()[-1].startswith("gpuwatch launch: error: torchrun exited 1 (")
+    assert proc.returncode == 3  # a crash, and no relaunch left
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("gpuwatch launch: error: the job crashed (rank "), last
+    assert "killed by SIGTERM" in last and last.endswith("but --max-restarts 0 is used up")
     incident = _incident(node, "stopped")
     assert {r["ended"] for r in incident["ranks"]} == {"SIGTERM"}
     assert len(incident["ranks"]) == 2
     assert 1.0 <= incident["time_to_stop_s"] < 10
+
+
+# -- issue 9: sudden faults -----------------------------------------------------------------------
+
+
+def _reports(runtime_dir: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in (runtime_dir / "trainers").glob("*.json"):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (FileNotFoundError, ValueError):
+            continue
+    return found
+
+
+def _kill_rank_and_time_the_resume(
+    node: Node, proc: subprocess.Popen[str], *, step: int
+) -> tuple[float, int, str, str]:
+    """SIGKILL rank 1 once both ranks passed `step`: seconds to the relaunch's first step, that step, the output."""
+    ranks = _wait_for_ranks(node, proc, ranks=2, step=step)
+    victim = next(r for r in ranks if r["rank"] == 1)
+    killed_t = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        resumed = [r for r in _reports(node.runtime_dir) if r["t"] > killed_t and r.get("first_step") is not None]
+        resumed = [r for r in resumed if r["pid"] not in {rank["pid"] for rank in ranks}]
+        if resumed:
+            break
+        assert time.monotonic() < deadline and proc.poll() is None, f"no resumed step: {proc.communicate()}"
+        time.sleep(0.05)
+    first = min(resumed, key=lambda r: r["t"])
+    stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    return first["t"] - killed_t, first["first_step"], stdout, stderr
+
+
+def test_a_killed_rank_is_rescued_by_its_peer_and_the_job_loses_no_step(
+    start_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    node = start_node()
+    gpu1 = node.get("/v1/gpus/1")["uuid"]
+    proc = _launch(node, tmp_path / "ckpt", "--steps", "120", "--step-sleep", "0.05", "--ckpt-every", "50")
+
+    to_resume_s, first_step, stdout, stderr = _kill_rank_and_time_the_resume(node, proc, step=15)
+
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    rescued = int(stderr.split("rank 0: rescued step ")[1].split()[0])
+    assert (summary["steps_done"], summary["restarts"], summary["lost_steps"]) == (120, 1, 0), summary
+    assert summary["resumed_from_steps"] == [rescued] and first_step == rescued + 1
+    assert f"gpuwatch launch: relaunch 1/2: rank 1 on GPU 1 ({gpu1}) killed by SIGKILL after step " in stderr
+    assert "daemon: no finding on GPU 1" in stderr
+    print(f"\nrank death, rescue on the CPU: first resumed step {to_resume_s:.2f} s after the SIGKILL, 0 steps lost")
+
+
+def test_without_rescue_the_job_resumes_from_the_periodic_checkpoint_and_counts_the_lost_steps(
+    start_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    node = start_node()
+    args = ("--steps", "60", "--step-sleep", "0.05", "--ckpt-every", "10", "--no-rescue")
+    proc = _launch(node, tmp_path / "ckpt", *args)
+
+    to_resume_s, first_step, stdout, stderr = _kill_rank_and_time_the_resume(node, proc, step=15)
+
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    furthest = json.loads((tmp_path / "ckpt" / "progress.json").read_text())["launches"][0]["furthest"]
+    (resumed,) = summary["resumed_from_steps"]
+    assert resumed == furthest // 10 * 10 and first_step == resumed + 1
+    assert (summary["steps_done"], summary["restarts"], summary["lost_steps"]) == (60, 1, furthest - resumed)
+    assert "rescued" not in stderr
+    print(f"\nrank death, no rescue: resumed {to_resume_s:.2f} s after the SIGKILL, {furthest - resumed} steps lost")
+
+
+CRASHES_AT_STEP_5 = """
+import time
+from gpuwatch.trainer import TrainerLink
+
+with TrainerLink(report_interval_s=0.1) as link:
+    for step in range(1, 100):
+        link.step(step)
+        if step == 5:
+            time.sleep(1)  # a periodic report carries step 5 before the crash
+            raise RuntimeError("a bug at step 5")
+"""
+
+
+def test_a_job_that_crashes_twice_at_the_same_step_with_no_finding_stops_with_3(
+    start_node: Callable[..., Node], tmp_path: Path
+) -> None:
+    node = start_node()
+    (tmp_path / "job.py").write_text(CRASHES_AT_STEP_5)
+    proc = _launch_job(node, tmp_path, "job.py", nproc="1")
+
+    _, stderr = proc.communicate(timeout=TIMEOUT_S)
+
+    assert proc.returncode == 3, stderr
+    lines = stderr.strip().splitlines()
+    assert re.fullmatch(
+        r"gpuwatch launch: error: job gpuwatch-\w+ crashed twice at step 5 with no hardware finding on GPU 0: "
+        r"a software fault, not relaunching",
+        lines[-1],
+    ), lines[-1]
+    assert sum("gpuwatch launch: relaunch" in line for line in lines) == 1
+    assert "gpuwatch launch: relaunch 1/2: rank 0 on GPU 0 (" in stderr and "exited 1 after step 5" in stderr
+
+
+def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[..., Node], tmp_path: Path) -> None:
+    node = start_node(
+        GPUWATCH_TRAINER_HANG_AFTER_S="8",
+        GPUWATCH_TRAINER_STALE_AFTER_S="5",  # the frozen rank's report is stale after 5 s (reports every 0.2 s)
+        GPUWATCH_TRAINER_RESTART_HUNG_JOBS="true",
+        GPUWATCH_TRAINER_GRACE_PERIOD_S="20",
+    )
+    args = ("--steps", "80", "--step-sleep", "0.05", "--ckpt-every", "50", "--gloo-timeout", "300")
+    proc = _launch(node, tmp_path / "ckpt", *args)
+    ranks = _wait_for_ranks(node, proc, ranks=2, step=10)
+    hung = next(r["pid"] for r in ranks if r["rank"] == 1)
+    os.kill(hung, signal.SIGSTOP)  # gloo waits 300 s: only the daemon gets the job out
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+
+    assert proc.returncode == 0, stderr
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["steps_done"] == 80 and summary["restarts"] >= 1 and summary["lost_steps"] == 0, summary
+    (incident,) = [i for i in node.get("/v1/incidents")["incidents"] if i["kind"] == "trainer_hang"]
+    assert (incident["status"], incident["steps_lost"]) == ("resumed", 0), incident
+    assert "stopped reporting" in incident["reason"]

@@ -40,9 +40,17 @@ _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
     "--xid-fault", type=click.IntRange(min=0), metavar="GPU", help="Raise a real XID 31 on GPU (needs --yes)."
 )
 @click.option("--kill-rank", type=click.IntRange(min=0), metavar="GPU", help="SIGKILL a trainer rank on GPU (--yes).")
+@click.option("--hang-rank", type=click.IntRange(min=0), metavar="GPU", help="SIGSTOP a trainer rank on GPU (--yes).")
+@click.option(
+    "--fault-rank", type=click.IntRange(min=0), metavar="GPU", help="A rank on GPU raises a real XID 31 (--yes)."
+)
 @click.option("--reset-gpu", type=click.IntRange(min=0), metavar="GPU", help="nvidia-smi -r the GPU (needs --yes).")
 @click.option("--pcie-remove", type=click.IntRange(min=0), metavar="GPU", help="sysfs remove + rescan (needs --yes).")
-@click.option("--rank", type=click.IntRange(min=0), help="--kill-rank: which rank (default: the lowest on the GPU).")
+@click.option(
+    "--rank",
+    type=click.IntRange(min=0),
+    help="--kill-rank, --hang-rank, --fault-rank: which rank (default: the lowest on the GPU).",
+)
 @click.option(
     "--list", "show_list", is_flag=True, help="List drill kinds and the next scheduled runs; no daemon needed."
 )
@@ -58,6 +66,8 @@ def drill(
     dcgm_spec: str | None,
     xid_fault: int | None,
     kill_rank: int | None,
+    hang_rank: int | None,
+    fault_rank: int | None,
     reset_gpu: int | None,
     pcie_remove: int | None,
     rank: int | None,
@@ -81,6 +91,8 @@ def drill(
             ("dcgm_inject", dcgm_spec),
             ("xid_fault", xid_fault),
             ("kill_rank", kill_rank),
+            ("hang_rank", hang_rank),
+            ("fault_rank", fault_rank),
             ("reset_gpu", reset_gpu),
             ("pcie_remove", pcie_remove),
         )

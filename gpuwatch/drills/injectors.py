@@ -98,8 +98,8 @@ def write_one(path: Path) -> str:
     return f"wrote 1 to {path}"
 
 
-def kill(pid: int, reported_t: float | None) -> str:
-    """SIGKILL `pid`, unless it started after its trainer report was written (the PID was reused)."""
+def signal_rank(pid: int, reported_t: float | None, sig: signal.Signals) -> str:
+    """Send `sig` to `pid`, unless it started after its trainer report was written (the PID was reused)."""
     try:
         started = psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:
@@ -107,10 +107,10 @@ def kill(pid: int, reported_t: float | None) -> str:
     if reported_t is not None and started > reported_t + 1.0:
         raise DrillError(f"pid {pid} started after its trainer report: it is another process now")
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except OSError as exc:
-        raise DrillError(f"cannot kill pid {pid}: {exc.strerror or exc}") from None
-    return f"sent SIGKILL to pid {pid}"
+        raise DrillError(f"cannot send {sig.name} to pid {pid}: {exc.strerror or exc}") from None
+    return f"sent {sig.name} to pid {pid}"
 
 
 def running(pid: int) -> bool:

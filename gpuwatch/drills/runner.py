@@ -11,14 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatch.config import Config
-from gpuwatch.drills import checks, injectors, takedown
-from gpuwatch.drills.api import DrillApi, describe_trainers, gpu, gpus, pids
+from gpuwatch.drills import checks, injectors, rank_faults, takedown
+from gpuwatch.drills.api import DrillApi, describe_trainers, gpu, pids
 from gpuwatch.drills.context import Run
 from gpuwatch.drills.spec import KINDS, DcgmSpec, InjectSpec, expectation, parse_dcgm, parse_inject, xid_expectation
 from gpuwatch.drills.steps import Clock, Outcome, Pending, Progress, Skip, Step, Verdict, deadline_of, execute
 from gpuwatch.errors import DaemonError, DrillError
 
 XID_FAULT = 31
+RANK_DRILLS: dict[str, Callable[[Run], list[Step]]] = {
+    "kill_rank": rank_faults.kill_rank,
+    "hang_rank": rank_faults.hang_rank,
+    "fault_rank": rank_faults.fault_rank,
+}
 FAULT_WINDOW_S = 600.0  # how long findings on the GPU count as the drill's after a real fault
 
 
@@ -77,8 +82,8 @@ def build(run: Run) -> list[Step]:
         return [_dcgm(run), *checks.after_fault(run)]
     if name == "xid_fault":
         return [_xid_fault(run), *checks.after_fault(run), _kernel_log(run)]
-    if name == "kill_rank":
-        return _kill_rank(run)
+    if name in RANK_DRILLS:
+        return RANK_DRILLS[name](run)
     deed = takedown.reset(run) if name == "reset_gpu" else takedown.pcie(run)
     return [*takedown.hands_off(run), *deed, *takedown.come_back(run)]
 
@@ -150,6 +155,15 @@ def _pick_victim(run: Run) -> None:
     run.victim = _victim(run)
 
 
+def _opted_in_victim(run: Run) -> None:
+    """fault_rank: only a rank that said it accepts drills (TrainerLink(allow_drills=True)) is faulted."""
+    victim = _victim(run)
+    if victim.get("allow_drills") is not True:
+        who = f"rank {victim.get('rank')} (pid {victim.get('pid')})"
+        raise DrillRefused("not_opted_in", f"{who} did not opt in to drills: TrainerLink(allow_drills=True)")
+    run.victim = victim
+
+
 def _dcgm_backend(run: Run) -> None:
     backend = run.api.get("/v1/gpus")["backend"]
     if backend != "dcgm":
@@ -161,6 +175,8 @@ _KIND_GUARDS: dict[str, Callable[[Run], None]] = {
     "reset_gpu": _only_trainers,
     "pcie_remove": _only_trainers,
     "kill_rank": _pick_victim,
+    "hang_rank": _pick_victim,
+    "fault_rank": _opted_in_victim,
     "dcgm_inject": _dcgm_backend,
 }
 
@@ -231,35 +247,3 @@ def _kernel_log(run: Run) -> Step:
 
     deadline = run.config.drills.event_detect_timeout_s
     return Step("kernel_log", f"find the driver's NVRM: Xid line for the child in {kmsg}", check, deadline)
-
-
-def _kill_rank(run: Run) -> list[Step]:
-    victim = run.victim or {}
-    pid, rank, job = int(str(victim.get("pid", 0))), victim.get("rank"), victim.get("job_id")
-    drills = run.config.drills
-    reported = victim.get("updated_t")
-
-    def kill() -> Outcome:
-        return injectors.kill(pid, float(str(reported)) if reported is not None else None)
-
-    def exited() -> Outcome:
-        return Pending(f"pid {pid} still runs") if injectors.running(pid) else f"pid {pid} exited"
-
-    def gone() -> Outcome:
-        holders = [g["index"] for g in gpus(run.api) if pid in {t["pid"] for t in g["trainers"]}]
-        return Pending(f"GPU {holders} still lists pid {pid}") if holders else f"no GPU lists pid {pid} any more"
-
-    def resumed() -> Outcome:
-        for g in gpus(run.api):
-            for t in g["trainers"]:
-                if t["pid"] != pid and t.get("rank") == rank and t.get("job_id") == job:
-                    return f"rank {rank} of job {job} runs again as pid {t['pid']} on GPU {g['index']}"
-        return Pending(f"rank {rank} of job {job} has not come back")
-
-    within = run.config.interval_s + drills.detect_timeout_s
-    return [
-        Step("kill", f"SIGKILL rank {rank} (pid {pid}, job {job}) on GPU {run.gpu}", kill),
-        Step("rank_exited", f"wait for pid {pid} to exit", exited, drills.detect_timeout_s),
-        Step("rank_gone", "wait for the daemon to drop the rank from /v1/gpus", gone, within),
-        Step("job_resumed", f"wait for rank {rank} of job {job} to run again", resumed, drills.resume_timeout_s),
-    ]

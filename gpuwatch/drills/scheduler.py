@@ -31,6 +31,7 @@ from gpuwatch.errors import ConfigError, GpuwatchError
 log = logging.getLogger("gpuwatch.drills")
 
 IDLE, TRAINER = "idle", "trainer"
+RANK_KINDS = ("kill_rank", "hang_rank", "fault_rank")  # drills whose target must have a trainer
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ def validate(schedule: DrillSchedule, where: str) -> None:
         raise ConfigError(f"{where}: {kind.name} touches the card; set allow_destructive = true to schedule it")
     if schedule.gpu not in {IDLE, TRAINER} and not schedule.gpu.isdigit():
         raise ConfigError(f"{where}: gpu {schedule.gpu!r} is not an index, 'idle' or 'trainer'")
-    if kind.name == "kill_rank" and schedule.gpu == IDLE:
-        raise ConfigError(f"{where}: kill_rank needs a GPU with a trainer: gpu = 'trainer' or an index")
+    if kind.name in RANK_KINDS and schedule.gpu == IDLE:
+        raise ConfigError(f"{where}: {kind.name} needs a GPU with a trainer: gpu = 'trainer' or an index")
     if kind.name == "inject":
         parse_inject(schedule.args, where=f"{where}: args", need_gpu=False)
     elif kind.name == "dcgm_inject":
@@ -125,7 +126,7 @@ def pick_target(schedule: DrillSchedule, node: list[dict[str, Any]]) -> int:
     target = next((g for g in node if g["index"] == int(schedule.gpu)), None)
     if target is None:
         raise DrillRefused("no_such_gpu", f"the daemon has no GPU {schedule.gpu}")
-    if schedule.skip_if_trainers and schedule.drill != "kill_rank" and target["trainers"]:
+    if schedule.skip_if_trainers and schedule.drill not in RANK_KINDS and target["trainers"]:
         raise DrillRefused("target_busy", f"GPU {schedule.gpu} has trainers and skip_if_trainers is set")
     return int(target["index"])
 

@@ -43,6 +43,14 @@ KINDS: dict[str, Kind] = {
         Kind("dcgm_inject", "--dcgm-inject", "dcgmi test --inject a value into DCGM's cache", False, False),
         Kind("xid_fault", "--xid-fault", "a sacrificial CUDA process raises a real, harmless XID 31", True, False),
         Kind("kill_rank", "--kill-rank", "SIGKILL one trainer rank on the GPU; the job must come back", True, False),
+        Kind(
+            "hang_rank",
+            "--hang-rank",
+            "SIGSTOP one trainer rank; the hang must be found, the job come back",
+            True,
+            False,
+        ),
+        Kind("fault_rank", "--fault-rank", "a rank that opted in raises a real XID 31 in its own context", True, False),
         Kind("reset_gpu", "--reset-gpu", "quarantine, trainers leave, nvidia-smi -r, burn in, release", True, True),
         Kind("pcie_remove", "--pcie-remove", "quarantine, trainers leave, sysfs remove + rescan, burn in", True, True),
     )

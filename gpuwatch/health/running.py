@@ -272,8 +272,16 @@ class _At:
         return self._state._growth[name].growth(self._now, self._kept_from)
 
     def events_since(self, window_s: float) -> Sequence[GpuEvent]:
+        events = self._state._events
+        if not events:
+            return ()
         start = self._now - window_s
-        return tuple(e for e in self._state._events if e.t >= start)
+        return tuple(e for e in events if e.t >= start)
 
     def read_errors(self) -> ReadErrors:
+        if not self._state._errors:
+            return _NO_ERRORS
         return ReadErrors(self._state._error_counts.copy(), dict(self._state._error_details))
+
+
+_NO_ERRORS = ReadErrors(Counter(), {})

@@ -13,6 +13,9 @@ the job's problem to fix, and the operator needs to know whether the hardware is
   same job on this node, reported with its GPU's throttle reasons and state (warning on that GPU).
 * `trainer_grad_variance_jump`: the job's grad-norm variance (over the last 100 steps) above
   `grad_var_jump` × its median over `grad_var_history_s` (info on the job: a data-distribution shift).
+* `trainer_hang`: no rank of a job advanced its step for `hang_after_s` (or `hang_step_times` × its
+  recent step time, if longer) while a rank stopped reporting (a frozen process) or, where the
+  backend sees the job's GPUs, all of them sit idle (warning on the job; remediation may restart it).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ FRAGMENTATION = "trainer_memory_fragmentation"
 ALLOC_RETRIES = "trainer_alloc_retries"
 STRAGGLER = "trainer_straggler"
 GRAD_VARIANCE = "trainer_grad_variance_jump"
-RULE_IDS: tuple[str, ...] = (FRAGMENTATION, ALLOC_RETRIES, STRAGGLER, GRAD_VARIANCE)
+HANG = "trainer_hang"
+RULE_IDS: tuple[str, ...] = (FRAGMENTATION, ALLOC_RETRIES, STRAGGLER, GRAD_VARIANCE, HANG)
 
 MIN_RETRY_SPAN_S = 60.0  # a rate is per minute: a burst within seconds counts as one minute's worth
 MIN_BASELINE_POINTS = 10  # fewer earlier variances are no running level
@@ -44,6 +48,15 @@ class StragglerCheck:
     straggler: bool
     throttling: bool
     hardware: str
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One job's ranks on this node: each one's latest report and when its step last changed."""
+
+    job: str
+    latest: tuple[TrainerInfo, ...]
+    advanced_t: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,30 @@ def grad_variance_jump(
     return Finding(GRAD_VARIANCE, Severity.INFO, reason, Action.NONE, t=now)
 
 
+def hang(
+    progress: JobProgress, gpus: Mapping[str, GpuStatus], cfg: TrainerConfig, now: float, *, gpus_seen: bool
+) -> Finding | None:
+    """The job's steps stopped: past the limit with a silent rank, or (`gpus_seen`) with all its GPUs idle."""
+    latest = progress.latest
+    if not latest or not progress.advanced_t or any(r.step is None for r in latest):
+        return None
+    stalled_s = now - max(progress.advanced_t)
+    times = [r.step_time_s for r in latest if r.step_time_s]
+    limit = max(cfg.hang_after_s, cfg.hang_step_times * statistics.median(times)) if times else cfg.hang_after_s
+    if stalled_s < limit:
+        return None
+    silent = [r for r in latest if now - (r.updated_t or 0.0) > cfg.stale_after_s]
+    samples = [gpus[r.gpu_uuid].sample if r.gpu_uuid is not None and r.gpu_uuid in gpus else None for r in latest]
+    idle = gpus_seen and all(s is not None and (s.util_gpu_pct or 0) <= cfg.hang_idle_util_pct for s in samples)
+    if not silent and not idle:
+        return None
+    why = f"{', '.join(_who(r) for r in silent)} stopped reporting" if silent else "its GPUs sit idle"
+    step = min(r.step or 0 for r in latest)
+    reason = f"job {progress.job}: no rank got past step {step} for {stalled_s:.0f} s (limit {limit:.0f} s); {why}"
+    first = min(latest, key=lambda r: (r.rank is None, r.rank or 0))
+    return _finding(HANG, Severity.WARNING, reason, gpus.get(first.gpu_uuid or ""), now, Action.RESTART_APP)
+
+
 def _variance_series(timelines: Mapping[int, Sequence[TrainerInfo]]) -> dict[str, list[tuple[float, float]]]:
     """Per job, every rank's (t, grad-norm variance) by time: DDP ranks share the all-reduced gradients."""
     series: dict[str, list[tuple[float, float]]] = {}
@@ -202,9 +239,11 @@ def _straggler_finding(check: StragglerCheck, gpus: Mapping[str, GpuStatus], now
     return _finding(STRAGGLER, Severity.WARNING, reason, gpus.get(report.gpu_uuid or ""), now)
 
 
-def _finding(rule: str, severity: Severity, reason: str, gpu: GpuStatus | None, now: float) -> Finding:
+def _finding(
+    rule: str, severity: Severity, reason: str, gpu: GpuStatus | None, now: float, action: Action = Action.NONE
+) -> Finding:
     index, uuid = (gpu.index, gpu.uuid) if gpu is not None else (-1, "")
-    return Finding(rule, severity, reason, Action.NONE, t=now, index=index, uuid=uuid)
+    return Finding(rule, severity, reason, action, t=now, index=index, uuid=uuid)
 
 
 def _who(report: TrainerInfo) -> str:

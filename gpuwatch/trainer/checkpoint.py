@@ -112,11 +112,17 @@ def save_checkpoint(
     rank: int | None = None,
     barrier: Callable[[], object] | None = None,
     keep: int = 3,
+    single_writer: bool = False,
 ) -> Path:
     """Save `state` as the verified checkpoint of `step`; keep the `keep` newest, delete older ones.
 
     Every rank calls it. Rank 0 writes (torch.save into `state.pt` when the program imported torch,
     else pickle into `state.pkl`); then all ranks meet at the barrier.
+
+    With `single_writer=True` only the caller saves, with no barrier and no rank check: the rescue
+    of a data-parallel job whose peer died (`TrainerLink.rescue`), where any survivor, or several at
+    once, may save the same step. A checkpoint of `step` that is already in place and verifies is
+    kept (another survivor won the rename); one that does not verify is replaced.
 
     Args:
         directory: the checkpoint directory (created when missing).
@@ -125,6 +131,7 @@ def save_checkpoint(
         rank: this rank; default: torch.distributed's rank when it is initialized, else 0.
         barrier: called by every rank after rank 0 is done; default: dist.barrier when initialized.
         keep: how many checkpoints to keep (this one and the newest older ones).
+        single_writer: save from this process alone, with no collective call (see above).
 
     Returns:
         The checkpoint's directory, `<directory>/step-<N:08d>`.
@@ -136,6 +143,8 @@ def save_checkpoint(
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
     directory = Path(directory)
+    if single_writer:
+        return _save_single_writer(directory, step, state, keep)
     dist = _initialized_dist()
     if rank is None:
         rank = dist.get_rank() if dist is not None else 0
@@ -247,7 +256,17 @@ def load_latest(
 # -- saving ----------------------------------------------------------------------------------------
 
 
-def _save(directory: Path, step: int, state: Any, keep: int) -> Path:
+def _save_single_writer(directory: Path, step: int, state: Any, keep: int) -> Path:
+    """Save with no barrier, race-safe against other processes saving the same step."""
+    final = directory / step_dir_name(step)
+    if final.is_dir() and verify_checkpoint(final) is None:
+        log.info("checkpoint of step %d already in place and verified: %s", step, final)
+        _write_latest(directory, final.name)
+        return final
+    return _save(directory, step, state, keep, single_writer=True)
+
+
+def _save(directory: Path, step: int, state: Any, keep: int, *, single_writer: bool = False) -> Path:
     tmp = new_temp_dir(directory, step)
     torch = sys.modules.get("torch")
     state_file = "state.pt" if torch is not None else "state.pkl"
@@ -262,10 +281,12 @@ def _save(directory: Path, step: int, state: Any, keep: int) -> Path:
     except Exception as exc:  # any failure to serialize or write is a failed save
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint of step {step} in {directory}: {exc}") from exc
-    return _commit(directory, step, tmp, keep, state_file=state_file)
+    return _commit(directory, step, tmp, keep, state_file=state_file, single_writer=single_writer)
 
 
-def _commit(directory: Path, step: int, tmp: Path, keep: int, *, state_file: str | None) -> Path:
+def _commit(
+    directory: Path, step: int, tmp: Path, keep: int, *, state_file: str | None, single_writer: bool = False
+) -> Path:
     final = directory / step_dir_name(step)
     try:
         files = {}
@@ -286,13 +307,16 @@ def _commit(directory: Path, step: int, tmp: Path, keep: int, *, state_file: str
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         for sub in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
             _fsync_dir(sub)
-        _rename_into_place(tmp, final)
+        if single_writer:
+            _rename_unless_verified(tmp, final)
+        else:
+            _rename_into_place(tmp, final)
         _fsync_dir(directory)
         _write_latest(directory, final.name)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot commit checkpoint of step {step} in {directory}: {exc}") from exc
-    _prune(directory, step, keep)
+    _prune(directory, step, keep, leftovers_of_step=not single_writer)
     return final
 
 
@@ -307,6 +331,26 @@ def _rename_into_place(tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def _rename_unless_verified(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final` unless another writer's verified checkpoint got there first.
+
+    rename(2) onto a non-empty directory fails, so of several survivors renaming at once one wins;
+    the others find its checkpoint, verify it and drop theirs. One that does not verify (a
+    half-written leftover cannot carry a final name, but a damaged one can) is replaced.
+    """
+    try:
+        os.rename(tmp, final)
+        return
+    except OSError:
+        if not final.exists():
+            raise
+    if verify_checkpoint(final) is None:
+        log.info("checkpoint %s was saved by another process meanwhile: keeping it", final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    _rename_into_place(tmp, final)
+
+
 def _write_latest(directory: Path, name: str) -> None:
     tmp = directory / f"{LATEST}.tmp-{os.getpid()}"
     _write_synced(tmp, f"{name}\n".encode())
@@ -314,15 +358,17 @@ def _write_latest(directory: Path, name: str) -> None:
     _fsync_dir(directory)
 
 
-def _prune(directory: Path, step: int, keep: int) -> None:
+def _prune(directory: Path, step: int, keep: int, *, leftovers_of_step: bool = True) -> None:
     """Keep `step` and the keep-1 newest older checkpoints.
 
     Newer ones go too: they belong to a run that was resumed from an earlier step. Leftover temp
-    dirs of steps up to `step` go as well (a later step's may still be being written).
+    dirs of steps up to `step` go as well (a later step's may still be being written), except, for
+    a single-writer save, those of `step` itself: another survivor may be writing it right now.
     """
     dirs = _step_dirs(directory)
+    last = step if leftovers_of_step else step - 1
     doomed = [path for s, path in dirs if s > step] + [path for s, path in dirs if s < step][keep - 1 :]
-    doomed += [directory / name for name in _leftovers(directory, newer_than=-1) if _leftover_step(name) <= step]
+    doomed += [directory / name for name in _leftovers(directory, newer_than=-1) if _leftover_step(name) <= last]
     for path in doomed:
         log.info("removing checkpoint directory %s", path)
         try:

@@ -8,7 +8,11 @@ a run that stops, loses a GPU and resumes on fewer ranks sees the same samples. 
 batch stays constant when the world shrinks: each rank takes every world_size-th sample and
 accumulates gradients over micro-batches. Each step the ranks all-reduce their
 `TrainerLink.stop_requested` flags (MAX), so they all stop at the same step; then rank 0 saves a
-checkpoint and every rank exits 75. At the end rank 0 prints a JSON summary as its last line.
+checkpoint and every rank exits 75. When a peer dies instead (or hangs while a stop is pending),
+each step's collectives run inside `TrainerLink.rescue`: the survivors save the last completed step
+with no collective call and exit 75, so the relaunch loses no step; `--no-rescue` resumes from the
+periodic checkpoint instead (sharded state's only way) and counts the steps lost. At the end rank 0
+prints a JSON summary as its last line.
 
 `progress.json` in the checkpoint directory carries what the summary needs across launches:
 one entry per launch with its world size, the step it resumed from and the furthest step it
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -60,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if use_cuda:  # a blocked NCCL collective is aborted by TrainerLink.rescue
+        dist.init_process_group("nccl")
+    else:  # gloo cannot be aborted: a peer that hangs ends the collective at this timeout
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.gloo_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.global_batch < world:
         raise SystemExit(f"--global-batch {args.global_batch} is smaller than the world size {world}")
@@ -70,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     net = torch.nn.Sequential(torch.nn.Linear(_IN, _HIDDEN), torch.nn.ReLU(), torch.nn.Linear(_HIDDEN, 1)).to(device)
     optim = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
-    with TrainerLink(report_interval_s=args.report_interval) as link:
+    link = TrainerLink(
+        report_interval_s=args.report_interval,
+        term_signal=None if args.ignore_stop else signal.SIGTERM,
+        abort_after_s=args.abort_after,
+        allow_drills=args.allow_drills,
+    )
+    with link:
         resumed_from = _resume(ckpt_dir, net, optim, rank)
         step = resumed_from or 0
         model = DistributedDataParallel(net, device_ids=[local_rank] if use_cuda else None)
@@ -86,37 +101,49 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 _save_progress(ckpt_dir, progress)
 
+        def rescue_save(last: int) -> None:
+            """A peer is gone: this survivor saves the last completed step alone (DDP: its state is everyone's)."""
+            state = {"model": net.state_dict(), "optim": optim.state_dict()}
+            path = save_checkpoint(ckpt_dir, last, state, single_writer=True)
+            print(f"rank {rank}: rescued step {last} into {path}", file=sys.stderr, flush=True)
+
+        save = None if args.no_rescue else rescue_save
         saved_step = step
         warned_ignore = False
         while step < args.steps:
-            wants_stop = link.stop_requested and not args.ignore_stop
-            if link.stop_requested and args.ignore_stop and not warned_ignore:
-                print(f"rank {rank}: ignoring stop request ({link.stop_reason}): --ignore-stop", file=sys.stderr)
-                warned_ignore = True
-            flag = torch.tensor([1.0 if wants_stop else 0.0], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item() > 0:
-                link.request_stop("another rank was asked to stop")  # no-op where the request arrived
-                if rank == 0:
-                    print(f"rank 0: stopping at step {step}: {link.stop_reason}", flush=True)
-                if saved_step != step:
-                    checkpoint()
-                dist.barrier()
-                dist.destroy_process_group()
-                link.exit_for_resume()
-
-            loss, grad_norm = _train_step(model, optim, step, args.global_batch, args.micro_batch, rank, world, device)
+            with link.rescue(save):  # the step's collectives; the state changes only after the block
+                wants_stop = link.stop_requested and not args.ignore_stop
+                if link.stop_requested and args.ignore_stop and not warned_ignore:
+                    print(f"rank {rank}: ignoring stop request ({link.stop_reason}): --ignore-stop", file=sys.stderr)
+                    warned_ignore = True
+                flag = torch.tensor([1.0 if wants_stop else 0.0], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item() > 0:
+                    link.request_stop("another rank was asked to stop")  # no-op where the request arrived
+                    if rank == 0:
+                        print(f"rank 0: stopping at step {step}: {link.stop_reason}", flush=True)
+                    if saved_step != step:
+                        checkpoint()
+                    dist.barrier()
+                    dist.destroy_process_group()
+                    link.exit_for_resume()
+                loss, grad_norm = _forward_backward(
+                    model, step, args.global_batch, args.micro_batch, rank, world, device
+                )
+            optim.step()
             step += 1
             link.step(step, loss, grad_norm)
             progress["launches"][-1]["furthest"] = step
             if rank == 0:
                 _save_progress(ckpt_dir, progress)  # every step, so a killed launch still counts its lost steps
             if step % args.ckpt_every == 0 or step == args.steps:
-                checkpoint()
+                with link.rescue(save):
+                    checkpoint()
                 saved_step = step
             if args.step_sleep > 0:
                 time.sleep(args.step_sleep)
-        dist.barrier()
+        with link.rescue(save):
+            dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
         print(json.dumps(_summary(progress, step)), flush=True)
@@ -133,10 +160,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--report-interval", type=float, default=2.0, help="TrainerLink report interval (s)")
     parser.add_argument("--ignore-stop", action="store_true", help="never stop on request (grace-period tests)")
+    parser.add_argument(
+        "--no-rescue", action="store_true", help="when a peer dies, resume from the periodic checkpoint (as sharded)"
+    )
+    parser.add_argument("--abort-after", type=float, default=5.0, help="TrainerLink abort_after_s (s)")
+    parser.add_argument("--gloo-timeout", type=float, default=30.0, help="gloo collective timeout (s), CPU only")
+    parser.add_argument("--allow-drills", action="store_true", help="accept gpuwatch drill --fault-rank (XID 31)")
     args = parser.parse_args(argv)
     for name in ("steps", "global_batch", "micro_batch", "ckpt_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("abort_after", "gloo_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
     return args
 
 
@@ -179,9 +215,8 @@ def _batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ target)
 
 
-def _train_step(
+def _forward_backward(
     model: DistributedDataParallel,
-    optim: torch.optim.Optimizer,
     step: int,
     global_batch: int,
     micro_batch: int,
@@ -189,16 +224,17 @@ def _train_step(
     world: int,
     device: torch.device,
 ) -> tuple[float, float]:
-    """One optimizer step on this rank's share of the global batch; its loss share and the grad norm.
+    """Gradients of this rank's share of the global batch of `step` (all-reduced); its loss share and the grad norm.
 
     Each micro-batch's summed loss is scaled by world/global_batch: DDP averages gradients over
     the ranks, so the update is the mean over the global batch whatever world and micro-batch are.
+    The parameters are not touched (the caller's optimizer.step() does that after the rescue block).
     """
     import torch
 
     x, y = _batch(step, global_batch)
     xs, ys = x[rank::world].to(device).split(micro_batch), y[rank::world].to(device).split(micro_batch)
-    optim.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     total = 0.0
     for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
         with contextlib.nullcontext() if i == len(xs) - 1 else model.no_sync():
@@ -206,7 +242,6 @@ def _train_step(
             loss.backward()
         total += loss.item() / world
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-    optim.step()
     return total, float(grad_norm)
 
 

@@ -1,24 +1,37 @@
-"""TrainerLink: a rank's side of the runtime-directory contract (DESIGN.md, "Runtime directory").
+"""TrainerLink: a rank's side of the runtime-directory contract (gpuwatch.trainer.contract).
 
 The training loop calls `step()` once per step; it only appends to fixed-size deques, so it
-costs about a microsecond and never touches a file, a lock or the GPU. A daemon thread does the
-rest every `report_interval_s`: it writes `trainers/<pid>.json` (temp file + `os.replace`) and
-re-reads `status.json` when its mtime changes, to learn that this rank's GPU was quarantined.
-A stop request (the stop signal, or the quarantine seen in status.json) only sets a flag: the
-loop polls `stop_requested` at a step boundary, agrees with the other ranks, saves a checkpoint
-and calls `exit_for_resume()` (exit code 75, `EXIT_RESUME`).
+costs about a microsecond and never touches a file, a lock or the GPU (its first call writes one
+byte to the link's own pipe, so the first report goes out at once, issue 16). A daemon thread does
+the rest: it writes `trainers/<pid>.json` (mkstemp + fchmod 0644 + `os.replace`) every
+`report_interval_s`, re-reads `status.json` when its mtime changes, and leaves a final report with
+`ended` when the link closes.
 
-torch is never imported here: when the program has imported it, it gives the GPU UUID and the
-allocator stats; without it those fields come from CUDA_VISIBLE_DEVICES or stay null, so a
-trainer on another framework can use the link too.
+Stop requests (the stop signal, SIGTERM, the quarantine seen in status.json) only set a flag: the
+loop polls `stop_requested` at a step boundary, agrees with the other ranks, saves a checkpoint and
+calls `exit_for_resume()` (exit code 75). A rank blocked inside a collective never reaches that
+boundary (its peer died or hangs), and a Python signal handler only runs when the main thread
+returns to bytecode, so signals also reach the daemon thread through `signal.set_wakeup_fd`: the C
+handler writes the signal number into the link's pipe from whatever thread the kernel picked, and
+the daemon thread, blocked in select() on the read end, sees it at once. When a stop is pending and
+the main thread has stayed inside one `rescue()` block for `abort_after_s`, the link aborts the
+default process group (NCCL) so the blocked collective fails, and `rescue()` saves the last
+completed step with no collective call and exits 75. gloo (torch 2.13) cannot be aborted: its
+blocked collective ends at the process group's timeout, so a gloo job bounds that timeout itself.
+
+torch is never imported here: when the program has imported it, it gives the GPU UUID, the
+allocator stats and the process group; without it those fields come from CUDA_VISIBLE_DEVICES or
+stay null, so a trainer on another framework can use the link too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import select
 import signal
 import statistics
 import sys
@@ -26,21 +39,31 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
+from gpuwatch.trainer.contract import (
+    DEFAULT_RUNTIME_DIR,
+    ENDED_ERROR,
+    ENDED_FINISHED,
+    ENDED_RESUME,
+    EXIT_RESUME,
+    RUNTIME_DIR_ENV,
+    STATUS_FILE,
+    TRAINERS_DIR,
+    report_name,
+)
+
 log = logging.getLogger("gpuwatch.trainer")
 
-EXIT_RESUME = 75
-"""Exit code of a rank that stopped on request and saved a checkpoint: relaunch and resume (EX_TEMPFAIL)."""
-
-DEFAULT_RUNTIME_DIR = "/run/gpuwatch"
-RUNTIME_DIR_ENV = "GPUWATCH_RUNTIME_DIR"
+FAULT_DRILL_SIGNAL = signal.SIGUSR2
+"""What `gpuwatch drill --fault-rank` sends: with allow_drills, the rank raises a real XID 31 in its own context."""
 
 _STEP_TIME_WINDOW = 20
 _GRAD_NORM_WINDOW = 100
+_WAKE = 0  # the byte step() and close() write to the pipe; signal numbers are never 0
 _MEMORY_STAT_KEYS = {
     "reserved_bytes": "reserved_bytes.all.current",
     "allocated_bytes": "allocated_bytes.all.current",
@@ -48,24 +71,33 @@ _MEMORY_STAT_KEYS = {
     "num_alloc_retries": "num_alloc_retries",
     "num_ooms": "num_ooms",
 }
+_COLLECTIVE_ERROR_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "process group", "processgroup")
+_CUDA_FAULT_WORDS = ("cuda error", "illegal memory access", "cublas_status", "cudnn_status", "ecc error", "xid")
 
 
 class TrainerLink:
     """One training rank's connection to the node's gpuwatch daemon, through the runtime directory.
 
-    Use it as a context manager (or call `close()`) so the rank's file is removed and the
-    previous signal handler restored.
+    Use it as a context manager (or call `close()`): the rank's final report is written with how
+    it ended, and the previous signal handlers are restored.
 
     Args:
         runtime_dir: the daemon's runtime directory; default $GPUWATCH_RUNTIME_DIR, else /run/gpuwatch.
         report_interval_s: how often the background thread writes the report and checks status.json.
         stop_signal: the signal that requests a stop (SIGUSR1, what the daemon sends); None installs
-            no handler (the program handles signals itself).
+            no handler at all (the program handles signals itself; no rescue from a blocked collective).
         gpu_uuid: this rank's GPU ("GPU-…"); default: from torch when the program uses CUDA through
             it, else the CUDA_VISIBLE_DEVICES entry at LOCAL_RANK when that is a UUID list.
+        term_signal: the signal that ends the rank (torchrun's teardown of the survivors, the daemon's
+            grace period): a stop request too, so a rank blocked in a collective can still rescue its
+            state; a loop that calls `step()` again after it is ended by it. None: left at its default.
+        abort_after_s: how long a rank with a pending stop may stay inside one `rescue()` block before
+            the link aborts the default process group. Keep it above a collective checkpoint save's time.
+        allow_drills: accept `gpuwatch drill --fault-rank` (FAULT_DRILL_SIGNAL): raise a real, harmless
+            XID 31 in this rank's CUDA context.
 
     Raises:
-        ValueError: report_interval_s is not positive.
+        ValueError: report_interval_s or abort_after_s is not positive.
     """
 
     def __init__(
@@ -74,11 +106,19 @@ class TrainerLink:
         report_interval_s: float = 2.0,
         stop_signal: int | None = signal.SIGUSR1,
         gpu_uuid: str | None = None,
+        *,
+        term_signal: int | None = signal.SIGTERM,
+        abort_after_s: float = 5.0,
+        allow_drills: bool = False,
     ) -> None:
         if report_interval_s <= 0:
             raise ValueError(f"report_interval_s must be positive, not {report_interval_s}")
+        if abort_after_s <= 0:
+            raise ValueError(f"abort_after_s must be positive, not {abort_after_s}")
         self.runtime_dir = Path(runtime_dir or os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
         self.report_interval_s = report_interval_s
+        self.abort_after_s = abort_after_s
+        self.allow_drills = allow_drills
         self.pid = os.getpid()
         self.rank = _env_int("RANK")
         self.local_rank = _env_int("LOCAL_RANK")
@@ -90,22 +130,37 @@ class TrainerLink:
         self.last_loss: float | None = None
         self.stop_reason: str | None = None
         self._stop_requested = False
+        self._stop_t: float | None = None  # monotonic time of the first stop request
+        self._terminated = False  # term_signal arrived
 
         self._step: int | None = None
+        self._first_step: int | None = None
         self._last_step_t: float | None = None
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
         self._grad_norms: deque[float] = deque(maxlen=_GRAD_NORM_WINDOW)
 
-        self._report_path = self.runtime_dir / "trainers" / f"{self.pid}.json"
+        self._block_entered_t: float | None = None  # monotonic; set while the main thread is inside rescue()
+        self._aborted = False
+        self._rescuing = False
+
+        self._trainers_dir = self.runtime_dir / TRAINERS_DIR
+        self._report_path = self._trainers_dir / report_name(self.pid)
         self._status_key: tuple[int, int, int] | None = None
         self._write_failed = False
         self._closed = threading.Event()
+        self._ended: str | None = None
 
-        self._stop_signal = stop_signal
-        self._previous_handler: Callable[[int, FrameType | None], Any] | int | None = None
-        self._handler_installed = False
-        if stop_signal is not None:
-            self._install_handler(stop_signal)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._owns_wakeup_fd = False
+        self._previous_handlers: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+        if stop_signal is None:  # the program handles signals itself
+            term_signal = None
+        self._stop_signals = {s for s in (stop_signal, term_signal) if s is not None}
+        self._term_signal = term_signal
+        handled = self._stop_signals | ({FAULT_DRILL_SIGNAL} if allow_drills else set())
+        self._install_handlers(handled)
 
         self._thread = threading.Thread(target=self._run, name="gpuwatch-trainer-link", daemon=True)
         self._thread.start()
@@ -116,12 +171,16 @@ class TrainerLink:
         """Record that `step` finished. No I/O and no lock: call it every step.
 
         Pass plain floats: a CUDA tensor would be kept alive, and reading it later forces a sync.
+        The first call wakes the reporter (one byte to the link's pipe), so the daemon learns the
+        first step, and a relaunch's resume point, at once.
 
         Args:
-            step: the step just finished.
+            step: the step just finished (1-based count: after the first step, 1).
             loss: its loss, kept as `last_loss`.
             grad_norm: its gradient norm; the report carries the variance of the last 100.
         """
+        if self._terminated:
+            self._end_by_term_signal()
         now = time.perf_counter()
         if self._last_step_t is not None:
             self._step_times.append(now - self._last_step_t)
@@ -131,19 +190,63 @@ class TrainerLink:
             self.last_loss = loss
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
+        if self._first_step is None:
+            self._first_step = step
+            self._wake()
 
     @property
     def stop_requested(self) -> bool:
         """True once the stop signal arrived or status.json quarantined this rank's GPU; never resets."""
         return self._stop_requested
 
+    @property
+    def last_step(self) -> int | None:
+        """The last step passed to `step()` in this process (None before the first)."""
+        return self._step
+
     def request_stop(self, reason: str) -> None:
-        """Set `stop_requested` (first reason wins); what the signal handler and status.json check call."""
+        """Set `stop_requested` (first reason wins); what the signal handlers and status.json check call."""
         if not self._stop_requested:
             self.stop_reason = reason
+            self._stop_t = time.monotonic()
             self._stop_requested = True
 
-    def exit_for_resume(self) -> NoReturn:
+    @contextlib.contextmanager
+    def rescue(self, save: Callable[[int], object] | None) -> Iterator[None]:
+        """Wrap one step's collectives: when they fail because a peer died or hung, save and exit 75.
+
+        Inside the block: the step's collectives and the compute between them, ending with a sync
+        (e.g. `loss.item()`), but not the state update (`optimizer.step()`): so when the block fails,
+        the model and optimizer still hold the last completed step (`last_step`), as they do on every
+        surviving rank of a data-parallel (replicated) job. The block fails when one of its calls
+        raises a collective error (a dead peer on gloo), or when a stop is pending and the block has
+        not ended within `abort_after_s` (the link aborts the process group: NCCL). Then, unless the
+        error is this rank's own CUDA fault (its state may be bad), `save(last_step)` writes the
+        checkpoint with no collective call (`save_checkpoint(..., single_writer=True)`) and the rank
+        exits 75; with no step completed in this process the checkpoint it resumed from stands.
+
+        Args:
+            save: writes the checkpoint of the given step with no collective call; None for state that
+                has no replica here (sharded: FSDP, DCP): the rank still gets out promptly, and the
+                error propagates (the job resumes from its newest periodic checkpoint).
+
+        Raises:
+            SystemExit: 75 after a rescue.
+            Exception: the block's own error when it is no collective failure, a CUDA fault, or save is None.
+        """
+        self._block_entered_t = time.monotonic()
+        try:
+            yield
+        except Exception as exc:
+            self._block_entered_t = None
+            self._rescue_or_return(exc, save)
+            raise
+        self._block_entered_t = None
+        if self._aborted:  # the aborted collective returned instead of raising: the step is not done
+            self._rescue_or_return(RuntimeError("the process group was aborted during the step"), save)
+            raise RuntimeError("the process group was aborted during the step")
+
+    def exit_for_resume(self, reason: str | None = None) -> NoReturn:
         """Close the link and exit with EXIT_RESUME (75), after the caller saved its checkpoint.
 
         torchrun exits 1 whatever its workers' codes are, so this also writes torchelastic's error
@@ -151,27 +254,36 @@ class TrainerLink:
         TORCHELASTIC_ERROR_FILE for torchrun itself gets the root cause's file copied there, with
         `"errorCode": 75` added by torchrun.
 
+        Args:
+            reason: the message for the error file; default: the stop request's reason.
+
         Raises:
             SystemExit: always, with code 75.
         """
-        _write_elastic_error_file(f"gpuwatch: stopped for resume ({self.stop_reason or 'requested'})")
-        self.close()
+        _write_elastic_error_file(f"gpuwatch: stopped for resume ({reason or self.stop_reason or 'requested'})")
+        self.close(ended=ENDED_RESUME)
         raise SystemExit(EXIT_RESUME)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the thread, remove this rank's file and restore the previous signal handler. Idempotent."""
+    def close(self, ended: str = ENDED_FINISHED) -> None:
+        """Stop the thread, leave the final report (`ended`), restore the signal handlers. Idempotent.
+
+        Args:
+            ended: how the rank ended, one of the contract's ENDED_* values.
+        """
         if self._closed.is_set():
             return
+        self._ended = ended
         self._closed.set()
+        self._wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, self.report_interval_s))
-        try:
-            self._report_path.unlink(missing_ok=True)
-        except OSError as exc:
-            log.debug("could not remove %s: %s", self._report_path, exc)
-        self._restore_handler()
+        self._write_report()  # the final one, after the thread is gone: no two writers
+        self._restore_handlers()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def __enter__(self) -> TrainerLink:
         return self
@@ -179,53 +291,175 @@ class TrainerLink:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            self.close(ENDED_FINISHED)
+        elif isinstance(exc, SystemExit) and exc.code == EXIT_RESUME:
+            self.close(ENDED_RESUME)
+        else:
+            self.close(ENDED_ERROR)
+
+    # -- rescue ---------------------------------------------------------------------------------
+
+    def _rescue_or_return(self, exc: BaseException, save: Callable[[int], object] | None) -> None:
+        """Save and exit 75 when `exc` is a peer's failure and the state is ours to save; else return."""
+        if _is_cuda_fault(exc):
+            log.error("rank %s: own CUDA fault, no rescue (its state may be bad): %s", self.rank, _first_line(exc))
+            return
+        if not (self._aborted or self._stop_requested or _is_collective_error(exc)):
+            return
+        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        if save is None:
+            log.warning("rank %s: collective failed (%s); no rescue for this state", self.rank, why)
+            return
+        self._rescuing = True
+        if self._step is None:
+            log.warning("rank %s: collective failed (%s) before any step: its checkpoint stands", self.rank, why)
+        else:
+            log.warning("rank %s: collective failed (%s): saving step %d alone", self.rank, why, self._step)
+            save(self._step)
+        self.exit_for_resume(f"rescued step {self._step} after {why}")
+
+    def _check_abort(self) -> None:
+        """Abort the default process group once a pending stop has waited `abort_after_s` on one rescue() block."""
+        entered, stop_t = self._block_entered_t, self._stop_t
+        if self._aborted or self._rescuing or entered is None or stop_t is None:
+            return
+        if time.monotonic() < max(entered, stop_t) + self.abort_after_s:
+            return
+        self._aborted = True
+        log.warning(
+            "rank %s: stop pending (%s) and the step has not ended in %.1f s: aborting the process group",
+            self.rank, self.stop_reason, self.abort_after_s,
+        )  # fmt: skip
+        _abort_default_process_group()
+
+    def _next_abort_check(self) -> float | None:
+        entered, stop_t = self._block_entered_t, self._stop_t
+        if self._aborted or entered is None or stop_t is None:
+            return None
+        return max(entered, stop_t) + self.abort_after_s - time.monotonic()
+
+    def _end_by_term_signal(self) -> NoReturn:
+        """The loop went on after the term signal: end the way that signal's default action would."""
+        assert self._term_signal is not None
+        name = signal.Signals(self._term_signal).name
+        log.warning("rank %s: %s arrived and the loop went on: ending by %s", self.rank, name, name)
+        signal.signal(self._term_signal, signal.SIG_DFL)
+        os.kill(os.getpid(), self._term_signal)
+        time.sleep(5)  # the default action ends the process before this returns
+        os._exit(128 + self._term_signal)
 
     # -- signals --------------------------------------------------------------------------------
 
-    def _install_handler(self, signum: int) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("TrainerLink created off the main thread: no handler for signal %d; status.json only", signum)
+    def _install_handlers(self, signums: set[int]) -> None:
+        if not signums:
             return
-        self._previous_handler = signal.getsignal(signum)
-        signal.signal(signum, self._on_signal)
-        self._handler_installed = True
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("TrainerLink created off the main thread: no signal handlers; status.json only")
+            return
+        for signum in sorted(signums):
+            self._previous_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+        previous_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        if previous_fd == -1:
+            self._owns_wakeup_fd = True
+        else:  # asyncio or another library owns it: signals are then seen when the main thread runs Python
+            signal.set_wakeup_fd(previous_fd)
+            log.info("signal wakeup fd already in use: a rank blocked in a collective sees signals late")
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.request_stop(f"signal {signal.Signals(signum).name}")
-        previous = self._previous_handler
+        """The Python-level handler (main thread, at the next bytecode): set the flags, chain the previous one."""
+        if signum in self._stop_signals:
+            self._note_stop_signal(signum)
+        if not self._owns_wakeup_fd:
+            self._wake(signum)  # the C handler did not write it: hand it to the thread now
+        previous = self._previous_handlers.get(signum)
         if callable(previous):  # SIG_DFL and SIG_IGN are ints, not callables
             previous(signum, frame)
 
-    def _restore_handler(self) -> None:
-        if not self._handler_installed or self._stop_signal is None:
+    def _note_stop_signal(self, signum: int) -> None:
+        self.request_stop(f"signal {signal.Signals(signum).name}")
+        if signum == self._term_signal and not callable(self._previous_handlers.get(signum)):
+            self._terminated = True
+
+    def _restore_handlers(self) -> None:
+        if not self._previous_handlers:
             return
         if threading.current_thread() is not threading.main_thread():
-            log.debug("TrainerLink closed off the main thread: signal handler left in place")
+            log.debug("TrainerLink closed off the main thread: signal handlers left in place")
             return
-        if signal.getsignal(self._stop_signal) == self._on_signal:
-            # None means a handler installed from C: it cannot be put back, so use the default.
-            previous = self._previous_handler if self._previous_handler is not None else signal.SIG_DFL
-            signal.signal(self._stop_signal, previous)
-        self._handler_installed = False
+        if self._owns_wakeup_fd and signal.set_wakeup_fd(-1) != self._wake_w:
+            log.debug("the signal wakeup fd was replaced after TrainerLink set it")
+        for signum, previous in self._previous_handlers.items():
+            if signal.getsignal(signum) == self._on_signal:
+                # None means a handler installed from C: it cannot be put back, so use the default.
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+
+    def _wake(self, byte: int = _WAKE) -> None:
+        with contextlib.suppress(OSError):  # full (already awake) or closed
+            os.write(self._wake_w, bytes([byte]))
+
+    def _fault_drill(self) -> None:
+        """FAULT_DRILL_SIGNAL with allow_drills: a real XID 31 in this rank's own CUDA context."""
+        torch = sys.modules.get("torch")
+        device = _torch_cuda_device(self.local_rank or 0) if torch is not None else None
+        if device is None or torch is None or not torch.cuda.is_initialized():
+            log.warning("fault drill: rank %s has no CUDA context in this process: nothing done", self.rank)
+            return
+        from gpuwatch.trainer.xid import torch_store
+
+        log.warning("fault drill: rank %s raises XID 31 on cuda:%d (its CUDA context is lost)", self.rank, device)
+        try:
+            torch_store(device=device)()
+        except Exception as exc:  # the intended outcome: the context is gone; the main thread fails next
+            log.warning("fault drill: rank %s: the store faulted as intended: %s", self.rank, _first_line(exc))
+        else:
+            log.error("fault drill: rank %s: the store did not fault", self.rank)
 
     # -- the background thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        next_report = 0.0
+        while not self._closed.is_set():
+            timeout = max(0.0, next_report - time.monotonic())
+            abort_in = self._next_abort_check()
+            if abort_in is not None:
+                timeout = min(timeout, max(0.0, abort_in))
             try:
-                self._check_status()
-                self._write_report()
+                woken = self._wait(timeout)
+                if self._closed.is_set():
+                    return
+                self._check_abort()
+                if woken or time.monotonic() >= next_report:
+                    self._check_status()
+                    self._write_report()
+                    next_report = time.monotonic() + self.report_interval_s
             except Exception:  # reporting must never stop; training goes on without it
                 log.exception("gpuwatch trainer link: report failed")
-            if self._closed.wait(self.report_interval_s):
-                return
+                next_report = time.monotonic() + self.report_interval_s
+
+    def _wait(self, timeout: float) -> bool:
+        """Sleep until `timeout` or a byte in the pipe (a signal, the first step, close); True when woken."""
+        ready, _, _ = select.select([self._wake_r], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            data = os.read(self._wake_r, 256)
+        except BlockingIOError:
+            return False
+        for signum in set(data) - {_WAKE}:
+            if signum in self._stop_signals:
+                self._note_stop_signal(signum)
+            elif signum == FAULT_DRILL_SIGNAL and self.allow_drills:
+                self._fault_drill()
+        return True
 
     def _check_status(self) -> None:
         """Re-read status.json when it changed, and request a stop when it quarantines our GPU."""
         if self.gpu_uuid is None or self._stop_requested:
             return
-        path = self.runtime_dir / "status.json"
+        path = self.runtime_dir / STATUS_FILE
         try:
             st = path.stat()
             key = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -257,19 +491,22 @@ class TrainerLink:
             "job_id": self.job_id,
             "gpu_uuid": self.gpu_uuid,
             "step": self._step,
+            "first_step": self._first_step,
             "step_time_s": statistics.fmean(step_times) if step_times else None,
             "grad_norm": _finite(self._grad_norms[-1]) if self._grad_norms else None,
             "grad_norm_var": statistics.pvariance(grad_norms) if grad_norms else None,
         }
         payload.update(self._memory_stats())
         payload["stop_requested"] = self._stop_requested
+        payload["allow_drills"] = self.allow_drills
+        payload["ended"] = self._ended
         return payload
 
     def _memory_stats(self) -> dict[str, int | None]:
         """The caching allocator's counters for our device; all null without torch or before CUDA is up."""
         torch = sys.modules.get("torch")
         stats: dict[str, Any] = {}
-        if torch is not None and self._cuda_device is not None and torch.cuda.is_initialized():
+        if torch is not None and self._cuda_device is not None and torch.cuda.is_initialized() and not self._ended:
             try:
                 stats = torch.cuda.memory_stats(self._cuda_device)
             except RuntimeError as exc:
@@ -277,17 +514,26 @@ class TrainerLink:
         return {field: stats.get(key) if stats else None for field, key in _MEMORY_STAT_KEYS.items()}
 
     def _write_report(self) -> None:
+        """Write the report safely in the world-writable sticky trainers/: a random temp name, then rename."""
         data = json.dumps(self.report(), allow_nan=False).encode()
-        tmp = self._report_path.with_name(f"{self.pid}.json.tmp")
+        tmp: str | None = None
         try:
-            self._report_path.parent.mkdir(exist_ok=True)  # trainers/ only: the daemon owns the runtime dir
-            tmp.write_bytes(data)
+            self._trainers_dir.mkdir(exist_ok=True)  # trainers/ only: the daemon owns the runtime dir
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.pid}-", suffix=".tmp", dir=self._trainers_dir)
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o644)
+                f.write(data)
             os.replace(tmp, self._report_path)
+            tmp = None
         except OSError as exc:
             # Common without a daemon (no runtime dir): say it once, keep trying quietly.
             (log.debug if self._write_failed else log.warning)("gpuwatch trainer report not written: %s", exc)
             self._write_failed = True
             return
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         if self._write_failed:
             log.info("gpuwatch trainer report written to %s", self._report_path)
             self._write_failed = False
@@ -325,6 +571,53 @@ def _env_int(name: str) -> int | None:
 def _finite(value: float) -> float | None:
     """Strict JSON has no NaN or Infinity: write those as null."""
     return value if math.isfinite(value) else None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _is_cuda_fault(exc: BaseException) -> bool:
+    """This rank's own CUDA error (an XID, an illegal address, ECC): its state may be bad, so it must not save."""
+    torch = sys.modules.get("torch")
+    accelerator_error = getattr(torch, "AcceleratorError", None) if torch is not None else None
+    if isinstance(accelerator_error, type) and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _CUDA_FAULT_WORDS)
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    """A failed collective: torch.distributed's error types, or gloo's and NCCL's RuntimeErrors."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    dist_error = getattr(dist, "DistError", None)
+    if isinstance(dist_error, type) and isinstance(exc, dist_error):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _COLLECTIVE_ERROR_WORDS)
+
+
+def _abort_default_process_group() -> None:
+    """Make the main thread's blocked collective fail: NCCL can be aborted from another thread; gloo cannot."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if torch is None or dist is None or not dist.is_available() or not dist.is_initialized():
+        log.warning("no process group to abort")
+        return
+    backend = str(dist.get_backend())
+    if "nccl" not in backend:
+        log.warning(
+            "%s process groups cannot be aborted (torch %s): the blocked collective ends at the process "
+            "group's timeout (init_process_group(timeout=...))",
+            backend, torch.__version__,
+        )  # fmt: skip
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception as exc:  # best effort: the watchdog's timeout remains
+        log.error("aborting the %s process group failed: %s", backend, exc)
 
 
 def _torch_cuda_device(local_rank: int) -> int | None:

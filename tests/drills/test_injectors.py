@@ -3,6 +3,7 @@ kernel log, a stand-in for the sacrificial CUDA process, and real (harmless) chi
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def test_kill_sends_sigkill_and_running_sees_the_end() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert injectors.running(child.pid)
-        assert injectors.kill(child.pid, reported_t=time.time()) == f"sent SIGKILL to pid {child.pid}"
+        assert injectors.signal_rank(child.pid, time.time(), signal.SIGKILL) == f"sent SIGKILL to pid {child.pid}"
         assert child.wait(timeout=10) == -9
         assert not injectors.running(child.pid)
     finally:
@@ -83,7 +84,7 @@ def test_kill_refuses_a_pid_that_started_after_its_report() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with pytest.raises(DrillError, match="started after its trainer report"):
-            injectors.kill(child.pid, reported_t=time.time() - 3600)
+            injectors.signal_rank(child.pid, time.time() - 3600, signal.SIGKILL)
         assert child.poll() is None, "the process was not touched"
     finally:
         child.kill()

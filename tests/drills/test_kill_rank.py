@@ -25,7 +25,7 @@ class Ranks:
         self.node = node
         self.children: list[subprocess.Popen[bytes]] = []
 
-    def start(self, gpu: int, rank: int, job: str = "job-7") -> int:
+    def start(self, gpu: int, rank: int, job: str = "job-7", step: int = 10) -> int:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         self.children.append(child)
         threading.Thread(target=child.wait, daemon=True).start()  # reap it: a zombie still "runs" for kill(0)
@@ -37,6 +37,8 @@ class Ranks:
             "world_size": 2,
             "job_id": job,
             "gpu_uuid": self.node.gpu(gpu)["uuid"],
+            "step": step,
+            "first_step": step,
         }
         (self.node.daemon.runtime.trainers / f"{child.pid}.json").write_text(json.dumps(report))
         return child.pid
@@ -61,7 +63,7 @@ def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, rank
 
     def torchrun() -> None:
         if not injectors.running(victim) and not restarted:
-            restarted.append(ranks.start(gpu=1, rank=1))
+            restarted.append(ranks.start(gpu=1, rank=1, step=11))
 
     run = prepare(Request("kill_rank", 1), ClientApi(node), node.daemon.config, sim_clock(node, hook=torchrun))
     assert run.victim is not None and run.victim["pid"] == victim
@@ -73,7 +75,8 @@ def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, rank
         ("rank_gone", "pass"),
         ("job_resumed", "pass"),
     ]
-    assert verdict.steps[-1].detail == f"rank 1 of job job-7 runs again as pid {restarted[0]} on GPU 1"
+    detail = verdict.steps[-1].detail
+    assert detail.startswith("job job-7 resumed at step 10, ") and detail.endswith(" s after the fault, 0 step(s) lost")
 
 
 def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, ranks: Ranks) -> None:
@@ -83,7 +86,7 @@ def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, ranks
     config = dataclasses.replace(config, drills=dataclasses.replace(config.drills, resume_timeout_s=20.0))
     verdict = run_drill(prepare(Request("kill_rank", 2), ClientApi(node), config, sim_clock(node)))
     assert verdict.broke_at == "job_resumed"
-    assert verdict.steps[-1].detail == "not within 20 s: rank 0 of job job-7 has not come back"
+    assert verdict.steps[-1].detail == "not within 20 s: job job-7 has not come back (incident 1 is stopped)"
 
 
 def test_kill_rank_picks_the_rank_asked_for_and_refuses_a_gpu_without_one(node: SimNode, ranks: Ranks) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.model import GpuSample, GpuStatic, GpuStatus, TrainerInfo
-from gpuwatch.ranks import ProcFs, map_ranks, resolve_gpu
+from gpuwatch.procfs import ProcFs
+from gpuwatch.ranks import map_ranks, resolve_gpu
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 
@@ -68,7 +69,7 @@ def test_rank_and_gpu_from_a_real_child_environ(spawn: Spawn, visible: str | Non
 
     # The trainer wrote a report without a GPU uuid (no torch CUDA): the environ resolves it.
     report = TrainerInfo(pid=child.pid, step=12, updated_t=1.0)
-    (rank,) = map_ranks(gpus(), [report], proc, use_pids=False, report_owner={child.pid: os.getuid()})
+    (rank,) = map_ranks(gpus(), [report], proc, use_pids=False)
 
     assert rank.pid == child.pid
     assert (rank.info.rank, rank.info.local_rank, rank.info.world_size, rank.info.local_world_size) == (5, 1, 8, 4)
@@ -89,7 +90,6 @@ def test_nvml_pid_with_torchrun_env_is_a_rank_without_a_report(spawn: Spawn) -> 
         [],
         ProcFs(),
         use_pids=True,
-        report_owner={},
     )
 
     assert [(r.pid, r.gpu, r.info.rank, r.job, r.sources) for r in ranks] == [
@@ -100,25 +100,16 @@ def test_nvml_pid_with_torchrun_env_is_a_rank_without_a_report(spawn: Spawn) -> 
 def test_sim_pids_are_never_read() -> None:
     own = os.getpid()  # a real process: with use_pids=False it is not even looked at
 
-    assert map_ranks(gpus({0: (own,)}), [], ProcFs(), use_pids=False, report_owner={}) == []
+    assert map_ranks(gpus({0: (own,)}), [], ProcFs(), use_pids=False) == []
 
 
 def test_report_uuid_wins_and_job_comes_from_the_report(spawn: Spawn) -> None:
     child = spawn(**TORCHRUN_ENV, CUDA_VISIBLE_DEVICES="0,1")
     report = TrainerInfo(pid=child.pid, rank=5, job_id="from-report", gpu_uuid=UUIDS[3], updated_t=1.0)
 
-    (rank,) = map_ranks(gpus(), [report], ProcFs(), use_pids=False, report_owner={child.pid: os.getuid()})
+    (rank,) = map_ranks(gpus(), [report], ProcFs(), use_pids=False)
 
     assert (rank.gpu, rank.job) == (3, "from-report")
-
-
-def test_a_report_owned_by_another_user_is_ignored(spawn: Spawn) -> None:
-    child = spawn(**TORCHRUN_ENV)
-    report = TrainerInfo(pid=child.pid, gpu_uuid=UUIDS[0], updated_t=1.0)
-    stranger_uid = os.getuid() + 4242
-
-    assert map_ranks(gpus(), [report], ProcFs(), use_pids=False, report_owner={child.pid: stranger_uid}) == []
-    assert map_ranks(gpus(), [report], ProcFs(), use_pids=False, report_owner={}) == []
 
 
 def test_alive_sees_exit_zombies_and_recycled_pids(spawn: Spawn) -> None:

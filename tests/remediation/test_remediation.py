@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
 from gpuwatch.errors import ConfigError
 from gpuwatch.remediation import Remediation, parse_signal
+from gpuwatch.remediation_metrics import RemediationCollector
 from tests.helpers import SimNode, metric_samples, start_sim_node
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -187,8 +189,9 @@ def test_incident_counter_survives_a_restart(tmp_path: Path) -> None:
 
     second = start_sim_node(tmp_path, gpus=2)
     try:
-        totals = [m for m in second.daemon.remediation.collect() if m.name == "gpuwatch_incidents"]
-        assert [s.value for s in totals[0].samples] == [1.0]
+        registry = CollectorRegistry()
+        registry.register(RemediationCollector(second.daemon.remediation))
+        assert registry.get_sample_value("gpuwatch_incidents_total") == 1.0
     finally:
         second.close()
 

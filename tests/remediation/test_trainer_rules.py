@@ -223,3 +223,47 @@ def test_grad_variance_history_older_than_its_window_is_no_level() -> None:
     series = [(T0 + 10 * i, 0.01) for i in range(30)] + [(T0 + 3600, 0.5)]
 
     assert trainer_rules.grad_variance_jump("job-a", series, CFG, now=T0 + 3600) is None
+
+
+def progress(*ranks: TrainerInfo, advanced: float = 0.0) -> trainer_rules.JobProgress:
+    return trainer_rules.JobProgress("job-a", ranks, tuple(T0 + advanced for _ in ranks))
+
+
+def busy(util: int) -> dict[str, GpuStatus]:
+    return {g.uuid: replace(g, sample=replace(g.sample, util_gpu_pct=util)) for g in GPUS if g.sample is not None}
+
+
+@pytest.mark.parametrize(
+    ("now_s", "last_report_s", "util", "gpus_seen", "step_time", "hung"),
+    [
+        (61, 61, 0, True, None, True),  # idle GPUs, steps stopped past the 60 s floor
+        (59, 59, 0, True, None, False),  # not long enough
+        (61, 61, 100, True, None, False),  # busy GPUs and every rank reporting: a long step, not a hang
+        (61, 61, 0, False, None, False),  # the backend does not see the job's GPUs (sim): idleness unknown
+        (70, 0, 100, False, None, True),  # a rank stopped reporting 70 s ago: frozen
+        (70, 0, 100, False, 20.0, False),  # 10 × its 20 s step time is the limit, not 60 s
+        (201, 0, 100, False, 20.0, True),
+    ],
+)
+def test_trainer_hang(
+    now_s: float, last_report_s: float, util: int, gpus_seen: bool, step_time: float | None, hung: bool
+) -> None:
+    stuck = report(1, last_report_s, rank=0, step=40, step_time_s=step_time)
+    waiting = report(2, now_s, rank=1, step=40, step_time_s=step_time)
+
+    found = trainer_rules.hang(progress(stuck, waiting), busy(util), CFG, T0 + now_s, gpus_seen=gpus_seen)
+
+    assert (found is not None) == hung
+    if found is not None:
+        assert (found.rule, found.severity, found.action.value, found.index) == (
+            "trainer_hang",
+            Severity.WARNING,
+            "restart_app",
+            0,
+        )
+        assert found.reason.startswith(f"job job-a: no rank got past step 40 for {now_s:.0f} s")
+
+
+def test_a_job_without_steps_never_hangs() -> None:
+    quiet = report(1, 0, rank=0)
+    assert trainer_rules.hang(progress(quiet), busy(0), CFG, T0 + 3600, gpus_seen=True) is None

@@ -293,3 +293,70 @@ def test_dcp_recipe_with_two_ranks(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     files = json.loads((tmp_path / "ckpt" / "step-00000012" / MANIFEST).read_text())["files"]
     assert sorted(files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+# -- single writer: the rescue's save, no barrier, several survivors at once ----------------------
+
+SURVIVOR = """
+import sys, torch
+from gpuwatch.trainer.checkpoint import save_checkpoint
+go = sys.stdin.readline()  # all survivors start together
+print(save_checkpoint(sys.argv[1], 7, {"w": torch.full((256, 256), 7.0), "by": sys.argv[2]}, single_writer=True))
+"""
+
+
+def test_single_writer_needs_no_barrier_and_ignores_the_rank(tmp_path: Path) -> None:
+    def barrier() -> None:
+        raise AssertionError("a rescue must not call a collective")
+
+    path = save_checkpoint(tmp_path, 5, _state(5), rank=3, barrier=barrier, single_writer=True)
+
+    assert path == tmp_path / "step-00000005" and verify_checkpoint(path) is None
+    assert (tmp_path / LATEST).read_text() == "step-00000005\n"
+
+
+def test_survivors_saving_the_same_step_at_once_leave_one_verified_checkpoint(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    survivors = [
+        subprocess.Popen(
+            [sys.executable, "-c", SURVIVOR, str(tmp_path), str(i)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    for proc in survivors:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [proc.communicate(timeout=120) for proc in survivors]
+
+    assert [proc.returncode for proc in survivors] == [0, 0, 0], [err for _, err in results]
+    assert {out.strip() for out, _ in results} == {str(tmp_path / "step-00000007")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000007"]  # no temp dir left
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 7 and loaded.state["by"] in {"0", "1", "2"}
+
+
+def test_single_writer_keeps_a_verified_checkpoint_and_replaces_a_damaged_one(tmp_path: Path) -> None:
+    first = save_checkpoint(tmp_path, 7, _state(7), single_writer=True)
+    inode = first.stat().st_ino
+    save_checkpoint(tmp_path, 7, {"other": 1}, single_writer=True)
+    assert first.stat().st_ino == inode  # kept: another survivor's save is as good as ours
+
+    _flip_byte(first / "state.pt")
+    save_checkpoint(tmp_path, 7, _state(7), single_writer=True)
+    assert verify_checkpoint(first) is None
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.state["note"] == "at 7"
+
+
+def test_single_writer_leaves_another_survivors_temp_dir_of_the_same_step(tmp_path: Path) -> None:
+    _save_steps(tmp_path, 4)
+    other = tmp_path / ".tmp-step-7-999999"  # another survivor, still writing
+    other.mkdir()
+    stale = tmp_path / ".tmp-step-5-999999"
+    stale.mkdir()
+
+    save_checkpoint(tmp_path, 7, _state(7), single_writer=True)
+
+    assert other.is_dir() and not stale.exists()

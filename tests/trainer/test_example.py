@@ -91,7 +91,11 @@ def test_two_ranks_run_to_completion(tmp_path: Path) -> None:
     assert summary == {"steps_done": 20, "restarts": 0, "resumed_from_steps": [], "world_sizes": [2], "lost_steps": 0}
     assert (ckpt / "latest").read_text() == "step-00000020\n"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000008", "step-00000016", "step-00000020"]
-    assert list((tmp_path / "run" / "trainers").iterdir()) == []  # each rank removed its report
+    finals = _reports(tmp_path / "run")  # each rank left its final report, for the daemon to read and remove
+    assert sorted((r["rank"], r["first_step"], r["step"], r["ended"]) for r in finals.values()) == [
+        (0, 1, 20, "finished"),
+        (1, 1, 20, "finished"),
+    ]
 
 
 def test_stop_request_checkpoints_exits_75_and_resumes_on_fewer_ranks(tmp_path: Path) -> None:

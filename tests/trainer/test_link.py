@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -18,7 +22,7 @@ from gpuwatch.trainer import EXIT_RESUME, TrainerLink, bench_step
 CONTRACT_FIELDS = {
     "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
-    "num_alloc_retries", "num_ooms", "stop_requested",
+    "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended",
 }  # fmt: skip
 FAST = 0.02
 
@@ -91,8 +95,11 @@ def test_report_has_the_contract_fields(tmp_path: Path) -> None:
     assert report["reserved_bytes"] is None and report["num_ooms"] is None  # no CUDA here
     assert report["stop_requested"] is False
     assert abs(float(report["t"]) - time.time()) < 5  # type: ignore[arg-type]
-    assert not path.exists()  # removed on close
-    assert list((tmp_path / "trainers").iterdir()) == []  # and no temp file left
+    assert (report["first_step"], report["allow_drills"], report["ended"]) == (1, False, None)
+    final = _read_report(path)  # left on close, for the daemon to read and remove
+    assert final is not None and (final["ended"], final["step"], final["first_step"]) == ("finished", 4, 1)
+    assert [p.name for p in (tmp_path / "trainers").iterdir()] == [path.name]  # no temp file left
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_defaults_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +224,7 @@ def test_exit_for_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         link.exit_for_resume()
 
     assert excinfo.value.code == EXIT_RESUME == 75
-    assert not path.exists()
+    assert (_read_report(path) or {})["ended"] == "resume"
     assert json.loads(error_file.read_text())["message"]["message"] == "gpuwatch: stopped for resume (test)"
 
 
@@ -235,3 +242,240 @@ def test_report_interval_must_be_positive(tmp_path: Path) -> None:
 def test_bench_step_returns_seconds_per_call() -> None:
     per_call = bench_step(1000)
     assert 0 < per_call < 1
+
+
+# -- issue 16: the first report at once; the final report with `ended`; safe temp files ----------
+
+
+def test_the_first_step_is_reported_at_once_not_after_the_interval(tmp_path: Path) -> None:
+    path = tmp_path / "trainers" / f"{os.getpid()}.json"
+    with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
+        _wait_for(path.exists)  # the start-up report, step null
+        assert (_read_report(path) or {})["step"] is None
+        started = time.monotonic()
+        link.step(41)  # a relaunch resumed from step 40
+        _wait_for(lambda: (_read_report(path) or {}).get("step") == 41, timeout=2)
+        assert time.monotonic() - started < 1
+        link.step(42)
+        time.sleep(0.2)
+        assert (_read_report(path) or {})["step"] == 41  # later steps wait for the interval
+    assert (_read_report(path) or {})["first_step"] == 41
+
+
+@pytest.mark.parametrize(
+    ("exit_with", "ended"),
+    [(None, "finished"), (SystemExit(0), "finished"), (ValueError("bug"), "error"), (KeyboardInterrupt(), "error")],
+)
+def test_leaving_the_block_leaves_a_final_report_saying_how(
+    tmp_path: Path, exit_with: BaseException | None, ended: str
+) -> None:
+    path = tmp_path / "trainers" / f"{os.getpid()}.json"
+    with pytest.raises(type(exit_with)) if exit_with is not None else contextlib.nullcontext():
+        with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
+            link.step(1)
+            if exit_with is not None:
+                raise exit_with
+    final = _read_report(path)
+    assert final is not None and (final["ended"], final["step"]) == (ended, 1)
+
+
+def test_a_predictable_temp_name_planted_by_another_user_is_never_followed(tmp_path: Path) -> None:
+    trainers = tmp_path / "trainers"
+    trainers.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (trainers / f"{os.getpid()}.json.tmp").symlink_to(victim)  # the old, predictable temp name
+    with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
+        link.step(1)
+        _wait_for(lambda: (_read_report(trainers / f"{os.getpid()}.json") or {}).get("step") == 1)
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in trainers.iterdir()) == [f"{os.getpid()}.json", f"{os.getpid()}.json.tmp"]
+
+
+def test_allow_drills_is_reported(tmp_path: Path, restore_sigusr2: None) -> None:
+    with TrainerLink(tmp_path, stop_signal=None, allow_drills=True) as link:
+        assert link.report()["allow_drills"] is True
+
+
+# -- signals while the main thread is stuck; SIGTERM --------------------------------------------
+
+
+def test_a_stop_signal_is_reported_at_once_by_the_thread(tmp_path: Path, restore_sigusr1: None) -> None:
+    """The wakeup fd wakes the thread, which writes the report long before the interval (the main thread
+    waits meanwhile; test_rescue_gloo.py has one blocked in a real collective)."""
+    path = tmp_path / "trainers" / f"{os.getpid()}.json"
+    with TrainerLink(tmp_path, report_interval_s=3600) as link:
+        link.step(1)
+        _wait_for(lambda: (_read_report(path) or {}).get("step") == 1)
+        blocker = threading.Lock()
+        blocker.acquire()
+        threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+        seen: list[object] = []
+        threading.Timer(1.0, lambda: (seen.append(_read_report(path)), blocker.release())).start()
+        # A lock acquire with a timeout of -1 only returns to bytecode when released (PEP 475 retries it).
+        blocker.acquire()
+        assert seen and seen[0]["stop_requested"] is True  # type: ignore[index]
+        assert link.stop_requested
+
+
+def test_sigterm_is_a_stop_request_and_a_loop_that_goes_on_is_ended_by_it(tmp_path: Path) -> None:
+    script = (
+        "import os, signal, sys, time\n"
+        "from gpuwatch.trainer import TrainerLink\n"
+        f"with TrainerLink({str(tmp_path)!r}, report_interval_s=0.05) as link:\n"
+        "    link.step(1)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    print(link.stop_requested, link.stop_reason, flush=True)\n"
+        "    link.step(2)\n"
+        "    print('not reached', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert result.stdout == "True signal SIGTERM\n"
+    assert "SIGTERM arrived and the loop went on: ending by SIGTERM" in result.stderr
+
+
+def test_term_signal_none_leaves_sigterm_alone(tmp_path: Path) -> None:
+    with TrainerLink(tmp_path, term_signal=None):
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+# -- rescue ---------------------------------------------------------------------------------------
+
+
+class Saves(list[int]):
+    def __call__(self, step: int) -> None:
+        self.append(step)
+
+
+def test_rescue_saves_the_last_completed_step_after_a_collective_error_and_exits_75(tmp_path: Path) -> None:
+    saves = Saves()
+    path = tmp_path / "trainers" / f"{os.getpid()}.json"
+    with pytest.raises(SystemExit) as exited, TrainerLink(tmp_path, stop_signal=None) as link:
+        for step in range(1, 4):
+            with link.rescue(saves):
+                if step == 3:
+                    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+            link.step(step)
+
+    assert exited.value.code == EXIT_RESUME
+    assert saves == [2]
+    assert (_read_report(path) or {})["ended"] == "resume"
+
+
+@pytest.mark.parametrize(
+    ("error", "stop"),
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), True),  # own fault: state may be bad
+        (ValueError("a bug in the loop"), False),  # not a collective: not ours to rescue
+    ],
+)
+def test_rescue_leaves_a_cuda_fault_or_a_plain_bug_alone(tmp_path: Path, error: Exception, stop: bool) -> None:
+    saves = Saves()
+    with TrainerLink(tmp_path, stop_signal=None) as link:
+        link.step(1)
+        if stop:
+            link.request_stop("test")
+        with pytest.raises(type(error)), link.rescue(saves):
+            raise error
+    assert saves == []
+
+
+def test_rescue_without_a_save_gets_out_but_propagates(tmp_path: Path) -> None:
+    with TrainerLink(tmp_path, stop_signal=None) as link:
+        link.step(1)
+        with pytest.raises(RuntimeError, match="gloo"), link.rescue(None):
+            raise RuntimeError("gloo: Connection reset by peer")
+
+
+def test_a_pending_stop_aborts_a_stuck_step_and_the_step_does_not_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No process group here: the abort is only logged; the block that outlived it is still rescued."""
+    saves = Saves()
+    with pytest.raises(SystemExit) as exited, TrainerLink(tmp_path, stop_signal=None, abort_after_s=0.2) as link:
+        link.step(7)
+        with link.rescue(saves):
+            link.request_stop("test")
+            _wait_for(lambda: "aborting the process group" in caplog.text, timeout=3)
+    assert exited.value.code == EXIT_RESUME
+    assert saves == [7]
+
+
+def test_nccl_is_aborted_from_the_thread_and_gloo_is_said_to_be_unabortable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    aborted: list[str] = []
+    c10d = types.SimpleNamespace(_abort_process_group=lambda: aborted.append(threading.current_thread().name))
+    dist = types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, get_backend=lambda: "nccl", distributed_c10d=c10d
+    )
+    cuda = types.SimpleNamespace(is_available=lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(distributed=dist, cuda=cuda, __version__="x"))
+    for backend, expected in (("nccl", ["gpuwatch-trainer-link"]), ("gloo", [])):
+        aborted.clear()
+        dist.get_backend = lambda backend=backend: backend  # type: ignore[misc]
+        with pytest.raises(SystemExit), TrainerLink(tmp_path, stop_signal=None, abort_after_s=0.1) as link:
+            with link.rescue(lambda step: None):
+                link.request_stop("test")
+                _wait_for(lambda: "aborting the process group" in caplog.text, timeout=3)
+                time.sleep(0.1)
+        assert aborted == expected, backend
+        caplog.clear() if backend == "nccl" else None
+    assert "gloo process groups cannot be aborted" in caplog.text
+
+
+# -- the fault-rank drill -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_sigusr2() -> Iterator[None]:
+    previous = signal.getsignal(signal.SIGUSR2)
+    yield
+    signal.signal(signal.SIGUSR2, previous)
+
+
+def test_the_fault_drill_stores_to_an_unmapped_address_on_our_own_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restore_sigusr2: None
+) -> None:
+    """No GPU here: a fake torch with CUDA up, and a fake store; the real one runs on the H200 (see README)."""
+    stores: list[int | None] = []
+
+    def fake_store(address: int = 0, device: int | None = None) -> Callable[[], object]:
+        stores.append(device)
+
+        def synchronize() -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        return synchronize
+
+    cuda = types.SimpleNamespace(
+        is_available=lambda: True, device_count=lambda: 2, is_initialized=lambda: True, current_device=lambda: 0,
+        get_device_properties=lambda device: types.SimpleNamespace(uuid=f"fake-{device}"),
+        memory_stats=lambda device: {},
+    )  # fmt: skip
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr("gpuwatch.trainer.xid.torch_store", fake_store)
+    with TrainerLink(tmp_path, report_interval_s=FAST, allow_drills=True):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        _wait_for(lambda: stores)
+    assert stores == [1]  # LOCAL_RANK 1: cuda:1
+
+
+def test_the_fault_drill_without_cuda_says_so_and_does_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, restore_sigusr2: None
+) -> None:
+    with TrainerLink(tmp_path, report_interval_s=FAST, allow_drills=True):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        _wait_for(lambda: "fault drill" in caplog.text)
+    assert [r.getMessage() for r in caplog.records if "fault drill" in r.getMessage()] == [
+        "fault drill: rank 5 has no CUDA context in this process: nothing done"
+    ]
+
+
+def test_without_allow_drills_the_drill_signal_is_not_handled(tmp_path: Path, restore_sigusr2: None) -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    with TrainerLink(tmp_path):
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN

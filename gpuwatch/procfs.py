@@ -1,0 +1,96 @@
+"""What /proc says about a process: alive or not, its owner, start time, run state and trainer variables.
+
+Remediation, rank mapping and the runtime directory all need to recognise one process over time:
+the PID with its start time (field 22 of /proc/PID/stat) is that identity, so a recycled PID is
+never taken for the process that had it before.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TRAINER_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GPUWATCH_JOB_ID")
+_ENVIRON_CACHE_MAX = 4096
+
+
+class ProcFs:
+    """Reads /proc (a root given for tests); environments are cached per process, as they never change."""
+
+    def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
+        self.root = Path(root)
+        self._environ: dict[tuple[int, int | None], dict[str, str] | None] = {}
+        self._boot_time: float | None = None
+
+    def start_time(self, pid: int) -> int | None:
+        """Field 22 of /proc/PID/stat (clock ticks after boot): with the PID, a process's identity."""
+        fields = self._stat_fields(pid)
+        return int(fields[19]) if fields else None
+
+    def started_at(self, pid: int) -> float | None:
+        """When PID started, in Unix seconds (None when it is gone)."""
+        ticks = self.start_time(pid)
+        boot = self.boot_time()
+        if ticks is None or boot is None:
+            return None
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+    def boot_time(self) -> float | None:
+        """`btime` of /proc/stat, read once."""
+        if self._boot_time is None:
+            try:
+                for line in (self.root / "stat").read_text().splitlines():
+                    if line.startswith("btime "):
+                        self._boot_time = float(line.split()[1])
+                        break
+            except (OSError, ValueError, IndexError):
+                return None
+        return self._boot_time
+
+    def run_state(self, pid: int) -> str | None:
+        """The one-letter state of /proc/PID/stat (R, S, D, T stopped, t traced, Z zombie), None when gone."""
+        fields = self._stat_fields(pid)
+        return fields[0] if fields else None
+
+    def alive(self, pid: int, start_time: int | None) -> bool:
+        """The same process still runs (a zombie has finished; a different start time is a recycled PID)."""
+        fields = self._stat_fields(pid)
+        if fields is None or fields[0] in {"Z", "X"}:
+            return False
+        return start_time is None or int(fields[19]) == start_time
+
+    def uid(self, pid: int) -> int | None:
+        try:
+            return (self.root / str(pid)).stat().st_uid
+        except OSError:
+            return None
+
+    def environ(self, pid: int) -> dict[str, str] | None:
+        """The trainer variables of PID's environment at exec; None when unreadable (gone, other user)."""
+        key = (pid, self.start_time(pid))
+        if key not in self._environ:
+            if len(self._environ) > _ENVIRON_CACHE_MAX:
+                self._environ.clear()
+            self._environ[key] = self._read_environ(pid)
+        return self._environ[key]
+
+    def _read_environ(self, pid: int) -> dict[str, str] | None:
+        try:
+            raw = (self.root / str(pid) / "environ").read_bytes()
+        except OSError:
+            return None
+        env = {}
+        for entry in raw.split(b"\0"):
+            name, sep, value = entry.partition(b"=")
+            if sep and name.decode(errors="replace") in (*TRAINER_ENV_KEYS, "CUDA_VISIBLE_DEVICES"):
+                env[name.decode()] = value.decode(errors="replace")
+        return env
+
+    def _stat_fields(self, pid: int) -> list[str] | None:
+        """/proc/PID/stat after the command name (which may hold spaces): state is [0], starttime [19]."""
+        try:
+            text = (self.root / str(pid) / "stat").read_text()
+        except OSError:
+            return None
+        fields = text.rpartition(")")[2].split()
+        return fields if len(fields) > 19 else None

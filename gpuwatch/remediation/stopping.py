@@ -1,0 +1,123 @@
+"""Stopping a job's ranks: the stop signal, then SIGTERM, then SIGKILL, each after its wait.
+
+A `JobStop` never sleeps: the remediation thread calls `advance()` whenever a rank exits or a
+deadline passes, so one thread escalates any number of stops at once. A rank is recognised by
+PID and start time, so a recycled PID is never signalled. A rank that is stopped (SIGSTOP, run
+state T) cannot checkpoint, and while it lives its peers wait on it in a collective: it gets SIGKILL
+at once, so they get out (gloo sees the peer gone; NCCL ranks abort on the stop signal) and save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from gpuwatch.config import TrainerConfig
+from gpuwatch.procfs import ProcFs
+from gpuwatch.remediation.incidents import Incident, Target
+
+log = logging.getLogger("gpuwatch.remediation")
+
+_FROZEN = {"T", "t"}
+
+
+class JobStop:
+    """The escalation of one incident's targets, driven by `advance()`."""
+
+    def __init__(
+        self,
+        incident: Incident,
+        cfg: TrainerConfig,
+        stop_signal: signal.Signals,
+        proc: ProcFs,
+        kill: Callable[[int, signal.Signals], None] = os.kill,
+    ) -> None:
+        self.incident = incident
+        self.proc = proc
+        self._kill = kill
+        self._phases: list[tuple[float, signal.Signals | None]] = [
+            (cfg.grace_period_s, signal.SIGTERM),
+            (cfg.kill_after_s, signal.SIGKILL),
+            (cfg.kill_after_s, None),
+        ]
+        self._how = "exited"
+        self.deadline = time.monotonic() + self._phases[0][0]
+        alive = self._alive()
+        for target in alive:
+            self._signal(target, stop_signal)
+        if alive:
+            log.warning("GPU %s: %s: sent %s to %s", incident.gpu, incident.cause, stop_signal.name, _pids(alive))
+        self._kill_frozen(alive)
+        self.done = not self._alive()
+
+    def advance(self) -> bool:
+        """Note who is gone, escalate what is due; True once every target is gone or beyond SIGKILL."""
+        if self.done:
+            return True
+        alive = self._alive()
+        self._kill_frozen(alive)
+        alive = self._alive()
+        while alive and time.monotonic() >= self.deadline:
+            wait_s, escalate = self._phases.pop(0)
+            if escalate is None:
+                for target in alive:
+                    target.ended = "running"
+                log.error("GPU %s: %s survived SIGKILL", self.incident.gpu, _pids(alive))
+                alive = []
+                break
+            log.warning(
+                "GPU %s: %s still running after %g s: sending %s",
+                self.incident.gpu,
+                _pids(alive),
+                wait_s,
+                escalate.name,
+            )
+            for target in alive:
+                self._signal(target, escalate)
+            self._how = escalate.name
+            self.deadline += self._phases[0][0]
+            alive = self._alive()
+        self.done = not alive
+        return self.done
+
+    def _kill_frozen(self, alive: list[Target]) -> None:
+        frozen = [t for t in alive if self.proc.run_state(t.rank.pid) in _FROZEN]
+        if frozen:
+            log.warning("GPU %s: %s stopped (SIGSTOP): sending SIGKILL", self.incident.gpu, _pids(frozen))
+            for target in frozen:
+                self._signal(target, signal.SIGKILL)
+                target.ended = "SIGKILL"
+                self.incident.gone_pids.add(target.rank.pid)
+
+    def _alive(self) -> list[Target]:
+        """The targets still running; the others get how they ended."""
+        alive = []
+        for target in self.incident.targets:
+            if target.ended is not None:
+                continue
+            if self.proc.alive(target.rank.pid, target.rank.start_time):
+                alive.append(target)
+            else:
+                target.ended = self._how
+                self.incident.gone_pids.add(target.rank.pid)
+        return alive
+
+    def _signal(self, target: Target, sig: signal.Signals) -> None:
+        pid = target.rank.pid
+        if not self.proc.alive(pid, target.rank.start_time):
+            return  # gone, or the PID now belongs to another process: never signal that one
+        try:
+            self._kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.error("not allowed to send %s to pid %d (rank %s)", sig.name, pid, target.rank.info.rank)
+
+
+def _pids(targets: list[Target]) -> str:
+    return ", ".join(
+        f"pid {t.rank.pid}" + (f" (rank {t.rank.info.rank})" if t.rank.info.rank is not None else "") for t in targets
+    )

@@ -1,0 +1,53 @@
+"""Remediation's part of the HTTP API: GET /v1/incidents, GET /v1/trainers, and the ranks in a GPU's JSON.
+
+Read-only, so no token. Every body is built from remediation's last judgement and the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from fastapi import FastAPI
+
+from gpuwatch.health import trainer_rules
+from gpuwatch.model import TrainerInfo
+from gpuwatch.ranks import Rank
+from gpuwatch.remediation import Remediation
+from gpuwatch.store import Store
+
+_INFO_FIELDS = tuple(f.name for f in fields(TrainerInfo))
+MAX_INCIDENTS = 1000
+
+
+def add_routes(app: FastAPI, remediation: Remediation, store: Store) -> None:
+    """GET /v1/incidents (newest first, `limit` clamped to 1..1000) and GET /v1/trainers."""
+
+    @app.get("/v1/incidents")
+    def incidents(limit: int = 100) -> dict[str, Any]:
+        return {"incidents": store.incidents(limit=max(1, min(limit, MAX_INCIDENTS)))}
+
+    @app.get("/v1/trainers")
+    def trainers() -> dict[str, Any]:
+        ranks, verdict = remediation.ranks()
+        return {"ranks": [rank_json(r) for r in ranks], "findings": [f.as_dict() for f in verdict.findings]}
+
+
+def gpu_view(remediation: Remediation, index: int) -> dict[str, Any]:
+    """What GET /v1/gpus/{index} shows of this GPU's ranks (from NVML, environ and reports) and findings."""
+    ranks, verdict = remediation.ranks()
+    return {
+        "ranks": [rank_json(r) for r in ranks if r.gpu == index],
+        "trainer_findings": [f.as_dict() for f in verdict.findings if f.index == index],
+    }
+
+
+def rank_json(rank: Rank) -> dict[str, Any]:
+    body = {name: getattr(rank.info, name) for name in _INFO_FIELDS if getattr(rank.info, name) is not None}
+    ratio = trainer_rules.fragmentation_ratio(rank.info)
+    return {
+        **body,
+        "gpu": rank.gpu,
+        "sources": list(rank.sources),
+        **({"fragmentation_ratio": ratio} if ratio is not None else {}),
+    }

@@ -1,0 +1,221 @@
+"""Remediation on sudden faults (issue 9) in a sim daemon, with real processes as ranks.
+
+A rank that vanishes, raises, loses its GPU or hangs: the rest of its job on this node is stopped
+at once, the incident names what happened, and the relaunch is seen however short it is (issue 16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import SimNode, start_sim_node
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+COOPERATIVE = "signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))"
+Spawn = Callable[..., "subprocess.Popen[str]"]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    children: list[subprocess.Popen[str]] = []
+
+    def start(behaviour: str = COOPERATIVE) -> subprocess.Popen[str]:
+        code = f"import os, signal, time; {behaviour}; print('ready', flush=True); time.sleep(60)"
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait()
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[SimNode]:
+    node = start_sim_node(
+        tmp_path,
+        gpus=4,
+        **{
+            "trainer.grace_period_s": 5.0,
+            "trainer.kill_after_s": 0.5,
+            "trainer.stale_after_s": 8.0,
+            "trainer.hang_after_s": 12.0,
+        },
+    )
+    yield node
+    node.close()
+
+
+def report(sim: SimNode, pid: int, gpu: int, **fields: Any) -> None:
+    """What TrainerLink writes (temp file + rename), stamped with the fake clock unless `t` is given."""
+    body = {"t": sim.clock.t, "pid": pid, "job_id": "job", "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
+    path = Path(sim.daemon.config.runtime_dir) / "trainers" / f"{pid}.json"
+    tmp = path.with_name(f".{pid}.tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, path)
+
+
+def incidents(sim: SimNode) -> list[dict[str, Any]]:
+    return list(sim.client.get("/v1/incidents").json()["incidents"])
+
+
+def wait_for(what: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"timed out; last: {what()}")
+
+
+def incident_with(sim: SimNode, **want: Any) -> dict[str, Any]:
+    def match() -> dict[str, Any] | None:
+        return next((i for i in incidents(sim) if all(i.get(k) == v for k, v in want.items())), None)
+
+    return dict(wait_for(match))
+
+
+def two_ranks(sim: SimNode, spawn: Spawn, step: int = 40) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    rank0, rank1 = spawn(), spawn()
+    report(sim, rank0.pid, 0, rank=0, step=step, first_step=1)
+    report(sim, rank1.pid, 1, rank=1, step=step, first_step=1)
+    sim.run_for(1, step=1)  # one publish: remediation now knows both ranks
+    return rank0, rank1
+
+
+def test_a_rank_that_vanishes_stops_its_peers_at_once_and_the_resume_loses_no_step(sim: SimNode, spawn: Spawn) -> None:
+    rank0, rank1 = two_ranks(sim, spawn)
+    died_at = sim.clock.t
+
+    started = time.monotonic()
+    rank1.kill()  # SIGKILL: its report stays with `ended` null
+    incident = incident_with(sim, kind="rank_died", status="stopped")
+    took = time.monotonic() - started
+
+    assert took < 2.0, "the peers must be stopped at once, not at the next tick or after a timeout"
+    assert rank0.wait(5) == 75  # the stop signal reached the survivor
+    assert (incident["cause"], incident["gpu"], incident["job"], incident["last_step"]) == ("rank_died", 1, "job", 40)
+    assert {r["pid"]: r["ended"] for r in incident["ranks"]} == {rank1.pid: "died", rank0.pid: "exited"}
+    assert incident["t"] == died_at
+
+    # The relaunch: the survivor saved step 40, the new ranks start at step 41.
+    relaunched = spawn()
+    report(sim, relaunched.pid, 0, rank=0, step=41, first_step=41, t=died_at + 6.0)
+    incident = incident_with(sim, kind="rank_died", status="resumed")
+    assert (incident["resumed_step"], incident["steps_lost"], incident["time_to_resume_s"]) == (40, 0, 6.0)
+
+
+def test_a_rank_that_raised_is_a_death_and_a_clean_end_is_not(sim: SimNode, spawn: Spawn) -> None:
+    rank0, rank1 = two_ranks(sim, spawn)
+
+    report(sim, rank0.pid, 0, rank=0, step=40, first_step=1, ended="finished")
+    rank0.kill()
+    time.sleep(0.5)
+    assert incidents(sim) == [], "a rank whose last report says it finished ended cleanly"
+
+    report(sim, rank1.pid, 1, rank=1, step=40, first_step=1, ended="error")
+    rank1.kill()
+    incident = incident_with(sim, kind="rank_died")
+    assert {r["pid"]: r["ended"] for r in incident["ranks"]} == {rank1.pid: "raised"}
+
+
+def test_an_xid_on_a_gpu_with_ranks_stops_the_job_as_a_gpu_fault(sim: SimNode, spawn: Spawn) -> None:
+    rank0, rank1 = two_ranks(sim, spawn)
+
+    sim.daemon.monitor.inject(1, {}, 60.0, event="xid", xid=31)  # an application XID: no quarantine
+
+    incident = incident_with(sim, kind="gpu_fault", status="stopped")
+    assert incident["gpu"] == 1 and "31" in incident["reason"]
+    assert rank0.wait(5) == 75 and rank1.wait(5) == 75
+    assert not sim.gpu(1)["quarantined"], "XID 31 does not condemn the card"
+
+
+def test_a_hung_job_is_found_and_stopped(sim: SimNode, spawn: Spawn) -> None:
+    rank0, rank1 = two_ranks(sim, spawn)
+    os.kill(rank1.pid, signal.SIGSTOP)  # frozen: it stops reporting; rank 0 waits in a collective
+
+    for _ in range(10):  # rank 0's link still reports, always at step 40
+        sim.clock.advance(2.0)
+        report(sim, rank0.pid, 0, rank=0, step=40, first_step=1)
+        sim.daemon.monitor.tick()
+
+    incident = incident_with(sim, kind="trainer_hang", status="stopped")
+    assert (
+        "no rank got past step 40" in incident["reason"] and "rank 1 of job job stopped reporting" in incident["reason"]
+    )
+    assert rank0.wait(5) == 75
+    assert rank1.wait(5) == -signal.SIGKILL, "a stopped rank cannot checkpoint: SIGKILL once its peers are gone"
+
+
+def test_a_resume_that_finished_before_the_next_report_interval_is_seen(sim: SimNode, spawn: Spawn) -> None:
+    rank0, rank1 = two_ranks(sim, spawn)
+    response = sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
+    assert response.status_code == 200
+    incident_with(sim, status="stopped")
+    decided = incidents(sim)[0]["t"]
+
+    # A whole relaunch between two polls: first report at its first step, last report at exit, gone.
+    short = subprocess.Popen([sys.executable, "-c", "pass"])
+    short.wait()
+    report(sim, short.pid, 0, rank=0, step=45, first_step=41, ended="finished", t=decided + 2.5)
+
+    incident = incident_with(sim, status="resumed")
+    assert (incident["resumed_step"], incident["steps_lost"], incident["time_to_resume_s"]) == (40, 0, 2.5)
+
+
+def test_a_bad_report_beside_good_ones_never_turns_stopping_off(sim: SimNode, spawn: Spawn) -> None:
+    rank0 = spawn()
+    report(sim, rank0.pid, 1, rank=0, step=10)
+    liar = spawn()
+    report(sim, liar.pid, 1, rank=1, step=10, step_time_s="abc")  # one user's badly typed report
+    sim.run_for(1, step=1)
+
+    sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
+
+    incident = incident_with(sim, status="stopped")
+    assert [r["pid"] for r in incident["ranks"]] == [rank0.pid]
+    assert liar.poll() is None, "a rank whose report was rejected is never signalled on its word"
+
+
+def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn) -> None:
+    """100 cycles with a rank that ignores the stop: one remediation thread, whatever happens."""
+    sim = start_sim_node(tmp_path, gpus=2, **{"trainer.grace_period_s": 3600.0})
+    try:
+        stubborn = spawn("signal.signal(signal.SIGUSR1, signal.SIG_IGN)")
+        report(sim, stubborn.pid, 1, rank=0, step=1)
+        sim.run_for(1, step=1)
+
+        def cycle() -> None:
+            assert sim.client.post("/v1/gpus/1/quarantine", json={"reason": "c"}, headers=sim.auth).status_code == 200
+            assert sim.client.post("/v1/gpus/1/release", json={"reason": "c"}, headers=sim.auth).status_code == 200
+
+        def ours() -> list[str]:
+            """The daemon's own threads (the test client's and anyio's worker threads come and go)."""
+            return sorted(t.name for t in threading.enumerate() if t.name.startswith("gpuwatch-"))
+
+        before = ours()
+        for _ in range(100):
+            cycle()
+        wait_for(lambda: len(incidents(sim)) == 100)
+        assert ours() == before
+        assert before.count("gpuwatch-remediation") == 1
+        assert stubborn.poll() is None
+    finally:
+        sim.close()
