@@ -32,6 +32,7 @@ from gpuwatch.model import (
     GpuSample,
     GpuStatic,
     GpuStatus,
+    Health,
     Severity,
     Snapshot,
     TrainerInfo,
@@ -325,7 +326,10 @@ class Monitor:
 
     def _record(self, reading: GpuSample | GpuEvent | GpuError) -> None:
         if isinstance(reading, GpuEvent) and reading.kind == "xid" and reading.xid is not None:
-            self._xids[reading.index][reading.xid] += 1
+            # An XID the kernel log kept from before the window (boot, daemon down) is listed, not counted:
+            # the counter feeds alerts, and an old fault must raise none.
+            if reading.t >= self.clock() - self.rules.xid_window_s:
+                self._xids[reading.index][reading.xid] += 1
         self._running[reading.index].add(reading)
 
     def _judge_and_publish(self, now: float) -> Snapshot:
@@ -364,7 +368,11 @@ class Monitor:
         with self._lock:
             self._validating.pop(index, None)
             now = self.clock()
-            if result.passed:
+            gpu = next(g for g in self._node.gpus if g.index == index)
+            still_due = gpu.quarantined and gpu.quarantine_auto and gpu.state is Health.HEALTHY
+            if result.passed and not still_due:  # a new finding or an operator meanwhile: burn-in starts over
+                log.warning("GPU %d: validation passed, but the GPU changed meanwhile: not released", index)
+            elif result.passed:
                 log.warning("GPU %d: validation passed: %s", index, result.reason)
                 node, decisions = state.release(
                     self._node, index, now, f"validation passed: {result.reason}", auto=True

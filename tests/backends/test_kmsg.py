@@ -153,3 +153,12 @@ def test_kernel_log_access_is_exported(tmp_path: Path, readable: bool, value: fl
     text = text_exposition(SnapshotCollector(lambda: monitor.snapshot).collect()).decode()
     assert [v for _, v in metric_samples(text, "gpuwatch_kernel_log_readable")] == [value]
     assert [v for _, v in metric_samples(text, "gpuwatch_kernel_sxid_errors_total")] == [2.0]
+
+
+def test_an_old_kernel_xid_is_not_counted_for_the_alerts(tmp_path: Path) -> None:
+    """gpuwatch_gpu_xid_errors_total feeds GpuwatchXidCritical: an XID 79 from boot must not appear in it."""
+    clock = FakeClock()
+    monitor = _monitor(tmp_path, clock)
+    old = GpuEvent(clock.t - 7200, 0, monitor.statics[0].uuid, "xid", 79, source="kmsg", detail=XID79)
+    monitor.handle_events([old])
+    assert monitor.snapshot.gpu(0).xid_counts == ()  # type: ignore[union-attr]
