@@ -234,9 +234,12 @@ class NvmlBackend:
     def _fabric_info(self, handle: Any) -> tuple[int, int] | None:
         """(state, status) of the GPU's NVSwitch fabric registration; None where there is no fabric."""
         nvml = self._nvml
-        info = nvml.c_nvmlGpuFabricInfo_t()
+        info_type = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
+        if info_type is None:  # a binding older than fabric info
+            return None
+        info = info_type()
         nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
-        if info.state == nvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED:
+        if info.state == getattr(nvml, "NVML_GPU_FABRIC_STATE_NOT_SUPPORTED", 0):
             return None
         return int(info.state), int(info.status)
 

@@ -162,3 +162,35 @@ def test_an_old_kernel_xid_is_not_counted_for_the_alerts(tmp_path: Path) -> None
     old = GpuEvent(clock.t - 7200, 0, monitor.statics[0].uuid, "xid", 79, source="kmsg", detail=XID79)
     monitor.handle_events([old])
     assert monitor.snapshot.gpu(0).xid_counts == ()  # type: ignore[union-attr]
+
+
+def test_the_daemon_replays_the_kernel_log_at_start(tmp_path: Path) -> None:
+    """Wired as on a live backend: an old XID is listed with its kernel time, a recent one is judged."""
+    from tests.helpers import metric_samples, start_sim_node
+
+    node = start_sim_node(tmp_path, gpus=2)
+    try:
+        daemon = node.daemon
+        statics = list(daemon.monitor.statics.values())
+        bus = [pci_key(s.pci_bus_id) for s in statics]
+        path = tmp_path / "kmsg"
+        now_usec = round((node.clock.t - BOOT) * 1e6)
+        path.write_text(
+            record(1, now_usec - 7_200_000_000, f"NVRM: Xid (PCI:{bus[0]}): 79, pid='<unknown>', name=<unknown>")
+            + record(2, now_usec - 30_000_000, f"NVRM: Xid (PCI:{bus[1]}): 79, pid='<unknown>', name=<unknown>")
+        )
+        daemon.kernel_log = KernelLog(str(path), statics, boot_t=BOOT)
+        daemon._start_kernel_log()
+        old, recent = node.gpu(0), node.gpu(1)
+        assert [x["xid"] for x in old["kernel_xids"]] == [79] and old["state"] == "healthy"
+        assert old["kernel_xids"][0]["t"] == pytest.approx(node.clock.t - 7200)
+        assert recent["state"] == "unhealthy" and "xid_critical" in {f["rule"] for f in recent["findings"]}
+        node.run_for(5)
+        assert [v for _, v in metric_samples(node.client.get("/metrics").text, "gpuwatch_kernel_log_readable")] == [1]
+    finally:
+        node.daemon.stop_event.set()
+        if node.daemon._kernel_thread is not None:
+            node.daemon._kernel_thread.join(5)
+        if node.daemon.kernel_log is not None:
+            node.daemon.kernel_log.close()
+        node.close()
