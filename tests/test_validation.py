@@ -228,3 +228,10 @@ def test_api_release_validate(tmp_path: Path) -> None:
         assert sim.client.post(url, json={"validate": "maybe"}, headers=sim.auth).status_code == 422
     finally:
         sim.close()
+
+
+def test_the_real_gpu_test_without_a_gpu_fails_in_one_line() -> None:
+    """The default program (python3 -m gpuwatch.validation.gpu_test) on a machine with no CUDA device."""
+    result = validate(H200, (), Config(validation=ValidationConfig(dcgm_diag=False)))
+    assert result.outcome == "failed"
+    assert "GPU test exited" in result.reason and ("no CUDA device" in result.reason or "torch" in result.reason)

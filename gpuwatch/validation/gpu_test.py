@@ -20,7 +20,8 @@ def measure(matmul_n: int = 8192, copy_gib: float = 2.0, pattern_gib: float = 16
     """The three figures on cuda:0; each test's tensors are freed before the next (its own function)."""
     import torch  # noqa: PLC0415 (only this process needs torch)
 
-    torch.cuda.init()
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"no CUDA device for torch {torch.__version__} (CUDA_VISIBLE_DEVICES or a CPU-only build)")
     words = int(min(pattern_gib * _GIB, torch.cuda.mem_get_info()[0] * 0.4)) // 4
     return {
         "device": torch.cuda.get_device_name(0),
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"gpu_test: torch is not importable: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a CUDA error is the finding: one line the gate quotes
+        print(f"gpu_test: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(figures))
     else:
