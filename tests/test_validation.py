@@ -235,3 +235,35 @@ def test_the_real_gpu_test_without_a_gpu_fails_in_one_line() -> None:
     result = validate(H200, (), Config(validation=ValidationConfig(dcgm_diag=False)))
     assert result.outcome == "failed"
     assert "GPU test exited" in result.reason and ("no CUDA device" in result.reason or "torch" in result.reason)
+
+
+def test_cli_release_validate_exit_codes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from gpuwatch.cli import main
+    from gpuwatch.client import DaemonClient
+    from gpuwatch.errors import DaemonError
+
+    asked: list[float | None] = []
+
+    def refuse(
+        self: DaemonClient, index: int, reason: str, validate_timeout_s: float | None = None
+    ) -> dict[str, object]:
+        asked.append(validate_timeout_s)
+        raise DaemonError(f"POST /v1/gpus/{index}/release: HTTP 409: GPU {index} stays quarantined: validation failed")
+
+    monkeypatch.setattr(DaemonClient, "release", refuse)
+    args = ["release", "1", "--validate", "--state-dir", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and "stays quarantined: validation failed" in result.output
+    assert asked == [180.0 * 2 + 30]  # waits for the GPU test and dcgmi diag
+
+    def accept(
+        self: DaemonClient, index: int, reason: str, validate_timeout_s: float | None = None
+    ) -> dict[str, object]:
+        validation = {"outcome": "passed", "reason": "matmul 612 TFLOPS within reference 600"}
+        return {"index": index, "uuid": "GPU-1", "state": "healthy", "validation": validation}
+
+    monkeypatch.setattr(DaemonClient, "release", accept)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "validation passed: matmul 612 TFLOPS" in result.output
