@@ -136,7 +136,13 @@ def status(config_path: str | None, as_json: bool, **flags: Any) -> None:
             g["suggested_action"],
             ranks or "-",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for g in gpus:  # XIDs the kernel log holds (also from before the daemon started), with their kernel time
+        for x in g.get("kernel_xids", []):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x["t"]))
+            line = f"GPU {g['index']} kernel log {when} UTC: XID {x['xid']}: {x['line']}"
+            console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def _fmt(value: Any, pattern: str = "{}") -> str:

@@ -194,3 +194,17 @@ def test_the_daemon_replays_the_kernel_log_at_start(tmp_path: Path) -> None:
         if node.daemon.kernel_log is not None:
             node.daemon.kernel_log.close()
         node.close()
+
+
+def test_status_lists_kernel_xids_with_their_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from gpuwatch.cli import main
+    from gpuwatch.client import DaemonClient
+
+    gpu = {"index": 0, "uuid": "GPU-a", "state": "healthy", "quarantined": False, "findings": [], "sample": None}
+    gpu |= {"suggested_action": "none", "kernel_xids": [{"t": BOOT, "xid": 31, "line": XID31}]}
+    monkeypatch.setattr(DaemonClient, "gpus", lambda self: [gpu])
+    result = CliRunner().invoke(main, ["status", "--state-dir", str(tmp_path)], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    assert "GPU 0 kernel log 2027-01-15 08:00:00 UTC: XID 31: NVRM: Xid (PCI:0000:18:00): 31, pid=4242" in result.output
