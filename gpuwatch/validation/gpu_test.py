@@ -22,7 +22,7 @@ def measure(matmul_n: int = 8192, copy_gib: float = 2.0, pattern_gib: float = 16
 
     if not torch.cuda.is_available():
         raise RuntimeError(f"no CUDA device for torch {torch.__version__} (CUDA_VISIBLE_DEVICES or a CPU-only build)")
-    words = int(min(pattern_gib * _GIB, torch.cuda.mem_get_info()[0] * 0.4)) // 4
+    words = int(min(pattern_gib * _GIB, torch.cuda.mem_get_info()[0] * 0.3)) // 4
     return {
         "device": torch.cuda.get_device_name(0),
         "matmul_tflops": round(_matmul_tflops(torch, matmul_n), 1),
