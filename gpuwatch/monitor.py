@@ -359,7 +359,9 @@ class Monitor:
         if index in self._validating or self._validate_after.get(index, 0.0) > now:
             return
         log.info("GPU %d burned in: running the GPU test before release", index)
-        thread = threading.Thread(target=self._auto_validation, args=(index,), name=f"gpuwatch-validate-{index}")
+        thread = threading.Thread(
+            target=self._auto_validation, args=(index,), name=f"gpuwatch-validate-{index}", daemon=True
+        )
         self._validating[index] = thread
         thread.start()
 
