@@ -140,6 +140,7 @@ class ReleaseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: Reason = "operator"
     force: bool = False  # needed to release a GPU that is still degraded or unhealthy (409 without it)
+    validate_first: bool = Field(default=False, alias="validate")  # run the GPU test; release only if it passes
 
 
 class InjectBody(BaseModel):
@@ -210,6 +211,7 @@ def gpu_json(g: GpuStatus, now: float) -> dict[str, Any]:
         "sample_age_s": round(now - sample.t, 3) if sample else None,
         "sample": {k: getattr(sample, k) for k in SAMPLE_FIELDS if k not in {"index", "uuid"}} if sample else None,
         "xids": {str(x): n for x, n in g.xid_counts},
+        "kernel_xids": [{"t": e.t, "xid": e.xid, "line": e.detail} for e in g.kernel_xids],
         "trainers": [trainer_json(t) for t in g.trainers],
         "static": dataclasses.asdict(g.static),
     }
@@ -339,12 +341,19 @@ def create_app(
     )
     def release(index: int, body: ReleaseBody) -> dict[str, Any]:
         before = gpu_or_404(index)
-        refusal = None if body.force else release_refusal(before)
+        refusal = None if body.force or body.validate_first else release_refusal(before)  # a test decides
         if refusal is not None:
             raise HTTPException(status_code=409, detail=refusal)
-        after = monitor.release(index, body.reason)
+        if not body.validate_first:
+            after = monitor.release(index, body.reason)
+            changed, message = release_outcome(before, after)
+            return {**durable(index, after, "released"), "changed": changed, "message": message}
+        after, result = monitor.release_validated(index, body.reason)  # blocks for the GPU test (threadpool)
+        if not result.passed:
+            raise HTTPException(409, f"GPU {index} stays quarantined: validation {result.outcome}: {result.reason}")
         changed, message = release_outcome(before, after)
-        return {**durable(index, after, "released"), "changed": changed, "message": message}
+        validation = {"outcome": result.outcome, "reason": result.reason}
+        return {**durable(index, after, "released"), "changed": changed, "message": message, "validation": validation}
 
     @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)], responses=GUARDED)
     def inject(index: int, body: InjectBody) -> dict[str, Any]:

@@ -142,6 +142,10 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
             click.echo("GPU " + ", ".join([row[0], *labelled]))
     else:
         console.print(table)
+    for g in gpus:  # XIDs the kernel log holds (also from before the daemon started), with their kernel time
+        for x in g.get("kernel_xids", []):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x["t"]))
+            click.echo(f"GPU {g['index']} kernel log {when} UTC: XID {x['xid']}: {x['line']}")
 
 
 def _status_row(g: dict[str, Any]) -> list[str]:
@@ -311,14 +315,26 @@ def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -
 @click.argument("index", type=int)
 @click.option("--reason", default="operator", show_default=True, help="Why the GPU may be used again.")
 @click.option("--force", is_flag=True, help="Release it even while it is still degraded or unhealthy.")
+@click.option("--validate", is_flag=True, help="Run the GPU test first; release only if it passes (exit 1 if not).")
 @config_options
 @one_line_errors
-def release(index: int, reason: str, force: bool, config_path: str | None, **flags: Any) -> None:
+def release(index: int, reason: str, force: bool, validate: bool, config_path: str | None, **flags: Any) -> None:
     """Release GPU INDEX from quarantine (a GPU still degraded or unhealthy needs --force)."""
     from gpuwatch.client import DaemonClient
+    from gpuwatch.errors import DaemonError
 
-    g = DaemonClient(build_config(config_path, **flags), config_path=config_path).release(index, reason, force)
+    config = build_config(config_path, **flags)
+    wait_s = config.validation.timeout_s * 2 + 30 if validate else None  # the GPU test, then dcgmi diag
+    try:
+        g = DaemonClient(config, config_path=config_path).release(index, reason, force, validate_timeout_s=wait_s)
+    except DaemonError as exc:
+        if validate and "HTTP 409" in str(exc):  # the test failed or could not run: still quarantined
+            click.echo(f"gpuwatch: {exc}", err=True)
+            raise SystemExit(1) from None
+        raise
     click.echo(g.get("message") or f"GPU {g['index']} released; state {g['state']}")
+    if validate:
+        click.echo(f"validation {g['validation']['outcome']}: {g['validation']['reason']}")
 
 
 main.add_command(launch)

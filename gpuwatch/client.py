@@ -38,7 +38,9 @@ class DaemonClient:
         """Raise DaemonError (saying what to pass) now, before anything is done, when no token can be read."""
         self._token()
 
-    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Any:
         headers = {"Accept": "application/json"}
         data = None
         if method != "GET":
@@ -47,7 +49,7 @@ class DaemonClient:
             data = json.dumps(body or {}).encode()
         req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")
@@ -74,9 +76,16 @@ class DaemonClient:
     def quarantine(self, index: int, reason: str) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/gpus/{index}/quarantine", {"reason": reason}))
 
-    def release(self, index: int, reason: str = "operator", force: bool = False) -> dict[str, Any]:
-        """Release GPU `index`; a GPU still degraded or unhealthy needs `force` (HTTP 409 without it)."""
-        return dict(self.request("POST", f"/v1/gpus/{index}/release", {"reason": reason, "force": force}))
+    def release(
+        self, index: int, reason: str = "operator", force: bool = False, validate_timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Release GPU `index`; a GPU still degraded or unhealthy needs `force` (HTTP 409 without it); with
+        `validate_timeout_s`, only after the GPU test passes (waited for that long)."""
+        body: dict[str, Any] = {"reason": reason, "force": force}
+        if validate_timeout_s is None:
+            return dict(self.request("POST", f"/v1/gpus/{index}/release", body))
+        body["validate"] = True
+        return dict(self.request("POST", f"/v1/gpus/{index}/release", body, timeout_s=validate_timeout_s))
 
     def inject(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/gpus/{index}/inject", body))

@@ -59,6 +59,11 @@ class RulesConfig:
     xid_app_repeats: int = 3
     thermal_margin_c: int = 5
     thermal_window_s: float = 60.0
+    link_window_s: float = 60.0  # PCIe width/generation and NVLink/fabric state are judged over this
+    link_duty: float = 0.5  # share of link_window_s a link must be down (PCIe: while busy) to be flagged
+    link_error_window_s: float = 3600.0  # PCIe and NVLink error counters are rates over this
+    pcie_errors_per_hour: float = 100.0  # PCIe correctable errors + replays
+    nvlink_errors_per_hour: float = 100.0  # NVLink CRC + recovery errors, all links
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ class PolicyConfig:
     burn_in_s: float = 1800.0
     breaker_max_share: float = 0.25
     breaker_window_s: float = 3600.0
+    repeat_quarantines: int = 3  # this many automatic quarantines of one uuid within repeat_window_s …
+    repeat_window_s: float = 7 * 86400.0  # … escalate it to hardware_inspection, held until an operator releases
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,19 @@ class ToolsConfig:
         "/usr/share/datacenter-gpu-manager-4/bindings/python3",
         "/usr/local/dcgm/bindings/python3",
     )
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """[validation]: the active test a quarantined, idle GPU passes before it goes back into service."""
+
+    before_release: bool = True  # run it before a burn-in release (live backends: nvml, dcgm)
+    program: str = ""  # the GPU test; "" is `python3 -m gpuwatch.validation.gpu_test` (needs torch with CUDA)
+    timeout_s: float = 180.0
+    tolerance: float = 0.15  # a figure may fall this far below its reference and pass
+    matmul_tflops: float = 0.0  # reference override; 0: the model's figure (gpuwatch/validation/references.py)
+    mem_bandwidth_gbps: float = 0.0  # reference override, likewise
+    dcgm_diag: bool = True  # also run `dcgmi diag -r 1` on the GPU when dcgmi is installed
 
 
 @dataclass(frozen=True)
@@ -198,6 +218,7 @@ class Config:
     api: ApiConfig = field(default_factory=ApiConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     @property
     def listen_host(self) -> str:
@@ -279,6 +300,13 @@ def validate(config: Config) -> None:
     for name, value in dataclasses.asdict(config.rules).items():
         if name.endswith("_s") and value <= 0:
             raise ConfigError(f"rules.{name}: {value} must be positive")
+    if config.policy.repeat_quarantines < 1 or config.policy.repeat_window_s <= 0:
+        raise ConfigError("policy.repeat_quarantines must be at least 1 and policy.repeat_window_s positive")
+    v = config.validation
+    if v.timeout_s <= 0 or not 0.0 <= v.tolerance < 1.0 or v.matmul_tflops < 0 or v.mem_bandwidth_gbps < 0:
+        raise ConfigError(
+            "validation: timeout_s must be positive, tolerance in [0, 1), matmul_tflops and mem_bandwidth_gbps ≥ 0"
+        )
     for name, value in dataclasses.asdict(config.drills).items():
         if name.endswith("_s") and value <= 0:
             raise ConfigError(f"drills.{name}: {value} must be positive")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import socket
@@ -23,10 +24,11 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from fastapi import FastAPI
 
-from gpuwatch import __version__, remediation_api, systemd
+from gpuwatch import __version__, remediation_api, systemd, validation
 from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend
+from gpuwatch.backends.kmsg import KernelLog
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.drills import install as install_drills
 from gpuwatch.errors import ConfigError, StoreError
@@ -34,7 +36,7 @@ from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.health.state import Decision
 from gpuwatch.httpserver import ACCEPT_BURST, AcceptErrorLog, ServerLimits, limited_protocol, raise_fd_limit
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
-from gpuwatch.model import Snapshot
+from gpuwatch.model import GpuEvent, Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
@@ -44,6 +46,9 @@ from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import Store
 
 log = logging.getLogger("gpuwatch.daemon")
+
+
+LIVE_BACKENDS = frozenset({"nvml", "dcgm"})
 
 
 def setup_logging(level: str) -> None:
@@ -160,6 +165,11 @@ class Daemon:
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
+        # The kernel log is a second XID source on real GPUs only (sim and replay have no driver lines).
+        self.kernel_log = KernelLog(config.tools.kmsg, statics) if self.backend.name in LIVE_BACKENDS else None
+        self._kernel_thread: threading.Thread | None = None
+        if self.backend.name in LIVE_BACKENDS:  # the GPU test needs a real GPU
+            self.monitor.validator = functools.partial(validation.validate, config=config)
         install_drills(self)
         self.fleet = FleetBreaker(config.fleet) if config.fleet.prometheus_url else None
         if self.fleet is not None:
@@ -237,11 +247,36 @@ class Daemon:
             misfire_grace_time=None,
         )
         self.scheduler.start()
+        self._start_kernel_log()
         self._event_thread.start()
         if self.drainer is not None:
             self.drainer.start()
         systemd.ready()
         systemd.status(f"watching {len(self.monitor.statics)} GPU(s) with {self.backend.name}")
+
+    def _start_kernel_log(self) -> None:
+        """Replay what the kernel buffer still holds (judged by kernel time), then follow it in a thread."""
+        kernel_log = self.kernel_log
+        if kernel_log is None or not self.config.tools.kmsg:
+            return
+        kernel_log.open()
+        self.monitor.kernel_log_readable = kernel_log.readable
+        if not kernel_log.readable:
+            return
+        old = kernel_log.read_available()
+        self.monitor.kernel_sxids_total = kernel_log.sxids_total
+        if old:
+            log.info("kernel log: %d XID(s) since boot: %s", len(old), "; ".join(e.detail for e in old[-5:]))
+            self.monitor.handle_events(old)
+
+        def handle(events: list[GpuEvent]) -> None:
+            self.monitor.kernel_sxids_total = kernel_log.sxids_total
+            self.monitor.handle_events(events)
+
+        self._kernel_thread = threading.Thread(
+            target=kernel_log.follow, args=(self.stop_event, handle), name="gpuwatch-kmsg", daemon=True
+        )
+        self._kernel_thread.start()
 
     def stop(self) -> None:
         systemd.stopping()
@@ -252,6 +287,10 @@ class Daemon:
         self.remediation.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
+        if self._kernel_thread is not None:
+            self._kernel_thread.join(timeout=5)
+        if self.kernel_log is not None:
+            self.kernel_log.close()
         if self.drainer is not None:
             self.drainer.stop()
         unsaved = self.monitor.flush_store()

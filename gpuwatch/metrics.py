@@ -94,6 +94,15 @@ class SnapshotCollector(Collector):
         yield CounterMetricFamily(
             "gpuwatch_store_write_errors", "Failed writes to the state store.", value=snap.store_write_errors_total
         )
+        if snap.kernel_log_readable is not None:  # followed only on live backends
+            yield GaugeMetricFamily(
+                "gpuwatch_kernel_log_readable",
+                "1 if the kernel log (XIDs from before the daemon started) can be read.",
+                value=int(snap.kernel_log_readable),
+            )
+            yield CounterMetricFamily(
+                "gpuwatch_kernel_sxid_errors", "NVSwitch SXid lines in the kernel log.", value=snap.kernel_sxids_total
+            )
 
     def _gpus(self, gpus: tuple[GpuStatus, ...]) -> Iterator[Metric]:
         g_labels = ["gpu", "uuid"]
@@ -165,6 +174,11 @@ class SnapshotCollector(Collector):
                 ("gpuwatch_gpu_row_remap_pending", s.remapped_pending),
                 ("gpuwatch_gpu_row_remap_failed", s.remapped_failure),
                 ("gpuwatch_gpu_processes", len(s.pids)),
+                ("gpuwatch_gpu_pcie_link_generation", s.pcie_link_gen),
+                ("gpuwatch_gpu_pcie_link_width", s.pcie_link_width),
+                ("gpuwatch_gpu_recovery_action", s.recovery_action),
+                ("gpuwatch_gpu_nvlink_down", s.nvlink_links_down),
+                ("gpuwatch_gpu_fabric_state", s.fabric_state),
             ):
                 if value is not None:
                     gauges[name].add_metric(ids, value)
@@ -177,6 +191,9 @@ class SnapshotCollector(Collector):
             for name, value in (
                 ("gpuwatch_gpu_energy_joules", _scale(s.energy_mj, 0.001)),
                 ("gpuwatch_gpu_pcie_replay", s.pcie_replay),
+                ("gpuwatch_gpu_pcie_correctable_errors", s.pcie_correctable_errors),
+                ("gpuwatch_gpu_nvlink_crc_errors", s.nvlink_crc_errors),
+                ("gpuwatch_gpu_nvlink_recovery_errors", s.nvlink_recovery_errors),
             ):
                 if value is not None:
                     counters[name].add_metric(ids, value)
@@ -206,10 +223,20 @@ _GAUGE_DOCS = {
     "gpuwatch_gpu_row_remap_pending": "1 if a row remap waits for a GPU reset.",
     "gpuwatch_gpu_row_remap_failed": "1 if a row remap failed.",
     "gpuwatch_gpu_processes": "Compute processes on the GPU.",
+    "gpuwatch_gpu_pcie_link_generation": "Current PCIe link generation.",
+    "gpuwatch_gpu_pcie_link_generation_max": "Highest PCIe generation the GPU and its slot allow.",
+    "gpuwatch_gpu_pcie_link_width": "Current PCIe link width (lanes).",
+    "gpuwatch_gpu_pcie_link_width_max": "Widest PCIe link the GPU and its slot allow (lanes).",
+    "gpuwatch_gpu_recovery_action": "Driver recovery action: 0 none, 1 GPU reset, 2 reboot, 3/4 drain (and reset).",
+    "gpuwatch_gpu_nvlink_down": "NVLinks not active (absent on a GPU without NVLink).",
+    "gpuwatch_gpu_fabric_state": "NVSwitch fabric registration state (3 completed; absent without a fabric).",
 }
 _COUNTER_DOCS = {
     "gpuwatch_gpu_energy_joules": "Energy used since the driver loaded.",
     "gpuwatch_gpu_pcie_replay": "PCIe replays.",
+    "gpuwatch_gpu_pcie_correctable_errors": "PCIe correctable errors.",
+    "gpuwatch_gpu_nvlink_crc_errors": "NVLink CRC flit errors, all links.",
+    "gpuwatch_gpu_nvlink_recovery_errors": "NVLink recovery errors, all links.",
 }
 
 
@@ -224,6 +251,8 @@ def _static_gauges(gauges: dict[str, GaugeMetricFamily], ids: list[str], g: GpuS
         ("gpuwatch_gpu_power_limit_watts", st.power_limit_w),
         ("gpuwatch_gpu_memory_total_bytes", st.memory_total_bytes),
         ("gpuwatch_gpu_slowdown_temperature_celsius", st.slowdown_temp_c),
+        ("gpuwatch_gpu_pcie_link_generation_max", st.pcie_link_gen_max),
+        ("gpuwatch_gpu_pcie_link_width_max", st.pcie_link_width_max),
     ):
         if value is not None:
             gauges[name].add_metric(ids, value)

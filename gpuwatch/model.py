@@ -103,6 +103,8 @@ class GpuStatic:
     shutdown_temp_c: int | None = None
     mem_max_temp_c: int | None = None
     gpu_max_temp_c: int | None = None
+    pcie_link_gen_max: int | None = None  # the most this GPU and its slot allow (nvmlDeviceGetMaxPcieLinkGeneration)
+    pcie_link_width_max: int | None = None  # lanes, likewise (nvmlDeviceGetMaxPcieLinkWidth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,15 @@ class GpuSample:
     remapped_failure: int | None = None
     pcie_replay: int | None = None
     power_instant_mw: int | None = None
+    pcie_link_gen: int | None = None  # current PCIe generation (trains down at idle on some GPUs)
+    pcie_link_width: int | None = None  # current PCIe lanes
+    pcie_correctable_errors: int | None = None  # counter (NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS)
+    nvlink_links_down: int | None = None  # NVLinks not active; None: the GPU has no NVLink
+    nvlink_crc_errors: int | None = None  # counter, all links (CRC flit errors)
+    nvlink_recovery_errors: int | None = None  # counter, all links
+    fabric_state: int | None = None  # NVSwitch fabric: 1 not started, 2 in progress, 3 completed; None: no fabric
+    fabric_status: int | None = None  # NVML return code of the fabric registration (0 success)
+    recovery_action: int | None = None  # the driver's verdict (NVML field 230): 0 none, 1 GPU reset, 2 node reboot, …
     pids: tuple[int, ...] = ()
 
 
@@ -151,6 +162,8 @@ class GpuEvent:
     kind: str
     xid: int | None = None
     drill: bool = False
+    source: str = "nvml"  # nvml (the event set, or any backend) | kmsg (the kernel log, dated by its kernel time)
+    detail: str = ""  # the kernel log line, for kmsg events
 
 
 @dataclass(frozen=True)
@@ -236,6 +249,7 @@ class GpuStatus:
     xid_counts: tuple[tuple[int, int], ...] = ()
     drill_active: bool = False
     trainers: tuple[TrainerInfo, ...] = ()
+    kernel_xids: tuple[GpuEvent, ...] = ()  # the newest XIDs of the kernel log, with their kernel time
 
     @property
     def index(self) -> int:
@@ -247,7 +261,10 @@ class GpuStatus:
 
     @property
     def suggested_action(self) -> Action:
-        """The action of the worst finding (the one an operator should take first)."""
+        """The action of the worst finding (the one an operator should take first); ties go to the first listed.
+
+        The engine lists the driver's recovery action first, so it outranks the XID catalog's guess.
+        """
         ranked = sorted(self.findings, key=lambda f: f.severity.health.rank, reverse=True)
         return ranked[0].action if ranked else Action.NONE
 
@@ -268,6 +285,8 @@ class Snapshot:
     store_error: str = ""  # why the state store cannot write now; "" while it writes fine
     store_unsaved: int = 0  # quarantine changes in force but not yet written to the store
     store_write_errors_total: int = 0
+    kernel_log_readable: bool | None = None  # None: not followed (not a live backend); False: no access
+    kernel_sxids_total: int = 0  # NVSwitch SXid lines seen in the kernel log
 
     def gpu(self, index: int) -> GpuStatus | None:
         for status in self.gpus:

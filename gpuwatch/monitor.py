@@ -16,7 +16,7 @@ import threading
 import time
 import typing
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,23 +28,35 @@ from gpuwatch.health.running import RunningState
 from gpuwatch.model import (
     ERROR_KINDS,
     SAMPLE_FIELDS,
+    Action,
     Finding,
     GpuError,
     GpuEvent,
     GpuSample,
     GpuStatic,
     GpuStatus,
+    Health,
+    Severity,
     Snapshot,
     TrainerInfo,
 )
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.store import QuarantineRecord, Store
+from gpuwatch.validation import FAILED_RULE, ValidationResult
+
+Validator = Callable[[GpuStatic, Sequence[int]], ValidationResult]
+REPEAT_RULE = "repeat_offender"
+VALIDATION_RETRY_S = 60.0  # a validation refused (processes on the GPU) is tried again this much later
 
 log = logging.getLogger("gpuwatch.monitor")
 
 Listener = Callable[[Snapshot, list[state.Decision]], None]
 # Sample fields a drill may override, plus `error` (a read error kind: gpu_lost, reset_required, unknown).
 _INJECTABLE = (frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}) | {"error"}
+# An XID from NVML's event set and one from the kernel log, same GPU and code, this close in time: one fault.
+DEDUPE_S = 5.0
+KERNEL_XIDS_LISTED = 16  # per GPU, the newest kernel-log XIDs shown with their kernel time
+
 _SAMPLE_HINTS = typing.get_type_hints(GpuSample)
 _MAX_INT = 2**63 - 1  # what SQLite and every exporter take; larger "counters" are an attack, not a GPU
 
@@ -164,6 +176,16 @@ class Monitor:
         }
         self._synced: dict[int, frozenset[str]] = {}  # the finding rules last written to the store, per GPU
         self._xids: dict[int, Counter[int]] = {i: Counter() for i in self.statics}
+        self._xid_seen: dict[int, deque[list[Any]]] = {i: deque(maxlen=64) for i in self.statics}
+        self._kernel_xids: dict[int, deque[GpuEvent]] = {i: deque(maxlen=KERNEL_XIDS_LISTED) for i in self.statics}
+        self.kernel_log_readable: bool | None = None  # set by the kernel log follower (daemon.py)
+        self.kernel_sxids_total = 0
+        # The active test a burned-in GPU passes before release (daemon.py sets it on live backends).
+        self.validator: Validator | None = None
+        self._validating: dict[int, threading.Thread] = {}
+        self._validate_after: dict[int, float] = {}
+        # Findings held until an operator releases the GPU (repeat offender, failed validation), by rule.
+        self._held: dict[int, dict[str, Finding]] = {i: {} for i in self.statics}
         self._findings: dict[int, list[Finding]] = {i: [] for i in self.statics}
         self._drill_until: dict[int, float] = {}
         self._injections: dict[int, Injection] = {}
@@ -179,6 +201,7 @@ class Monitor:
         self._store_error = ""
         self._store_write_errors = 0
         self._node = self._restore(state.initial(sorted(self.statics)))
+        self._restore_held()
         self.snapshot = self._build_snapshot(self.clock())
 
     # ---------------------------------------------------------------------------------------
@@ -218,13 +241,32 @@ class Monitor:
 
     def handle_events(self, readings: Iterable[GpuEvent | GpuError]) -> Snapshot | None:
         """Judge event-type faults at once, not at the next tick."""
-        batch = [r for r in readings if r.index in self.statics]
-        if not batch:
-            return None
         with self._lock:
+            readings = [r for r in readings if r.index in self.statics]
+            batch = [r for r in readings if not self._duplicate(r)]
+            if not batch:
+                if readings:  # only duplicates: the kernel log's listing may still have grown
+                    self.snapshot = self._build_snapshot(self.snapshot.t)
+                return None
             for reading in batch:
                 self._record(reading)
             return self._judge_and_publish(max(max(r.t for r in batch), self.clock()))
+
+    def _duplicate(self, reading: GpuEvent | GpuError) -> bool:
+        """True for an XID already taken from the other source (NVML events, kernel log); lists kernel XIDs."""
+        if not isinstance(reading, GpuEvent) or reading.kind != "xid":
+            return False
+        if reading.source == "kmsg":
+            self._kernel_xids[reading.index].append(reading)
+        seen = self._xid_seen[reading.index]
+        for entry in seen:  # each event pairs with at most one of the other source
+            other: GpuEvent = entry[0]
+            close = abs(other.t - reading.t) <= DEDUPE_S
+            if not entry[1] and other.source != reading.source and other.xid == reading.xid and close:
+                entry[1] = True
+                return True
+        seen.append([reading, False])
+        return False
 
     def run_events(self, stop: threading.Event, timeout_s: float = 0.5) -> None:
         """The event thread: wait in the backend's event call and hand each batch on."""
@@ -262,11 +304,30 @@ class Monitor:
             return self._status(self._after_decisions(decisions), index)
 
     def release(self, index: int, reason: str = "operator") -> GpuStatus:
+        """An operator's release; it also drops the findings held for the operator (repeat offender, failed test)."""
         self._require(index)
         with self._lock:
+            self._drop_held(index)
             node, decisions = state.release(self._node, index, self.clock(), reason)
             self._node = node
             return self._status(self._after_decisions(decisions), index)
+
+    def release_validated(self, index: int, reason: str = "operator") -> tuple[GpuStatus, ValidationResult]:
+        """Run the active test first (blocking); release only if it passes, else hold a finding naming the figures."""
+        self._require(index)
+        if self.validator is None:
+            return self._status(self.snapshot, index), ValidationResult("refused", "no GPU test on this backend")
+        with self._lock:
+            if index in self._validating:
+                return self._status(self.snapshot, index), ValidationResult("refused", "a validation is running")
+            self._validating[index] = threading.current_thread()
+        result = self._validate(index)
+        with self._lock:
+            self._validating.pop(index, None)
+            if result.passed:
+                log.warning("GPU %d: validation passed: %s", index, result.reason)
+                return self.release(index, f"{reason}; validation passed: {result.reason}"), result
+            return self._status(self._validation_failed(index, result), index), result
 
     def inject(
         self, index: int, fields: Mapping[str, Any], duration_s: float, event: str | None = None, xid: int | None = None
@@ -336,7 +397,10 @@ class Monitor:
 
     def _record(self, reading: GpuSample | GpuEvent | GpuError) -> None:
         if isinstance(reading, GpuEvent) and reading.kind == "xid" and reading.xid is not None:
-            self._xids[reading.index][reading.xid] += 1
+            # An XID the kernel log kept from before the window (boot, daemon down) is listed, not counted:
+            # the counter feeds alerts, and an old fault must raise none.
+            if reading.t >= self.clock() - self.rules.xid_window_s:
+                self._xids[reading.index][reading.xid] += 1
         try:
             self._running[reading.index].add(reading)
         except Exception:  # a value the rules choke on stays on its GPU: the reading is dropped, the others go on
@@ -354,10 +418,129 @@ class Monitor:
                 log.exception("GPU %d: rules failed; keeping its last findings", index)
                 found = list(self._findings.get(index, ()))
             findings[index] = [dataclasses.replace(f, drill=True) if drill else f for f in found]
+            findings[index] += self._held[index].values()
         self._findings = findings
-        node, decisions = state.step(self._node, findings, now, self.config.policy, self.quarantine_gate)
+        gated = self.statics.keys() if self.validator is not None and self.config.validation.before_release else ()
+        node, decisions = state.step(
+            self._node, findings, now, self.config.policy, self.quarantine_gate, validate=gated
+        )
         self._node = node
+        for decision in [d for d in decisions if d.kind == "validate"]:
+            self._start_validation(decision.index, now)
+        decisions = [d for d in decisions if d.kind != "validate"]
+        decisions += self._escalate_repeat_offenders(decisions)
         return self._after_decisions(decisions, now)
+
+    # ---------------------------------------------------------------------------------------
+    # validation before release, repeat offenders, findings held for the operator
+
+    def _start_validation(self, index: int, now: float) -> None:
+        """Validate a burned-in GPU in a thread (minutes of GPU test must not hold the lock); once at a time."""
+        if index in self._validating or self._validate_after.get(index, 0.0) > now:
+            return
+        log.info("GPU %d burned in: running the GPU test before release", index)
+        thread = threading.Thread(
+            target=self._auto_validation, args=(index,), name=f"gpuwatch-validate-{index}", daemon=True
+        )
+        self._validating[index] = thread
+        thread.start()
+
+    def _auto_validation(self, index: int) -> None:
+        result = self._validate(index)
+        with self._lock:
+            self._validating.pop(index, None)
+            now = self.clock()
+            gpu = next(g for g in self._node.gpus if g.index == index)
+            still_due = gpu.quarantined and gpu.quarantine_auto and gpu.state is Health.HEALTHY
+            if result.passed and not still_due:  # a new finding or an operator meanwhile: burn-in starts over
+                log.warning("GPU %d: validation passed, but the GPU changed meanwhile: not released", index)
+            elif result.passed:
+                log.warning("GPU %d: validation passed: %s", index, result.reason)
+                node, decisions = state.release(
+                    self._node, index, now, f"validation passed: {result.reason}", auto=True
+                )
+                self._node = node
+                self._after_decisions(decisions, now)
+            elif result.outcome == "refused":
+                log.warning("GPU %d: validation %s; trying again in %g s", index, result.reason, VALIDATION_RETRY_S)
+                self._validate_after[index] = now + VALIDATION_RETRY_S
+            else:
+                self._validation_failed(index, result)
+
+    def _validate(self, index: int) -> ValidationResult:
+        """The validator on GPU `index`, given the processes NVML last listed on it (it refuses any)."""
+        assert self.validator is not None
+        last = self._running[index].last
+        try:
+            return self.validator(self.statics[index], last.pids if last is not None else ())
+        except Exception as exc:  # a bug in the gate must keep the GPU out, not crash a thread silently
+            log.exception("GPU %d: validation failed to run", index)
+            return ValidationResult("failed", f"validation could not run: {type(exc).__name__}: {exc}")
+
+    def _validation_failed(self, index: int, result: ValidationResult) -> Snapshot:
+        """Hold a finding with the figures: the GPU stays quarantined (no burn-in) until an operator releases it."""
+        now = self.clock()
+        reason = f"the GPU test failed before release: {result.reason}"
+        log.error("GPU %d: %s", index, reason)
+        self._hold(index, Finding(FAILED_RULE, Severity.DEGRADED, reason, Action.HARDWARE_INSPECTION, now))
+        return self._judge_and_publish(now) if self._running[index].seen else self._after_decisions([], now)
+
+    def _escalate_repeat_offenders(self, decisions: list[state.Decision]) -> list[state.Decision]:
+        """An automatic quarantine that is the uuid's `repeat_quarantines`-th within the window: held for inspection."""
+        policy, extra = self.config.policy, []
+        for decision in decisions:
+            if self.store is None or decision.kind != "quarantine" or not decision.auto or decision.drill:
+                continue
+            uuid = self.statics[decision.index].uuid
+            try:
+                count = self.store.count_auto_quarantine(uuid, decision.t, decision.t - policy.repeat_window_s)
+            except StoreError as exc:
+                log.error("cannot count quarantines of GPU %d: %s", decision.index, exc)
+                continue
+            if count < policy.repeat_quarantines:
+                continue
+            reason = (
+                f"quarantined automatically {count} times within {policy.repeat_window_s:g} s (limit "
+                f"{policy.repeat_quarantines}): held for hardware inspection until an operator releases it"
+            )
+            self._hold(
+                decision.index, Finding(REPEAT_RULE, Severity.DEGRADED, reason, Action.HARDWARE_INSPECTION, decision.t)
+            )
+            self._findings.setdefault(decision.index, []).append(self._held[decision.index][REPEAT_RULE])
+            node, held = state.quarantine(self._node, decision.index, f"repeat offender: {reason}", decision.t)
+            self._node = node
+            extra += [dataclasses.replace(d, kind="escalate") for d in held]
+        return extra
+
+    def _hold(self, index: int, finding: Finding) -> None:
+        static = self.statics[index]
+        finding = dataclasses.replace(finding, index=index, uuid=static.uuid)
+        self._held[index][finding.rule] = finding
+        if self.store is not None:
+            try:
+                self.store.hold_finding(static.uuid, finding)
+            except StoreError as exc:
+                log.error("cannot store the held finding %s of GPU %d: %s", finding.rule, index, exc)
+
+    def _drop_held(self, index: int) -> None:
+        if not self._held[index]:
+            return
+        self._held[index] = {}
+        self._findings[index] = [f for f in self._findings.get(index, []) if f.rule not in (REPEAT_RULE, FAILED_RULE)]
+        if self.store is not None:
+            try:
+                self.store.drop_held_findings(self.statics[index].uuid)
+            except StoreError as exc:
+                log.error("cannot drop the held findings of GPU %d: %s", index, exc)
+
+    def _restore_held(self) -> None:
+        if self.store is None:
+            return
+        held = self.store.held_findings()
+        for index, static in self.statics.items():
+            for finding in held.get(static.uuid, ()):
+                log.warning("GPU %d (%s) still holds %s: %s", index, static.uuid, finding.rule, finding.reason)
+                self._held[index][finding.rule] = dataclasses.replace(finding, index=index)
 
     def _after_decisions(self, decisions: list[state.Decision], now: float | None = None) -> Snapshot:
         now = self.clock() if now is None else now
@@ -388,7 +571,7 @@ class Monitor:
             self._synced[index] = rules
 
     def _log(self, decision: state.Decision) -> None:
-        level = logging.WARNING if decision.kind in {"quarantine", "refused"} else logging.INFO
+        level = logging.WARNING if decision.kind in {"quarantine", "refused", "escalate"} else logging.INFO
         log.log(
             level,
             "GPU %d (%s): %s%s: %s",
@@ -405,7 +588,7 @@ class Monitor:
             return
         static = self.statics[decision.index]
         gpu_state = self._node.gpus[self._position(decision.index)]
-        if decision.kind == "quarantine":
+        if decision.kind in {"quarantine", "escalate"}:
             self._unsaved_quarantines[static.uuid] = QuarantineRecord(
                 static.uuid,
                 decision.index,
@@ -529,6 +712,7 @@ class Monitor:
                     xid_counts=tuple(sorted(self._xids[index].items())),
                     drill_active=self._drill_until.get(index, 0.0) > now,
                     trainers=tuple(trainers_by_uuid.get(static.uuid, ())),
+                    kernel_xids=tuple(self._kernel_xids[index]),
                 )
             )
         return Snapshot(
@@ -544,6 +728,8 @@ class Monitor:
             store_error=self._store_error,
             store_unsaved=len(self._unsaved_quarantines),
             store_write_errors_total=self._store_write_errors,
+            kernel_log_readable=self.kernel_log_readable,
+            kernel_sxids_total=self.kernel_sxids_total,
         )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.errors import StoreError
-from gpuwatch.model import Finding
+from gpuwatch.model import Action, Finding, Severity
 
 log = logging.getLogger("gpuwatch.store")
 
@@ -39,6 +39,12 @@ CREATE TABLE IF NOT EXISTS decision (
 );
 CREATE TABLE IF NOT EXISTS incident (
     id INTEGER PRIMARY KEY, t REAL NOT NULL, body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS auto_quarantine (uuid TEXT NOT NULL, t REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS auto_quarantine_uuid ON auto_quarantine (uuid, t);
+CREATE TABLE IF NOT EXISTS held_finding (
+    uuid TEXT NOT NULL, rule TEXT NOT NULL, t REAL NOT NULL, severity TEXT NOT NULL, reason TEXT NOT NULL,
+    action TEXT NOT NULL, PRIMARY KEY (uuid, rule)
 );
 CREATE TABLE IF NOT EXISTS drill_run (
     id INTEGER PRIMARY KEY, t REAL NOT NULL, drill TEXT NOT NULL, result TEXT NOT NULL, body TEXT NOT NULL
@@ -188,6 +194,34 @@ class Store:
     def clear_quarantine(self, uuid: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM quarantine WHERE uuid = ?", (uuid,))
+
+    # repeat offenders and findings held until an operator releases -------------------------
+    def count_auto_quarantine(self, uuid: str, t: float, since: float) -> int:
+        """Record an automatic quarantine of `uuid` at `t`; how many it has had since `since` (this one included)."""
+        with self._tx() as db:
+            db.execute("INSERT INTO auto_quarantine VALUES (?, ?)", (uuid, t))
+            db.execute("DELETE FROM auto_quarantine WHERE uuid = ? AND t < ?", (uuid, since))
+            return int(db.execute("SELECT COUNT(*) FROM auto_quarantine WHERE uuid = ?", (uuid,)).fetchone()[0])
+
+    def hold_finding(self, uuid: str, finding: Finding) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO held_finding VALUES (?, ?, ?, ?, ?, ?)",
+                (uuid, finding.rule, finding.t, finding.severity.value, finding.reason, finding.action.value),
+            )
+
+    def drop_held_findings(self, uuid: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM held_finding WHERE uuid = ?", (uuid,))
+
+    def held_findings(self) -> dict[str, list[Finding]]:
+        """uuid → findings held on that GPU until an operator releases it (repeat offender, failed validation)."""
+        held: dict[str, list[Finding]] = {}
+        for uuid, rule, t, severity, reason, action in self._query(
+            "SELECT uuid, rule, t, severity, reason, action FROM held_finding ORDER BY t"
+        ):
+            held.setdefault(uuid, []).append(Finding(rule, Severity(severity), reason, Action(action), t, uuid=uuid))
+        return held
 
     # findings and decisions ---------------------------------------------------------------
     def sync_findings(self, uuid: str, gpu: int, active: list[Finding], now: float) -> None:

@@ -109,7 +109,7 @@ def _populated_snapshot() -> Snapshot:
         error=GpuError(t=1.0, index=0, uuid="GPU-0", kind="gpu_lost"),
         xid_counts=((79, 1),),
     )
-    return Snapshot(t=1.0, backend="sim", gpus=(status,), samples_total=1)
+    return Snapshot(t=1.0, backend="sim", gpus=(status,), samples_total=1, kernel_log_readable=True)
 
 
 @cache

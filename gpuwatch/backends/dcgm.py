@@ -50,6 +50,12 @@ SAMPLE_FIELDS: dict[str, int] = {
     "remapped_cor": 394,
     "remapped_failure": 395,
     "remapped_pending": 396,
+    "pcie_link_gen": 237,
+    "pcie_link_width": 238,
+    "nvlink_crc_errors": 409,  # all links
+    "nvlink_recovery_errors": 439,
+    "pcie_correctable_errors": 1501,  # DCGM 4.4.2+
+    "recovery_action": 1523,  # DCGM 4.5+ (not DCGM's 230, which is the XID)
 }
 # ref. dcgm.md §1.2: GpuStatic field (plus the NVML index) -> DCGM field id, read once at open.
 STATIC_FIELDS: dict[str, int] = {
@@ -65,6 +71,8 @@ STATIC_FIELDS: dict[str, int] = {
     "shutdown_temp_c": 159,
     "power_limit_w": 164,  # enforced limit, W
     "memory_total_bytes": 250,  # MiB
+    "pcie_link_gen_max": 235,
+    "pcie_link_width_max": 236,
 }
 # ref. dcgm.md §1.2: the value is the XID number of the latest XID, not a count.
 XID_FIELD = 230

@@ -44,6 +44,8 @@ class _Gpu:
     handle: Any = None
     error: GpuReadError | None = None
     unsupported: set[str] = field(default_factory=set)
+    nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
+    links: dict[str, Any] = field(default_factory=dict)  # link counters and states of the last slow sample
 
 
 class NvmlBackend:
@@ -65,6 +67,7 @@ class NvmlBackend:
         self._vendor_errors: tuple[type[BaseException], ...] = ()
         self._unsupported_codes: frozenset[int] = frozenset()
         self._field_ids: tuple[tuple[int, str], ...] = ()
+        self._slow_field_ids: tuple[tuple[int, str], ...] = ()
         self._event_kinds: tuple[tuple[int, str], ...] = ()
         self._gpus: list[_Gpu] = []
         self._initialized = False
@@ -172,10 +175,16 @@ class NvmlBackend:
                 "ecc_dbe_volatile": read("ecc_dbe_volatile", ecc, handle, uncorrected, volatile),
                 "ecc_sbe_aggregate": read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
                 "ecc_dbe_aggregate": read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
-                **self._read_field_values(gpu, handle),
+                "pcie_link_gen": read("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                "pcie_link_width": read("pcie_width", nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+                **self._read_field_values(gpu, handle, self._field_ids),
             }
             if slow:
                 values.update(self._read_slow(gpu, handle))
+                gpu.links = self._read_links(gpu, handle)
+            # Link counters and states are read on slow samples; every sample repeats the last reading,
+            # so their rates and states are judged over windows shorter than slow_interval_s.
+            values.update(gpu.links)
         if remapped is not None:
             # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
             cor, unc, pending, failure = remapped
@@ -207,14 +216,42 @@ class NvmlBackend:
             "energy_mj": read("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, handle),
         }
 
-    def _read_field_values(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
-        """HBM temperature and instantaneous power in one nvmlDeviceGetFieldValues call.
+    def _read_links(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
+        """PCIe correctable errors, NVLink error counters and states, fabric state: the slow link readings."""
+        nvml = self._nvml
+        links = self._read_field_values(gpu, handle, self._slow_field_ids)
+        if gpu.nvlinks:
+            states = [
+                self._read(gpu, "nvlink_state", nvml.nvmlDeviceGetNvLinkState, handle, n) for n in range(gpu.nvlinks)
+            ]
+            if all(state is not None for state in states):
+                links["nvlink_links_down"] = sum(state != nvml.NVML_FEATURE_ENABLED for state in states)
+        fabric = self._read(gpu, "fabric", self._fabric_info, handle)
+        if fabric is not None:
+            links["fabric_state"], links["fabric_status"] = fabric
+        return links
+
+    def _fabric_info(self, handle: Any) -> tuple[int, int] | None:
+        """(state, status) of the GPU's NVSwitch fabric registration; None where there is no fabric."""
+        nvml = self._nvml
+        info_type = getattr(nvml, "c_nvmlGpuFabricInfo_t", None)
+        if info_type is None:  # a binding older than fabric info
+            return None
+        info = info_type()
+        nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+        if info.state == getattr(nvml, "NVML_GPU_FABRIC_STATE_NOT_SUPPORTED", 0):
+            return None
+        return int(info.state), int(info.status)
+
+    def _read_field_values(self, gpu: _Gpu, handle: Any, field_ids: tuple[tuple[int, str], ...]) -> dict[str, Any]:
+        """Several fields in one nvmlDeviceGetFieldValues call (per sample: HBM temperature, instantaneous
+        power and the driver's recovery action; on slow samples: the link error counters).
 
         One or two fields cost 5–8 µs, so this is the cheapest path for them; a field the GPU
         lacks is cached as unsupported like any other (ref. nvmlFieldValue_t.nvmlReturn).
         """
         nvml = self._nvml
-        wanted = [(field_id, name) for field_id, name in self._field_ids if name not in gpu.unsupported]
+        wanted = [(field_id, name) for field_id, name in field_ids if name not in gpu.unsupported]
         if not wanted:
             return {}
         results = self._read(gpu, "field_values", nvml.nvmlDeviceGetFieldValues, handle, [f for f, _ in wanted])
@@ -366,8 +403,18 @@ class NvmlBackend:
         self._vendor_errors = (nvml.NVMLError,) if mismatch is None else (nvml.NVMLError, mismatch)
         # FUNCTION_NOT_FOUND is a driver older than the binding: as final for this field as NOT_SUPPORTED.
         self._unsupported_codes = frozenset({nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND})
-        fields = [("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"), ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw")]
+        fields = [
+            ("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"),
+            ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw"),
+            ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "recovery_action"),
+        ]
         self._field_ids = tuple((getattr(nvml, const), name) for const, name in fields if hasattr(nvml, const))
+        slow_fields = [
+            ("NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS", "pcie_correctable_errors"),
+            ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
+            ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
+        ]
+        self._slow_field_ids = tuple((getattr(nvml, c), name) for c, name in slow_fields if hasattr(nvml, c))
         self._event_kinds = (
             (nvml.nvmlEventTypeXidCriticalError, "xid"),
             (nvml.nvmlEventTypeDoubleBitEccError, "ecc_dbe"),
@@ -414,8 +461,23 @@ class NvmlBackend:
             shutdown_temp_c=fact("shutdown", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN),
             mem_max_temp_c=fact("mem_max", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_MEM_MAX),
             gpu_max_temp_c=fact("gpu_max", threshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_GPU_MAX),
+            pcie_link_gen_max=fact("pcie_gen_max", nvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+            pcie_link_width_max=fact("pcie_width_max", nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
         )
+        gpu.nvlinks = self._count_nvlinks(gpu)
         return gpu
+
+    def _count_nvlinks(self, gpu: _Gpu) -> int:
+        """How many NVLinks the GPU has: links answer in order until the first that is not there."""
+        nvml = self._nvml
+        count = 0
+        for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                nvml.nvmlDeviceGetNvLinkState(gpu.handle, link)
+            except self._vendor_errors:
+                break  # NOT_SUPPORTED on a PCIe-only card (the lab's H200), INVALID_ARGUMENT past the last link
+            count += 1
+        return count
 
     def _gpu(self, index: int) -> _Gpu:
         if not self._initialized:

@@ -57,6 +57,8 @@ H200 = GpuStatic(
     shutdown_temp_c=95,
     mem_max_temp_c=95,
     gpu_max_temp_c=87,
+    pcie_link_gen_max=5,
+    pcie_link_width_max=16,
 )
 
 
@@ -70,7 +72,12 @@ class Fault:
     clocks dropping and no reason on about half the samples; `hot` temperature at slowdown − 2;
     `sbe_rate` 3000 correctable ECC errors a minute; `remap_pending`, `remap_failure`; `gpu_lost`
     every read fails; `reset_required` every read fails with the driver asking for a reset; `read_error`
-    every read fails for no named reason. Kinds that are events: `ecc_dbe` (counters +1 and an ecc_dbe event) and
+    every read fails for no named reason; `recovery_action` the driver asks for a GPU reset; `pcie_x8` the PCIe link
+    trained down to x8 (busy or idle); `pcie_errors` 300 PCIe correctable errors a minute; `nvlink_down`
+    one of 18 NVLinks inactive; `nvlink_errors` 300 NVLink CRC errors a minute; `fabric_not_ready`
+    the NVSwitch fabric registration stuck in progress. A healthy sim GPU is PCIe-only, as the lab's
+    H200 (NVLink and fabric read None); the NVLink and fabric kinds give it 18 links and a fabric.
+    Kinds that are events: `ecc_dbe` (counters +1 and an ecc_dbe event) and
     `xid` (event `xid`, again every `every_s` when set).
     """
 
@@ -102,6 +109,7 @@ _FAULTY_GPU = 1
 _FAULT_START_S = 10.0
 _CLOCK_FAST = {"clock_window_s": 30.0}
 _THERMAL_FAST = {"thermal_window_s": 30.0}
+_LINK_FAST = {"link_window_s": 30.0}
 
 
 def _rule_scenario(
@@ -183,6 +191,21 @@ _SCENARIO_LIST = (
         "gpu_reset_required", "Every read of the GPU fails: the driver needs a GPU reset.", _fault("reset_required")
     ),
     _rule_scenario("gpu_read_error", "Every read of the GPU fails for no named reason.", _fault("read_error")),
+    _rule_scenario(
+        "gpu_recovery_action", "The driver's recovery action asks for a GPU reset.", _fault("recovery_action")
+    ),
+    _rule_scenario(
+        "pcie_link_degraded", "The PCIe link trained down to gen 5 x8 (of x16).", _fault("pcie_x8"), _LINK_FAST
+    ),
+    _rule_scenario("pcie_error_rate", "PCIe correctable errors rise by 300 a minute.", _fault("pcie_errors")),
+    _rule_scenario("nvlink_down", "One of 18 NVLinks is not active.", _fault("nvlink_down"), _LINK_FAST),
+    _rule_scenario("nvlink_error_rate", "NVLink CRC errors rise by 300 a minute.", _fault("nvlink_errors")),
+    _rule_scenario(
+        "fabric_not_ready",
+        "The NVSwitch fabric registration stays in progress.",
+        _fault("fabric_not_ready"),
+        _LINK_FAST,
+    ),
 )
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in _SCENARIO_LIST}
 
@@ -356,6 +379,10 @@ class SimBackend:
             remapped_unc=0,
             remapped_pending=0,
             remapped_failure=0,
+            pcie_link_gen=5,
+            pcie_link_width=16,
+            pcie_correctable_errors=0,
+            recovery_action=0,
             pids=() if self.scenario.idle else (profile.pid,),
         )
 
@@ -443,6 +470,8 @@ def _apply(fault: Fault, elapsed: float, s: GpuSample, busy: bool, rng: random.R
         return replace(s, remapped_failure=1)
     if kind == "hot":
         return replace(s, temp_c=(H200.slowdown_temp_c or 0) - 2)
+    if kind in _LINK_FAULTS:
+        return _LINK_FAULTS[kind](s, int(elapsed * 5))
     if not busy:
         return s
     if kind == "clock_low":
@@ -487,6 +516,21 @@ def _apply(fault: Fault, elapsed: float, s: GpuSample, busy: bool, rng: random.R
     if kind == "power_unstable" and rng.random() < 0.5:
         return replace(s, sm_clock_mhz=_clock(rng, 900, 1095), clocks_event_reasons=0, power_w=_watts(rng, 100, 140))
     return s
+
+
+def _nvlink(s: GpuSample, down: int = 0, crc: int = 0) -> GpuSample:
+    """`s` on a GPU with 18 NVLinks, `down` of them inactive, `crc` CRC errors so far."""
+    return replace(s, nvlink_links_down=down, nvlink_crc_errors=crc, nvlink_recovery_errors=0)
+
+
+_LINK_FAULTS: dict[str, Callable[[GpuSample, int], GpuSample]] = {
+    "recovery_action": lambda s, n: replace(s, recovery_action=1),
+    "pcie_x8": lambda s, n: replace(s, pcie_link_width=8),
+    "pcie_errors": lambda s, n: replace(s, pcie_correctable_errors=(s.pcie_correctable_errors or 0) + n),
+    "nvlink_down": lambda s, n: _nvlink(s, down=1),
+    "nvlink_errors": lambda s, n: _nvlink(s, crc=n),
+    "fabric_not_ready": lambda s, n: replace(s, fabric_state=2, fabric_status=0),
+}
 
 
 def _watts(rng: random.Random, low: float, high: float) -> float:

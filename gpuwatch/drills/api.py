@@ -11,6 +11,7 @@ import urllib.request
 from typing import Any, Protocol
 
 from gpuwatch.client import DaemonClient
+from gpuwatch.config import Config
 from gpuwatch.errors import DaemonError
 
 
@@ -33,8 +34,13 @@ class HttpApi(DaemonClient):
     def get(self, path: str) -> Any:
         return self.request("GET", path)
 
+    def __init__(self, config: Config, timeout_s: float = 10.0, config_path: str | None = None) -> None:
+        super().__init__(config, timeout_s, config_path=config_path)
+        self.validate_wait_s = config.validation.timeout_s * 2 + 30  # the GPU test, then dcgmi diag
+
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self.request("POST", path, body)
+        # A release with "validate" answers only when the GPU test has run.
+        return self.request("POST", path, body, timeout_s=self.validate_wait_s if body.get("validate") else None)
 
     def text(self, path: str) -> str:
         try:

@@ -47,6 +47,9 @@ _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 @click.option("--reset-gpu", type=click.IntRange(min=0), metavar="GPU", help="nvidia-smi -r the GPU (needs --yes).")
 @click.option("--pcie-remove", type=click.IntRange(min=0), metavar="GPU", help="sysfs remove + rescan (needs --yes).")
 @click.option(
+    "--validate", type=click.IntRange(min=0), metavar="GPU", help="Run the GPU test on an idle GPU (needs --yes)."
+)
+@click.option(
     "--rank",
     type=click.IntRange(min=0),
     help="--kill-rank, --hang-rank, --fault-rank: which rank (default: the lowest on the GPU).",
@@ -70,6 +73,7 @@ def drill(
     fault_rank: int | None,
     reset_gpu: int | None,
     pcie_remove: int | None,
+    validate: int | None,
     rank: int | None,
     show_list: bool,
     dry_run: bool,
@@ -95,6 +99,7 @@ def drill(
             ("fault_rank", fault_rank),
             ("reset_gpu", reset_gpu),
             ("pcie_remove", pcie_remove),
+            ("validate", validate),
         )
         if value is not None
     ]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatch.config import Config
-from gpuwatch.drills import checks, injectors, rank_faults, takedown
+from gpuwatch.drills import checks, injectors, rank_faults, takedown, validate
 from gpuwatch.drills.api import DrillApi, describe_trainers, gpu, pids
 from gpuwatch.drills.context import Run
 from gpuwatch.drills.spec import KINDS, DcgmSpec, InjectSpec, expectation, parse_dcgm, parse_inject, xid_expectation
@@ -84,6 +84,8 @@ def build(run: Run) -> list[Step]:
         return [_xid_fault(run), *checks.after_fault(run), _kernel_log(run)]
     if name in RANK_DRILLS:
         return RANK_DRILLS[name](run)
+    if name == "validate":
+        return validate.steps(run)
     deed = takedown.reset(run) if name == "reset_gpu" else takedown.pcie(run)
     return [*takedown.hands_off(run), *deed, *takedown.come_back(run)]
 
@@ -170,7 +172,14 @@ def _dcgm_backend(run: Run) -> None:
         raise DrillRefused("not_supported", f"the daemon reads {backend}, so it never sees DCGM's cache")
 
 
+def _idle(run: Run) -> None:
+    """validate: the GPU test never runs beside anything else."""
+    if pids(run.before):
+        raise DrillRefused("target_busy", f"GPU {run.gpu} has processes on it ({pids(run.before)})")
+
+
 _KIND_GUARDS: dict[str, Callable[[Run], None]] = {
+    "validate": _idle,
     "xid_fault": _no_process,
     "reset_gpu": _only_trainers,
     "pcie_remove": _only_trainers,

@@ -53,6 +53,9 @@ KINDS: dict[str, Kind] = {
         Kind("fault_rank", "--fault-rank", "a rank that opted in raises a real XID 31 in its own context", True, False),
         Kind("reset_gpu", "--reset-gpu", "quarantine, trainers leave, nvidia-smi -r, burn in, release", True, True),
         Kind("pcie_remove", "--pcie-remove", "quarantine, trainers leave, sysfs remove + rescan, burn in", True, True),
+        Kind(
+            "validate", "--validate", "quarantine an idle GPU, run the GPU test, release only if it passes", True, False
+        ),
     )
 }
 

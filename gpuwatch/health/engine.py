@@ -13,10 +13,11 @@ from types import ModuleType
 from gpuwatch.config import RulesConfig
 from gpuwatch.health.evidence import Condition, Evidence, Windowed
 from gpuwatch.health.history import History
-from gpuwatch.health.rules import clocks, ecc, lost, power, row_remap, thermal, xid
+from gpuwatch.health.rules import clocks, ecc, links, lost, power, recovery, row_remap, thermal, xid
 from gpuwatch.model import Finding, GpuStatic
 
-RULE_MODULES: tuple[ModuleType, ...] = (lost, xid, ecc, row_remap, clocks, power, thermal)
+# recovery first: on a tie in severity the driver's own action is the GPU's suggested one (model.GpuStatus).
+RULE_MODULES: tuple[ModuleType, ...] = (recovery, lost, xid, ecc, row_remap, clocks, power, thermal, links)
 ALL_RULE_IDS: tuple[str, ...] = tuple(rule for module in RULE_MODULES for rule in module.RULE_IDS)
 
 
@@ -57,4 +58,12 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
 
 def max_window_s(cfg: RulesConfig) -> float:
     """How many seconds of samples, events and errors the longest rule window looks at."""
-    return max(cfg.clock_window_s, cfg.power_window_s, cfg.ecc_window_s, cfg.xid_window_s, cfg.thermal_window_s)
+    return max(
+        cfg.clock_window_s,
+        cfg.power_window_s,
+        cfg.ecc_window_s,
+        cfg.xid_window_s,
+        cfg.thermal_window_s,
+        cfg.link_window_s,
+        cfg.link_error_window_s,
+    )

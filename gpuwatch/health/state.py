@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatch.config import PolicyConfig
@@ -52,7 +52,11 @@ class GpuState:
 
 @dataclass(frozen=True)
 class Decision:
-    """Something the monitor must log and act on. `kind`: state | quarantine | release | refused."""
+    """Something the monitor must log and act on. `kind`: state | quarantine | release | refused | validate.
+
+    `validate`: the GPU has burned in, but its release waits for an active test (the monitor runs it
+    and releases the GPU only if it passes); repeated every round until then.
+    """
 
     kind: str
     index: int
@@ -84,11 +88,13 @@ def step(
     now: float,
     policy: PolicyConfig,
     gate: QuarantineGate | None = None,
+    validate: Collection[int] = (),
 ) -> tuple[NodeState, list[Decision]]:
     """Advance every GPU judged this round.
 
     `findings` maps each judged GPU to its findings (empty: nothing wrong). A GPU missing from it
-    was not judged (no samples yet) and keeps its state.
+    was not judged (no samples yet) and keeps its state. A GPU in `validate` is not released by
+    burn-in itself: it gets a `validate` decision instead (drill quarantines excepted).
     """
     decisions: list[Decision] = []
     for position in range(len(node.gpus)):  # _put keeps each GPU at its position
@@ -100,7 +106,7 @@ def step(
         if gpu is not before:  # the usual round changes nothing: no copy of the node
             node = _put(node, gpu)
         decisions += changed
-        node, acted = _act(node, gpu, found, now, policy, gate)
+        node, acted = _act(node, gpu, found, now, policy, gate, gpu.index in validate)
         decisions += acted
     recent = _recent(node, now, policy)
     tripped = len(recent) >= breaker_limit(len(node.gpus), policy)
@@ -142,13 +148,16 @@ def quarantine(
     return _quarantine(node, gpu, reason, now, auto=False, drill=drill)
 
 
-def release(node: NodeState, index: int, now: float, reason: str = "operator") -> tuple[NodeState, list[Decision]]:
-    """An operator releases GPU `index` (nothing happens if it is not quarantined).
+def release(
+    node: NodeState, index: int, now: float, reason: str = "operator", *, auto: bool = False
+) -> tuple[NodeState, list[Decision]]:
+    """An operator releases GPU `index` (nothing happens if it is not quarantined); `auto`: the monitor
+    releases it after a passed validation, as burn-in would have.
 
     Raises:
         KeyError: no GPU `index`.
     """
-    return _release(node, _get(node, index), now, reason, auto=False)
+    return _release(node, _get(node, index), now, reason, auto=auto)
 
 
 def breaker_limit(n_gpus: int, policy: PolicyConfig) -> int:
@@ -207,6 +216,7 @@ def _act(
     now: float,
     policy: PolicyConfig,
     gate: QuarantineGate | None = None,
+    validate: bool = False,
 ) -> tuple[NodeState, list[Decision]]:
     """Quarantine a GPU that has earned it, or release one that has burned in."""
     if not gpu.quarantined:
@@ -217,6 +227,8 @@ def _act(
     burned_in = gpu.clean_since is not None and now - gpu.clean_since >= policy.burn_in_s
     if gpu.quarantine_auto and gpu.state is Health.HEALTHY and burned_in:
         why = f"burn-in: no degraded-or-worse finding for {policy.burn_in_s:g} s"
+        if validate and not gpu.drill:
+            return node, [Decision("validate", gpu.index, now, why, gpu.state, gpu.drill)]
         return _release(node, gpu, now, why, auto=True)
     return node, []
 

@@ -68,6 +68,8 @@ def test_open_reads_statics_in_base_units(nvml: FakeNvml) -> None:
         shutdown_temp_c=95,
         mem_max_temp_c=95,
         gpu_max_temp_c=87,
+        pcie_link_gen_max=5,
+        pcie_link_width_max=16,
     )
     assert [s.index for s in statics] == [0, 1]
     assert statics[1].pci_bus_id == "00000000:00:07.0"
@@ -117,8 +119,8 @@ def test_fast_path_makes_no_slow_call(nvml: FakeNvml, backend: NvmlBackend) -> N
         backend.sample(0, float(t))
         backend.sample(1, float(t))
     assert not {name: nvml.calls[name] for name in SLOW_CALLS if nvml.calls[name]}
-    # per sample: 8 single-field calls, 2 clocks, 4 ECC totals and 1 field-values call
-    assert sum(nvml.calls.values()) == 10 * 15
+    # per sample: 8 single-field calls, 2 clocks, 4 ECC totals, 2 PCIe link calls and 1 field-values call
+    assert sum(nvml.calls.values()) == 10 * 17
     assert nvml.calls["nvmlDeviceGetFieldValues"] == 10
     nvml.calls.clear()
     backend.sample(0, 9.0, slow=True)
@@ -321,3 +323,37 @@ def test_release_and_reacquire(nvml: FakeNvml, backend: NvmlBackend) -> None:
     assert backend.sample(0, 2.0).sm_clock_mhz == 1425
     nvml.queue_event(0, fake.nvmlEventTypeXidCriticalError, 13)
     assert [e.xid for e in backend.wait_events(0) if isinstance(e, GpuEvent)] == [13]
+
+
+def test_recovery_action_and_pcie_link_every_sample(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    nvml.gpus[0].fields[fake.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] = (fake.NVML_VALUE_TYPE_UNSIGNED_INT, 2)
+    nvml.gpus[0].pcie_link = (4, 8)
+    s = backend.sample(0, 1.0)
+    assert (s.recovery_action, s.pcie_link_gen, s.pcie_link_width) == (2, 4, 8)
+    assert backend.sample(1, 1.0).recovery_action == 0
+
+
+def test_links_read_on_slow_samples_and_repeated_on_fast_ones() -> None:
+    nvlink = FakeGpu(nvlink_states=(1,) * 17 + (0,), fabric=(3, 0))
+    nvlink.fields[fake.NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL] = (fake.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 12)
+    nvlink.fields[fake.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS] = (fake.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 3)
+    nvml = FakeNvml([nvlink])
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    assert backend.sample(0, 1.0).nvlink_links_down is None  # nothing read yet
+    slow = backend.sample(0, 2.0, slow=True)
+    assert (slow.nvlink_links_down, slow.nvlink_crc_errors, slow.pcie_correctable_errors) == (1, 12, 3)
+    assert (slow.fabric_state, slow.fabric_status) == (3, 0)
+    states = nvml.calls["nvmlDeviceGetNvLinkState"]
+    fast = backend.sample(0, 3.0)
+    assert (fast.nvlink_links_down, fast.nvlink_crc_errors, fast.fabric_state) == (1, 12, 3)
+    assert nvml.calls["nvmlDeviceGetNvLinkState"] == states  # no link call on a fast sample
+
+
+def test_pcie_only_card_reads_no_nvlink(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """The lab's H200: NVLink 'not supported' and no fabric read None, and NVLink is not asked again."""
+    opened = nvml.calls["nvmlDeviceGetNvLinkState"]
+    for t in range(3):
+        s = backend.sample(0, float(t), slow=True)
+        assert (s.nvlink_links_down, s.nvlink_crc_errors, s.nvlink_recovery_errors, s.fabric_state) == (None,) * 4
+    assert nvml.calls["nvmlDeviceGetNvLinkState"] == opened

@@ -9,6 +9,7 @@ names against the installed pynvml, so the fake cannot drift from the real bindi
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from typing import Any
 
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
 NVML_ERROR_DRIVER_NOT_LOADED = 9
@@ -43,6 +45,16 @@ NVML_PSTATE_UNKNOWN = 32
 NVML_VALUE_TYPE_UNSIGNED_INT = 1
 NVML_FI_DEV_MEMORY_TEMP = 82
 NVML_FI_DEV_POWER_INSTANT = 186
+NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS = 173
+NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL = 38
+NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL = 59
+NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = 3
+NVML_NVLINK_MAX_LINKS = 36
+NVML_FEATURE_DISABLED = 0
+NVML_FEATURE_ENABLED = 1
+NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
+NVML_GPU_FABRIC_STATE_COMPLETED = 3
 
 nvmlEventTypeSingleBitEccError = 0x1
 nvmlEventTypeDoubleBitEccError = 0x2
@@ -131,8 +143,14 @@ class FakeGpu:
         default_factory=lambda: {
             NVML_FI_DEV_MEMORY_TEMP: (NVML_VALUE_TYPE_UNSIGNED_INT, 66),
             NVML_FI_DEV_POWER_INSTANT: (NVML_VALUE_TYPE_UNSIGNED_INT, 689500),
+            NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: (NVML_VALUE_TYPE_UNSIGNED_INT, 0),
+            NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS: (NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 0),
         }
     )
+    pcie_link: tuple[int, int] = (5, 16)  # current generation, width
+    pcie_link_max: tuple[int, int] = (5, 16)
+    nvlink_states: tuple[int, ...] = ()  # () : a PCIe-only card (NOT_SUPPORTED on link 0), as the lab's H200
+    fabric: tuple[int, int] | None = None  # (state, status); None: no fabric (state NOT_SUPPORTED)
     pcie_replay: int = 7
     violations_ns: dict[int, int] = field(
         default_factory=lambda: {NVML_PERF_POLICY_POWER: 61100084832, NVML_PERF_POLICY_THERMAL: 12}
@@ -152,10 +170,15 @@ def two_gpus() -> list[FakeGpu]:
     ]
 
 
+class c_nvmlGpuFabricInfo_t(ctypes.Structure):  # noqa: N801 (pynvml's name)
+    _fields_ = [("status", ctypes.c_uint), ("state", ctypes.c_uint8)]
+
+
 class FakeNvml:
     """The fake module. Tests configure `gpus`, `init_error`, `wait_error` and queue events."""
 
     NVMLError = NVMLError
+    c_nvmlGpuFabricInfo_t = c_nvmlGpuFabricInfo_t
 
     def __init__(self, gpus: list[FakeGpu] | None = None) -> None:
         self.gpus = two_gpus() if gpus is None else gpus
@@ -292,6 +315,32 @@ class FakeNvml:
 
     def nvmlDeviceGetPcieReplayCounter(self, handle: FakeHandle) -> int:
         return self._device("nvmlDeviceGetPcieReplayCounter", handle).pcie_replay
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, handle: FakeHandle) -> int:
+        return self._device("nvmlDeviceGetCurrPcieLinkGeneration", handle).pcie_link[0]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, handle: FakeHandle) -> int:
+        return self._device("nvmlDeviceGetCurrPcieLinkWidth", handle).pcie_link[1]
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: FakeHandle) -> int:
+        return self._device("nvmlDeviceGetMaxPcieLinkGeneration", handle).pcie_link_max[0]
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: FakeHandle) -> int:
+        return self._device("nvmlDeviceGetMaxPcieLinkWidth", handle).pcie_link_max[1]
+
+    def nvmlDeviceGetNvLinkState(self, handle: FakeHandle, link: int) -> int:
+        gpu = self._device("nvmlDeviceGetNvLinkState", handle)
+        if not gpu.nvlink_states:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if link >= len(gpu.nvlink_states):
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return gpu.nvlink_states[link]
+
+    def nvmlDeviceGetGpuFabricInfo(self, handle: FakeHandle, info: Any) -> int:
+        gpu = self._device("nvmlDeviceGetGpuFabricInfo", handle)
+        target = info._obj  # ctypes.byref(...) of the caller's structure
+        target.state, target.status = gpu.fabric or (NVML_GPU_FABRIC_STATE_NOT_SUPPORTED, 0)
+        return NVML_SUCCESS
 
     def nvmlDeviceGetViolationStatus(self, handle: FakeHandle, policy: int) -> SimpleNamespace:
         gpu = self._device("nvmlDeviceGetViolationStatus", handle)

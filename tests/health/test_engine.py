@@ -32,6 +32,12 @@ STABLE_IDS = {
     "gpu_lost",
     "gpu_reset_required",
     "gpu_read_error",
+    "gpu_recovery_action",
+    "pcie_link_degraded",
+    "pcie_error_rate",
+    "nvlink_down",
+    "nvlink_error_rate",
+    "fabric_not_ready",
 }
 
 
@@ -55,6 +61,8 @@ def test_findings_carry_their_modules_ids() -> None:
             "ecc_sbe_volatile": int(t * 50),
             "remapped_pending": 1,
             "remapped_failure": 1,
+            "recovery_action": 1,
+            "fabric_state": 1,
         },
     )
     events = [event(590, xid=79), event(591, xid=31)]
@@ -75,7 +83,8 @@ def test_disabled_by_rule_id_or_module() -> None:
 
 def test_max_window_covers_every_rule() -> None:
     assert engine.max_window_s(CFG) == 3600.0
-    assert engine.max_window_s(replace(CFG, ecc_window_s=60.0, xid_window_s=60.0)) == 120.0
+    short = replace(CFG, ecc_window_s=60.0, xid_window_s=60.0, link_error_window_s=60.0)
+    assert engine.max_window_s(short) == 120.0
 
 
 def test_empty_history_finds_nothing() -> None:
