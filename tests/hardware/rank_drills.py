@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""The rank drills end to end on real GPUs: a job under `gpuwatch launch`, `gpuwatch drill` against it.
+
+    python tests/hardware/rank_drills.py --backend nvml --out results.json   # two H200s (NCCL)
+    python tests/hardware/rank_drills.py --backend sim --trainers example     # the same chain on the CPU
+
+For each trainer (the shipped example, and tests/hardware/readme_trainer.py written from the README's
+snippet) it starts the job on every usable GPU, waits until both ranks are past --warmup steps, runs
+`gpuwatch drill --kill-rank 1 --yes`, waits for the job to run again and get --warmup steps further,
+then (--drills) `--fault-rank 0` (a real XID 31 in rank 0's own CUDA context) and `--hang-rank 1`
+(SIGSTOP; the daemon runs with trainer.hang_after_s 10 and stale_after_s 5 so the hang is found
+in seconds), and finally lets the job finish. It records each drill's verdict (steps, times, the
+steps lost the daemon's incident counts), the daemon's incidents and the job's own summary, and
+prints them as one JSON document. Exit 0 when every drill passed and every job finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--backend", choices=("nvml", "sim"), default="nvml")
+    parser.add_argument("--trainers", default="example,readme")
+    parser.add_argument("--drills", default="kill_rank,fault_rank,hang_rank")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gpuwatch-rank-drills-"))
+    listen = f"127.0.0.1:{_free_port()}"
+    common = ["--listen", listen, "--state-dir", str(work / "state")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_"))}
+    env.update(GPUWATCH_TRAINER_HANG_AFTER_S="10", GPUWATCH_TRAINER_STALE_AFTER_S="5")
+    gw = [sys.executable, "-m", "gpuwatch"]
+    daemon_argv = [*gw, "run", "--backend", args.backend, "--interval", "1", *common]
+    daemon_argv += ["--runtime-dir", str(work / "run")] + (
+        ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.backend == "sim" else []
+    )
+    daemon = subprocess.Popen(daemon_argv, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "daemon.log", "w"))
+    results: dict[str, Any] = {"backend": args.backend, "jobs": []}
+    ok = True
+    try:
+        _wait(lambda: _get(listen, "/healthz") is not None, 60, "the daemon to answer /healthz")
+        for trainer in args.trainers.split(","):
+            job = _run_job(trainer, args, gw, common, work, env, listen)
+            results["jobs"].append(job)
+            ok = ok and job["ok"]
+            _save(results, args.out)
+        results["incidents"] = (_get(listen, "/v1/incidents?limit=50") or {}).get("incidents")
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        results["daemon_log_tail"] = (work / "daemon.log").read_text()[-6000:]
+        _save(results, args.out)
+    print(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+def _run_job(
+    trainer: str,
+    args: argparse.Namespace,
+    gw: list[str],
+    common: list[str],
+    work: Path,
+    env: dict[str, str],
+    listen: str,
+) -> dict[str, Any]:
+    ckpt = work / f"ckpt-{trainer}"
+    if trainer == "example":
+        job = ["-m", "gpuwatch.trainer.example", "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]
+        job += ["--step-sleep", "0.02", "--report-interval", "1", "--allow-drills", "--ckpt-every", "200"]
+    else:
+        job = [str(REPO / "tests/hardware/readme_trainer.py"), "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]
+    argv = [*gw, "launch", *common, "--runtime-dir", str(work / "run"), "--max-restarts", "6", "--", *job]
+    started = time.time()
+    launch = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=open(work / f"launch-{trainer}.log", "w"), text=True
+    )
+    out: dict[str, Any] = {"trainer": trainer, "drills": [], "ok": False}
+    try:
+        for drill in args.drills.split(","):
+            gpu = "0" if drill == "fault_rank" else "1"
+            floor = _furthest(work, launch) + args.warmup
+            _wait(lambda floor=floor: _both_past(work, floor, launch), 240, f"both ranks past step {floor}")
+            cmd = [*gw, "drill", f"--{drill.replace('_', '-')}", gpu, "--yes", "--json", *common]
+            t0 = time.time()
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+            verdict = _last_json(done.stdout)
+            out["drills"].append(
+                {
+                    "drill": drill,
+                    "rc": done.returncode,
+                    "wall_s": round(time.time() - t0, 1),
+                    "verdict": verdict,
+                    "stderr": done.stderr[-1500:],
+                }
+            )
+        stdout, _ = launch.communicate(timeout=400)
+        out["launch_rc"] = launch.returncode
+        out["summary"] = _last_json(stdout)
+        out["ok"] = launch.returncode == 0 and all(d["rc"] == 0 for d in out["drills"])
+    except Exception as exc:  # report what happened, then stop the job
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        launch.terminate()
+        launch.wait(60)
+    out["wall_s"] = round(time.time() - started, 1)
+    log = (work / f"launch-{trainer}.log").read_text()
+    out["launch_lines"] = [
+        line for line in log.splitlines() if line.startswith("gpuwatch launch") or "rescued" in line or "resum" in line
+    ][-40:]
+    return out
+
+
+def _reports(work: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in (work / "run" / "trainers").glob("*.json"):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _furthest(work: Path, launch: subprocess.Popen[str]) -> int:
+    return max((r.get("step") or 0 for r in _reports(work) if r.get("ended") is None), default=0)
+
+
+def _both_past(work: Path, floor: int, launch: subprocess.Popen[str]) -> bool:
+    if launch.poll() is not None:
+        raise RuntimeError(f"the launcher exited {launch.returncode}")
+    running = [r for r in _reports(work) if r.get("ended") is None and (r.get("step") or 0) >= floor]
+    return len(running) >= 2
+
+
+def _wait(check: Any, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"no {what} within {timeout_s} s")
+
+
+def _get(listen: str, path: str) -> Any:
+    try:
+        with urllib.request.urlopen(f"http://{listen}{path}", timeout=5) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_json(text: str) -> Any:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _save(results: dict[str, Any], path: str) -> None:
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
