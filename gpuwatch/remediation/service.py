@@ -102,7 +102,8 @@ class Remediation:
         self._version = 0
         self._ranks: list[Rank] = []
         self._verdict = trainer_rules.Verdict((), ())
-        self._faults_seen: set[tuple[int, str, float]] = set()
+        self._faults_seen: set[tuple[int, str]] = set()
+        self._xids_seen: dict[int, int] = {}
         self._hangs_seen: set[str] = set()
         # Owned by the remediation thread:
         self._inbox: queue.SimpleQueue[_Publish] = queue.SimpleQueue()
@@ -146,10 +147,25 @@ class Remediation:
         self._exits.wake()
 
     def _new_faults(self, snapshot: Snapshot) -> tuple[Finding, ...]:
-        """Fault findings (XID, ECC, lost GPU) not seen in an earlier publish."""
-        now_seen = {(f.index, f.rule, f.t) for g in snapshot.gpus for f in g.findings if f.rule in FAULT_RULES}
-        new = [f for g in snapshot.gpus for f in g.findings if (f.index, f.rule, f.t) in now_seen - self._faults_seen]
-        self._faults_seen = now_seen
+        """Fault findings (XID, ECC, lost GPU) that a new fault raised since the last publish.
+
+        A finding is new when it was not active before, or, for an XID rule that stays active for
+        its window, when the GPU's XID count grew: a relaunch on a GPU whose old XID is still in the
+        window is not stopped again for it.
+        """
+        new = []
+        active: set[tuple[int, str]] = set()
+        for gpu in snapshot.gpus:
+            xids = sum(count for _, count in gpu.xid_counts)
+            more_xids = xids > self._xids_seen.get(gpu.index, xids)
+            self._xids_seen[gpu.index] = xids
+            for finding in gpu.findings:
+                if finding.rule not in FAULT_RULES:
+                    continue
+                active.add((gpu.index, finding.rule))
+                if (gpu.index, finding.rule) not in self._faults_seen or (more_xids and finding.rule.startswith("xid")):
+                    new.append(finding)
+        self._faults_seen = active
         return tuple(new)
 
     # -- the remediation thread -----------------------------------------------------------------

@@ -144,6 +144,17 @@ def test_an_xid_on_a_gpu_with_ranks_stops_the_job_as_a_gpu_fault(sim: SimNode, s
     assert rank0.wait(5) == 75 and rank1.wait(5) == 75
     assert not sim.gpu(1)["quarantined"], "XID 31 does not condemn the card"
 
+    # The relaunch runs on the same GPU while the old XID is still in its window: not stopped again.
+    again = spawn()
+    report(sim, again.pid, 1, rank=1, step=41, first_step=41, t=sim.clock.t + 1)
+    sim.run_for(3, step=1)
+    time.sleep(0.5)
+    assert again.poll() is None and len(incidents(sim)) == 1
+    # A new XID on it is a new fault.
+    sim.daemon.monitor.inject(1, {}, 60.0, event="xid", xid=31)
+    wait_for(lambda: len(incidents(sim)) == 2)
+    assert again.wait(5) == 75
+
 
 def test_a_hung_job_is_found_and_stopped(sim: SimNode, spawn: Spawn) -> None:
     rank0, rank1 = two_ranks(sim, spawn)
