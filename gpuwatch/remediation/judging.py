@@ -7,6 +7,7 @@ rank (SIGSTOP, a wedged driver call) stops reporting, and that silence is what `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -66,6 +67,10 @@ class TrainerJudge:
         for pid in [pid for pid in self._timelines if pid not in current]:
             del self._timelines[pid]
         for rank in ranks:
+            known = self._members.get(rank.pid)
+            if rank.info.updated_t is None and known is not None and known.info.updated_t is not None:
+                # NVML still lists it but its link went silent (a frozen process): its last report stands.
+                rank = dataclasses.replace(rank, info=known.info)
             self._members[rank.pid] = rank
             info = rank.info
             step, _ = self._advanced.get(rank.pid, (None, 0.0))
