@@ -19,11 +19,10 @@ class Reference:
     mem_bandwidth_gbps: float
 
 
-# NVML device name → figures. The H200 line is provisional (datasheet-derived: ~989 TFLOPS dense bf16
-# peak, of which a 700 W-capped card sustains about two thirds; 4.8 TB/s HBM3e, of which a copy sustains
-# ~80 %) until the project's measurement on the lab's H200 replaces it.
+# NVML device name → figures, the lowest of what healthy, idle cards measured with gpu_test.
+# NVIDIA H200 (driver 580, 2026-11-30, the lab's card): 768, 780 and 761 TFLOPS; 4260, 4264 and 4253 GB/s.
 REFERENCES: dict[str, Reference] = {
-    "NVIDIA H200": Reference(matmul_tflops=600.0, mem_bandwidth_gbps=3800.0),
+    "NVIDIA H200": Reference(matmul_tflops=761.0, mem_bandwidth_gbps=4253.0),
 }
 
 

@@ -20,7 +20,8 @@ FAKE = Path(__file__).parents[1] / "fakes" / "fake_gpu_test.py"
 def use_fake_test(node: SimNode, args: str) -> None:
     config = node.daemon.config
     program = f"{sys.executable} {FAKE} {args}"
-    cfg = config.__class__(validation=config.validation.__class__(program=program, dcgm_diag=False))
+    pinned = {"matmul_tflops": 600.0, "mem_bandwidth_gbps": 3800.0}  # not the measured model table
+    cfg = config.__class__(validation=config.validation.__class__(program=program, dcgm_diag=False, **pinned))
     node.daemon.monitor.validator = lambda static, pids: validate(static, (), cfg)
 
 
