@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +17,9 @@ from gpuwatch.errors import ConfigError
 from gpuwatch.remediation import Remediation, parse_signal
 from gpuwatch.remediation_metrics import RemediationCollector
 from tests.helpers import SimNode, metric_samples, start_sim_node
+from tests.remediation.conftest import Spawn
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-
-# Ranks as real processes: each installs its handlers, says so, and sleeps.
-BEHAVIOUR = {
-    "cooperative": "signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))",
-    "ignores_stop": "signal.signal(signal.SIGUSR1, signal.SIG_IGN)",
-    "ignores_term": "signal.signal(signal.SIGUSR1, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)",
-}
-Spawn = Callable[[str], "subprocess.Popen[str]"]
-
-
-@pytest.fixture
-def spawn() -> Iterator[Spawn]:
-    children: list[subprocess.Popen[str]] = []
-
-    def start(behaviour: str) -> subprocess.Popen[str]:
-        code = f"import os, signal, time; {BEHAVIOUR[behaviour]}; print('ready', flush=True); time.sleep(60)"
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        child.kill()
-        child.wait()
 
 
 @pytest.fixture

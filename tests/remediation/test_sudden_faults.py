@@ -20,30 +20,9 @@ from typing import Any
 import pytest
 
 from tests.helpers import SimNode, start_sim_node
+from tests.remediation.conftest import Spawn
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
-
-COOPERATIVE = "signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))"
-Spawn = Callable[..., "subprocess.Popen[str]"]
-
-
-@pytest.fixture
-def spawn() -> Iterator[Spawn]:
-    children: list[subprocess.Popen[str]] = []
-
-    def start(behaviour: str = COOPERATIVE) -> subprocess.Popen[str]:
-        code = f"import os, signal, time; {behaviour}; print('ready', flush=True); time.sleep(60)"
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        children.append(child)
-        return child
-
-    yield start
-    for child in children:
-        if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-        child.wait()
 
 
 @pytest.fixture
@@ -207,7 +186,7 @@ def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn
     """100 cycles with a rank that ignores the stop: one remediation thread, whatever happens."""
     sim = start_sim_node(tmp_path, gpus=2, **{"trainer.grace_period_s": 3600.0})
     try:
-        stubborn = spawn("signal.signal(signal.SIGUSR1, signal.SIG_IGN)")
+        stubborn = spawn("ignores_stop")
         report(sim, stubborn.pid, 1, rank=0, step=1)
         sim.run_for(1, step=1)
 
