@@ -337,3 +337,26 @@ def test_a_relaunch_shorter_than_one_report_interval_is_recorded_as_resumed(
     incident = _incident(node, "resumed")
     assert incident["steps_lost"] == 0
     assert incident["resumed_step"] == summary["resumed_from_steps"][0]
+
+
+def test_the_kill_rank_drill_passes_against_a_job_under_launch(tmp_path: Path) -> None:
+    """`gpuwatch drill --kill-rank 1 --yes` against the 2-rank example under `gpuwatch launch` (gloo, sim daemon).
+
+    tests/hardware/rank_drills.py is the same run the H200 check makes with NCCL: daemon, launcher,
+    drill, and the job's own summary at the end.
+    """
+    out = tmp_path / "drills.json"
+    argv = [sys.executable, str(REPO / "tests/hardware/rank_drills.py"), "--backend", "sim", "--trainers", "example"]
+    argv += ["--drills", "kill_rank", "--steps", "200", "--warmup", "30", "--out", str(out)]
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=240)
+
+    result = json.loads(out.read_text())
+    (job,) = result["jobs"]
+    assert done.returncode == 0, (job.get("error"), job.get("launch_lines"), result["daemon_log_tail"][-2000:])
+    (drill,) = job["drills"]
+    steps = [(s["name"], s["result"]) for s in drill["verdict"]["steps"]]
+    assert steps == [("kill", "pass"), ("rank_exited", "pass"), ("rank_gone", "pass"), ("job_resumed", "pass")]
+    assert drill["verdict"]["steps"][-1]["detail"].endswith(" s after the fault, 0 step(s) lost")
+    assert (job["summary"]["steps_done"], job["summary"]["lost_steps"]) == (200, 0) and job["summary"]["restarts"] >= 1
+    (incident,) = [i for i in result["incidents"] if i["kind"] == "rank_died"]
+    assert (incident["status"], incident["steps_lost"]) == ("resumed", 0)
