@@ -38,6 +38,9 @@ def launch_available() -> bool:
     return probe.returncode == 0
 
 
+AFTER_EXIT_S = 5.0  # how long the daemon may take to see a relaunch that already finished
+
+
 def run(ctx: Context) -> Section:
     if importlib.util.find_spec("torch") is None:
         raise Skip("needs torch for the example trainer (pip install torch, or the project's test extra)")
@@ -128,18 +131,34 @@ def _wait_for_step(ckpt: Path, step: int, launch: subprocess.Popen[bytes], log: 
 
 
 def _wait_for_resume(http: Http, launch: subprocess.Popen[bytes], log: Path, timeout_s: float) -> dict[str, Any]:
-    """The first incident whose job has resumed, from GET /v1/incidents."""
+    """The first incident whose job has resumed, from GET /v1/incidents.
+
+    The daemon learns of the resume from the relaunch's reports, which stay readable for a while after
+    the job ends, so a launcher that has exited gets AFTER_EXIT_S more before the bench says no.
+    """
     deadline = time.monotonic() + timeout_s
+    incidents: list[Any] = []
+    exited = False
     while time.monotonic() < deadline:
         body = http.get_json("/v1/incidents")
         incidents = body.get("incidents", []) if isinstance(body, dict) else body
         for incident in incidents:
             if isinstance(incident, dict) and incident.get("time_to_resume_s") is not None:
                 return incident
-        if launch.poll() is not None:
-            raise RuntimeError(f"gpuwatch launch exited {launch.returncode} with no resumed incident: {_tail(log)}")
+        if launch.poll() is not None and not exited:
+            exited, deadline = True, min(deadline, time.monotonic() + AFTER_EXIT_S)
         time.sleep(0.25)
-    raise RuntimeError(f"no incident with time_to_resume_s within {timeout_s:g} s")
+    seen = "; ".join(
+        f"{i.get('kind')} on GPU {i.get('gpu')} {i.get('status')}, last step {i.get('last_step')}"
+        for i in incidents
+        if isinstance(i, dict)
+    )
+    if launch.poll() is not None:
+        raise RuntimeError(
+            f"gpuwatch launch exited {launch.returncode} with no resumed incident (incidents: {seen or 'none'}): "
+            f"{_tail(log)}"
+        )
+    raise RuntimeError(f"no incident with time_to_resume_s within {timeout_s:g} s (incidents: {seen or 'none'})")
 
 
 def _still_running(launch: subprocess.Popen[bytes], log: Path) -> None:
