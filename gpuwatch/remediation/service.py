@@ -181,8 +181,10 @@ class Remediation:
                         break
                 for pid in exited:
                     self._on_exit(pid)
-                self._advance_stops()
-                self._check_resumes()
+                reports = self._due_reports()
+                self._advance_stops(reports or [])
+                if reports is not None:
+                    self._check_resumes(reports)
             except Exception:  # a bug here must not end stopping for good
                 log.exception("remediation step failed")
                 self._closed.wait(IDLE_WAIT_S)
@@ -350,11 +352,21 @@ class Remediation:
                 incident.reason = fault.reason
                 self.incidents.save(incident)
 
-    def _advance_stops(self) -> None:
-        if not self._stops:
-            return
-        read = time.monotonic() >= self._next_report_read
-        reports = self._reports() if read else []
+    def _due_reports(self) -> list[Report] | None:
+        """The trainers' reports when a read is due (stops and fresh watches: every REPORT_POLL_S), else None."""
+        now = time.monotonic()
+        if not (self._stops or self._watches) or now < self._next_report_read:
+            return None
+        fast = self._stops or any(now - i.seen_mono < FAST_WATCH_S for i in self._watches.values())
+        self._next_report_read = now + (REPORT_POLL_S if fast else SLOW_POLL_S)
+        try:
+            return self.runtime.read_reports()
+        except OSError as exc:
+            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
+            return []
+
+    def _advance_stops(self, reports: list[Report]) -> None:
+        """Note the steps the stopping ranks report, escalate, and close the stops that are done."""
         for stop in list(self._stops):
             incident = stop.incident
             pids = {t.rank.pid for t in incident.targets}
@@ -387,13 +399,9 @@ class Remediation:
             job = min(self._watches, key=lambda j: self._watches[j].seen_mono)
             self._end_watch(self._watches[job], "not_resumed")
 
-    def _check_resumes(self) -> None:
+    def _check_resumes(self, reports: list[Report]) -> None:
+        """End each watch whose job runs again (a new process of it reports a step), or that waited too long."""
         now = time.monotonic()
-        if not self._watches or now < self._next_report_read:
-            return
-        oldest = min(i.seen_mono for i in self._watches.values())
-        self._next_report_read = now + (REPORT_POLL_S if now - oldest < FAST_WATCH_S else SLOW_POLL_S)
-        reports = self._reports()
         for incident in {id(i): i for i in self._watches.values()}.values():
             if incident.status == "stopping":
                 continue  # its own ranks are still going
@@ -430,14 +438,6 @@ class Remediation:
         self.incidents.save(incident)
         for job in [job for job, watched in self._watches.items() if watched is incident]:
             del self._watches[job]
-
-    def _reports(self) -> list[Report]:
-        self._next_report_read = time.monotonic() + REPORT_POLL_S
-        try:
-            return self.runtime.read_reports()
-        except OSError as exc:
-            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
-            return []
 
     # -- serving --------------------------------------------------------------------------------
 
