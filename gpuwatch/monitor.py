@@ -241,6 +241,8 @@ class Monitor:
 
     def handle_events(self, readings: Iterable[GpuEvent | GpuError]) -> Snapshot | None:
         """Judge event-type faults at once, not at the next tick."""
+        readings = list(readings)
+        trainers = self._read_trainers(self.clock()) if readings else self._trainers
         with self._lock:
             readings = [r for r in readings if r.index in self.statics]
             batch = [r for r in readings if not self._duplicate(r)]
@@ -248,6 +250,7 @@ class Monitor:
                 if readings:  # only duplicates: the kernel log's listing may still have grown
                     self.snapshot = self._build_snapshot(self.snapshot.t)
                 return None
+            self._trainers = trainers  # the ranks as they are now, not at the last tick: a stop needs them
             for reading in batch:
                 self._record(reading)
             return self._judge_and_publish(max(max(r.t for r in batch), self.clock()))
@@ -298,7 +301,9 @@ class Monitor:
 
     def quarantine(self, index: int, reason: str) -> GpuStatus:
         self._require(index)
+        trainers = self._read_trainers(self.clock())
         with self._lock:
+            self._trainers = trainers  # the ranks as they are now, not at the last tick: the stop needs them
             node, decisions = state.quarantine(self._node, index, reason, self.clock(), auto=False)
             self._node = node
             return self._status(self._after_decisions(decisions), index)

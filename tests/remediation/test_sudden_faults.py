@@ -207,3 +207,20 @@ def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn
         assert stubborn.poll() is None
     finally:
         sim.close()
+
+
+@pytest.mark.parametrize("how", ["quarantine", "xid"])
+def test_a_rank_that_started_after_the_last_tick_is_stopped_too(sim: SimNode, spawn: Spawn, how: str) -> None:
+    """An event or a quarantine reads the reports as they are now: no waiting for the next tick (30 s by default)."""
+    sim.run_for(1, step=1)
+    rank = spawn()
+    report(sim, rank.pid, 1, rank=0, step=3, first_step=1)  # written after the last tick read trainers/
+
+    if how == "quarantine":
+        sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
+    else:
+        sim.daemon.monitor.inject(1, {}, 60.0, event="xid", xid=79)
+
+    incident = incident_with(sim, status="stopped")
+    assert [r["pid"] for r in incident["ranks"]] == [rank.pid] and incident["job"] == "job"
+    assert rank.wait(5) == 75
