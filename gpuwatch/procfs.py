@@ -27,13 +27,13 @@ class ProcFs:
         fields = self._stat_fields(pid)
         return int(fields[19]) if fields else None
 
-    def started_at(self, pid: int) -> float | None:
-        """When PID started, in Unix seconds (None when it is gone)."""
-        ticks = self.start_time(pid)
+    def running_since(self, pid: int) -> float | None:
+        """When PID started, in Unix seconds; None when it is gone or has ended (a zombie). One read of stat."""
+        fields = self._stat_fields(pid)
         boot = self.boot_time()
-        if ticks is None or boot is None:
+        if fields is None or fields[0] in {"Z", "X"} or boot is None:
             return None
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
     def boot_time(self) -> float | None:
         """`btime` of /proc/stat, read once."""

@@ -286,9 +286,8 @@ class RuntimeDir:
         Ages are the file's mtime against the real clock (the kernel's, not the writer's `t`).
         """
         owner = st.st_uid
-        running = self.proc.run_state(info.pid) not in {None, "Z", "X"}  # a zombie has ended
-        process_uid = self.proc.uid(info.pid) if running else None
-        started = self.proc.started_at(info.pid) if process_uid is not None else None
+        started = self.proc.running_since(info.pid)
+        process_uid = self.proc.uid(info.pid) if started is not None else None
         if process_uid is not None and started is not None and started <= st.st_mtime + 1.0:
             if owner not in {0, process_uid}:
                 self._log_once(name, st, f"owned by uid {owner}, but pid {info.pid} runs as uid {process_uid}")
