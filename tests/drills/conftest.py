@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -243,3 +248,53 @@ esac
         (device / "remove").write_text("")
     (sysfs / "bus" / "pci" / "rescan").write_text("")
     return Tools(root, nvidia_smi, dcgmi, calls, apps, sysfs)
+
+
+SLEEPER = "import signal, sys, time; {handler}; time.sleep(120)"
+
+
+class Job:
+    """Ranks of job-7 as real processes with trainer reports (`report` writes what their links would)."""
+
+    def __init__(self, node: SimNode) -> None:
+        self.node = node
+        self.children: list[subprocess.Popen[str]] = []
+
+    def rank(self, gpu: int, rank: int, step: int = 10, handler: str = "pass", **extra: Any) -> int:
+        child = subprocess.Popen([sys.executable, "-c", SLEEPER.format(handler=handler)], text=True)
+        self._adopt(child)
+        self.report(child.pid, gpu, rank, step, **extra)
+        return child.pid
+
+    def report(self, pid: int, gpu: int, rank: int, step: int, **extra: Any) -> None:
+        body = {
+            "pid": pid,
+            "t": self.node.clock.t,
+            "rank": rank,
+            "job_id": "job-7",
+            "gpu_uuid": self.node.gpu(gpu)["uuid"],
+            "step": step,
+            "first_step": step,
+            **extra,
+        }
+        path = self.node.daemon.runtime.trainers / f"{pid}.json"
+        tmp = path.with_name(f".{pid}.tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(path)
+
+    def _adopt(self, child: subprocess.Popen[str]) -> None:
+        self.children.append(child)
+        threading.Thread(target=child.wait, daemon=True).start()  # reaped as it dies
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGCONT)
+                child.kill()
+
+
+@pytest.fixture
+def job(node: SimNode) -> Iterator[Job]:
+    job = Job(node)
+    yield job
+    job.stop()

@@ -4,66 +4,24 @@ runtime dir, and a stand-in for torchrun that starts the rank again after the ki
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
 
 import pytest
 
 from gpuwatch.drills import injectors
 from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
-from tests.drills.conftest import ClientApi, sim_clock
+from tests.drills.conftest import ClientApi, Job, sim_clock
 from tests.helpers import SimNode
 
 
-class Ranks:
-    """Sleeping processes that report as trainer ranks; reaped as they die, killed at the end."""
-
-    def __init__(self, node: SimNode) -> None:
-        self.node = node
-        self.children: list[subprocess.Popen[bytes]] = []
-
-    def start(self, gpu: int, rank: int, job: str = "job-7", step: int = 10) -> int:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        self.children.append(child)
-        threading.Thread(target=child.wait, daemon=True).start()  # reap it: a zombie still "runs" for kill(0)
-        report = {
-            "pid": child.pid,
-            "t": self.node.clock.t,
-            "rank": rank,
-            "local_rank": rank,
-            "world_size": 2,
-            "job_id": job,
-            "gpu_uuid": self.node.gpu(gpu)["uuid"],
-            "step": step,
-            "first_step": step,
-        }
-        (self.node.daemon.runtime.trainers / f"{child.pid}.json").write_text(json.dumps(report))
-        return child.pid
-
-    def stop(self) -> None:
-        for child in self.children:
-            child.kill()
-
-
-@pytest.fixture
-def ranks(node: SimNode) -> Iterator[Ranks]:
-    ranks = Ranks(node)
-    yield ranks
-    ranks.stop()
-
-
-def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, ranks: Ranks) -> None:
-    victim = ranks.start(gpu=1, rank=1)
-    ranks.start(gpu=0, rank=0)
+def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, job: Job) -> None:
+    victim = job.rank(gpu=1, rank=1)
+    job.rank(gpu=0, rank=0)
     node.run_for(5)
     restarted: list[int] = []
 
     def torchrun() -> None:
         if not injectors.running(victim) and not restarted:
-            restarted.append(ranks.start(gpu=1, rank=1, step=11))
+            restarted.append(job.rank(gpu=1, rank=1, step=11))
 
     run = prepare(Request("kill_rank", 1), ClientApi(node), node.daemon.config, sim_clock(node, hook=torchrun))
     assert run.victim is not None and run.victim["pid"] == victim
@@ -79,8 +37,8 @@ def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, rank
     assert detail.startswith("job job-7 resumed at step 10, ") and detail.endswith(" s after the fault, 0 step(s) lost")
 
 
-def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, ranks: Ranks) -> None:
-    ranks.start(gpu=2, rank=0)
+def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, job: Job) -> None:
+    job.rank(gpu=2, rank=0)
     node.run_for(5)
     config = node.daemon.config
     config = dataclasses.replace(config, drills=dataclasses.replace(config.drills, resume_timeout_s=20.0))
@@ -89,9 +47,9 @@ def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, ranks
     assert verdict.steps[-1].detail == "not within 20 s: job job-7 has not come back (incident 1 is stopped)"
 
 
-def test_kill_rank_picks_the_rank_asked_for_and_refuses_a_gpu_without_one(node: SimNode, ranks: Ranks) -> None:
-    ranks.start(gpu=3, rank=4)
-    second = ranks.start(gpu=3, rank=5)
+def test_kill_rank_picks_the_rank_asked_for_and_refuses_a_gpu_without_one(node: SimNode, job: Job) -> None:
+    job.rank(gpu=3, rank=4)
+    second = job.rank(gpu=3, rank=5)
     node.run_for(5)
     api, config, clock = ClientApi(node), node.daemon.config, sim_clock(node)
     assert prepare(Request("kill_rank", 3, rank=5), api, config, clock).victim["pid"] == second  # type: ignore[index]
@@ -100,4 +58,4 @@ def test_kill_rank_picks_the_rank_asked_for_and_refuses_a_gpu_without_one(node: 
     with pytest.raises(DrillRefused, match=r"no trainer on GPU 0 \(trainers: none\)") as refused:
         prepare(Request("kill_rank", 0), api, config, clock)
     assert refused.value.reason == "no_trainer"
-    assert all(injectors.running(c.pid) for c in ranks.children), "a refusal kills nothing"
+    assert all(injectors.running(c.pid) for c in job.children), "a refusal kills nothing"

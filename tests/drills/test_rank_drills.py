@@ -2,70 +2,25 @@
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpuwatch.drills import injectors
 from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
-from tests.drills.conftest import ClientApi, sim_clock, start_drill_node
+from tests.drills.conftest import ClientApi, Job, sim_clock, start_drill_node
 from tests.helpers import SimNode
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
-SLEEPER = "import signal, sys, time; {handler}; time.sleep(120)"
 TORCHRUN_STAND_IN = (
     "# torch.distributed.run stand-in: runs one worker, exits when it does\n"
     "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
     "print(p.pid, flush=True); sys.exit(p.wait() and 1)"
 )
-
-
-class Job:
-    """Ranks of job-7 as real processes with trainer reports; `refresh` is what their links write."""
-
-    def __init__(self, node: SimNode) -> None:
-        self.node = node
-        self.children: list[subprocess.Popen[str]] = []
-
-    def rank(self, gpu: int, rank: int, step: int = 10, handler: str = "pass", **extra: Any) -> int:
-        child = subprocess.Popen([sys.executable, "-c", SLEEPER.format(handler=handler)], text=True)
-        self._adopt(child)
-        self.report(child.pid, gpu, rank, step, **extra)
-        return child.pid
-
-    def report(self, pid: int, gpu: int, rank: int, step: int, **extra: Any) -> None:
-        body = {
-            "pid": pid,
-            "t": self.node.clock.t,
-            "rank": rank,
-            "job_id": "job-7",
-            "gpu_uuid": self.node.gpu(gpu)["uuid"],
-            "step": step,
-            "first_step": step,
-            **extra,
-        }
-        path = self.node.daemon.runtime.trainers / f"{pid}.json"
-        tmp = path.with_name(f".{pid}.tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(path)
-
-    def _adopt(self, child: subprocess.Popen[str]) -> None:
-        self.children.append(child)
-        threading.Thread(target=child.wait, daemon=True).start()  # reaped as it dies
-
-    def stop(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGCONT)
-                child.kill()
 
 
 @pytest.fixture
@@ -74,13 +29,6 @@ def hang_node(tmp_path: Path) -> Iterator[SimNode]:
     node = start_drill_node(tmp_path, **overrides)
     yield node
     node.close()
-
-
-@pytest.fixture
-def job(node: SimNode) -> Iterator[Job]:
-    job = Job(node)
-    yield job
-    job.stop()
 
 
 def test_kill_rank_fails_at_once_when_nothing_will_relaunch_the_job(node: SimNode, job: Job) -> None:
