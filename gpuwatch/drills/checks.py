@@ -11,8 +11,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch.drills.api import gpu
-from gpuwatch.drills.context import Run
+from gpuwatch.drills.daemon_client import gpu
+from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.spec import InjectSpec
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
 from gpuwatch.errors import DrillError

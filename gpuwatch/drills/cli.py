@@ -134,7 +134,7 @@ def run_as_script(option: str, argv: Sequence[str] | None = None) -> int:
 
 
 def _drill(config: Config, request: Request, dry_run: bool, as_json: bool, config_path: str | None = None) -> int:
-    from gpuwatch.drills.api import HttpApi
+    from gpuwatch.drills.daemon_client import HttpApi
     from gpuwatch.drills.runner import plan, prepare, run_drill
 
     api = HttpApi(config, config_path=config_path)

@@ -20,8 +20,8 @@ from typing import Any
 import psutil
 
 from gpuwatch.drills import injectors
-from gpuwatch.drills.api import gpus
-from gpuwatch.drills.context import Run
+from gpuwatch.drills.daemon_client import gpus
+from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Step
 from gpuwatch.errors import DrillError
 

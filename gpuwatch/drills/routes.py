@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from gpuwatch.config import DrillSchedule
-from gpuwatch.drills.book import DrillBook
+from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.scheduler import DrillScheduler, validate
 from gpuwatch.drills.spec import KINDS
 from gpuwatch.errors import BackendError, ConfigError
@@ -103,7 +103,7 @@ def add_routes(
     app: FastAPI,
     require_token: Callable[..., None],
     monitor: Monitor,
-    book: DrillBook,
+    book: DrillRecord,
     drills: DrillScheduler,
     submit: Callable[[DrillSchedule], None],
 ) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwatch.config import Config
-from gpuwatch.drills import checks, injectors, rank_faults, takedown, validate
-from gpuwatch.drills.api import DrillApi, describe_trainers, gpu, pids
-from gpuwatch.drills.context import Run
+from gpuwatch.drills import checks, destructive_steps, injectors, rank_faults, validate
+from gpuwatch.drills.daemon_client import DrillApi, describe_trainers, gpu, pids
+from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.spec import KINDS, DcgmSpec, InjectSpec, expectation, parse_dcgm, parse_inject, xid_expectation
 from gpuwatch.drills.steps import Clock, Outcome, Pending, Progress, Skip, Step, Verdict, deadline_of, execute
 from gpuwatch.errors import DaemonError, DrillError
@@ -86,8 +86,8 @@ def build(run: Run) -> list[Step]:
         return RANK_DRILLS[name](run)
     if name == "validate":
         return validate.steps(run)
-    deed = takedown.reset(run) if name == "reset_gpu" else takedown.pcie(run)
-    return [*takedown.hands_off(run), *deed, *takedown.come_back(run)]
+    deed = destructive_steps.reset(run) if name == "reset_gpu" else destructive_steps.pcie(run)
+    return [*destructive_steps.hands_off(run), *deed, *destructive_steps.come_back(run)]
 
 
 def plan(run: Run) -> list[str]:

@@ -21,8 +21,8 @@ from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.triggers.cron import CronTrigger
 
 from gpuwatch.config import Config, DrillSchedule
-from gpuwatch.drills.api import DrillApi, gpus, pids
-from gpuwatch.drills.book import DrillBook
+from gpuwatch.drills.daemon_client import DrillApi, gpus, pids
+from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
 from gpuwatch.drills.spec import KINDS, parse_dcgm, parse_inject
 from gpuwatch.drills.steps import Clock, Verdict
@@ -134,7 +134,7 @@ def pick_target(schedule: DrillSchedule, node: list[dict[str, Any]]) -> int:
 class DrillScheduler:
     """Runs drills inside the daemon, one at a time: scheduled entries and POST /v1/drills/run."""
 
-    def __init__(self, config: Config, api: Callable[[], DrillApi], book: DrillBook, clock: Clock) -> None:
+    def __init__(self, config: Config, api: Callable[[], DrillApi], book: DrillRecord, clock: Clock) -> None:
         self.config = config
         self.entries = entries(config)
         self.api = api

@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from prometheus_client.core import Metric
 
 from gpuwatch.config import Config, DrillSchedule
-from gpuwatch.drills.api import HttpApi
-from gpuwatch.drills.book import DrillBook
+from gpuwatch.drills.daemon_client import HttpApi
+from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.routes import add_routes
 from gpuwatch.drills.scheduler import DrillScheduler
 from gpuwatch.drills.steps import Clock, Interrupted
@@ -44,7 +44,7 @@ class DrillService:
 
     def __init__(self, daemon: DaemonParts) -> None:
         self.daemon = daemon
-        self.book = DrillBook(daemon.store)
+        self.book = DrillRecord(daemon.store)
         clock = Clock(daemon.clock, self._sleep, daemon.config.drills.poll_s)
         self.drills = DrillScheduler(daemon.config, lambda: HttpApi(daemon.config), self.book, clock)
 

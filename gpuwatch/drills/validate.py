@@ -6,8 +6,8 @@ before a job finds out it does not. The target must be idle: no process and no t
 
 from __future__ import annotations
 
-from gpuwatch.drills.api import gpu, pids
-from gpuwatch.drills.context import Run
+from gpuwatch.drills.daemon_client import gpu, pids
+from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Step
 
 

@@ -25,7 +25,7 @@ def one_line_error(result: Result, fragment: str) -> None:
 
 @pytest.fixture
 def cli_node(node: SimNode, monkeypatch: pytest.MonkeyPatch) -> SimNode:
-    monkeypatch.setattr("gpuwatch.drills.api.HttpApi", lambda config, **_: ClientApi(node))
+    monkeypatch.setattr("gpuwatch.drills.daemon_client.HttpApi", lambda config, **_: ClientApi(node))
     return node
 
 
@@ -81,7 +81,7 @@ def test_inject_drill_prints_a_passing_verdict_and_the_daemon_stores_it(cli_node
 
 def test_failed_drill_exits_1_and_names_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     node = start_drill_node(tmp_path, **{"rules.disabled": "xid"})
-    monkeypatch.setattr("gpuwatch.drills.api.HttpApi", lambda config, **_: ClientApi(node))
+    monkeypatch.setattr("gpuwatch.drills.daemon_client.HttpApi", lambda config, **_: ClientApi(node))
     try:
         result = invoke("--inject", "gpu=0,preset=xid79", env={"GPUWATCH_DRILLS_EVENT_DETECT_TIMEOUT_S": "0.5"})
         assert result.exit_code == 1, result.stdout
@@ -116,7 +116,7 @@ def test_reset_without_yes_is_a_dry_run_that_changes_nothing(
     tools: Tools, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     fake = FakeDaemon([fake_gpu(0)])
-    monkeypatch.setattr("gpuwatch.drills.api.HttpApi", lambda config, **_: fake)
+    monkeypatch.setattr("gpuwatch.drills.daemon_client.HttpApi", lambda config, **_: fake)
     env = {"GPUWATCH_TOOLS_NVIDIA_SMI": str(tools.nvidia_smi), "GPUWATCH_TOOLS_SYSFS_ROOT": str(tools.sysfs)}
     for option in ("--reset-gpu", "--pcie-remove"):
         result = invoke(option, "0", env=env)

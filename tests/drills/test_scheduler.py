@@ -11,7 +11,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.cron import CronTrigger
 
 from gpuwatch.config import Config, DrillSchedule, DrillsConfig
-from gpuwatch.drills.book import DrillBook
+from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.runner import DrillRefused
 from gpuwatch.drills.scheduler import DrillScheduler, entries, next_runs, pick_target
 from gpuwatch.drills.steps import Clock
@@ -69,7 +69,7 @@ def test_destructive_drills_schedule_only_when_allowed() -> None:
 def test_jobs_coalesce_missed_runs_and_drop_late_ones(tmp_path: Path) -> None:
     config = config_with(FRIDAY_15)
     clock = Clock(lambda: 0.0, lambda seconds: None, 1.0)
-    drills = DrillScheduler(config, lambda: FakeDaemon([]), DrillBook(Store(tmp_path / "db")), clock)
+    drills = DrillScheduler(config, lambda: FakeDaemon([]), DrillRecord(Store(tmp_path / "db")), clock)
     node_scheduler = BackgroundScheduler(timezone="UTC")
     drills.add_jobs(node_scheduler)
     node_scheduler.start(paused=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.config import Config
-from gpuwatch.drills.api import DrillApi
+from gpuwatch.drills.daemon_client import DrillApi
 from gpuwatch.drills.spec import DcgmSpec, Expectation, InjectSpec, Kind
 from gpuwatch.drills.steps import Clock
 

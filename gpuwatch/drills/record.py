@@ -21,7 +21,7 @@ log = logging.getLogger("gpuwatch.drills")
 _RECALLED_RUNS = 1000
 
 
-class DrillBook:
+class DrillRecord:
     """Thread-safe: the scheduler's threads and the API's handlers both write here."""
 
     def __init__(self, store: Store) -> None:

@@ -10,8 +10,8 @@ release the quarantine the drill took.
 from __future__ import annotations
 
 from gpuwatch.drills import injectors
-from gpuwatch.drills.api import describe_trainers, gpu, pids
-from gpuwatch.drills.context import Run
+from gpuwatch.drills.daemon_client import describe_trainers, gpu, pids
+from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
 
 DRILL_WINDOW_S = 600.0  # read errors while the handles are released count as the drill's, not as faults
