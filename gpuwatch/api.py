@@ -159,6 +159,7 @@ class InjectBody(BaseModel):
 
 
 ASGIApp = Callable[[dict[str, Any], Callable[..., Any], Callable[..., Any]], Awaitable[None]]
+RouteSet = Callable[[FastAPI, Callable[..., None]], None]  # one part's routes: (app, require_token) -> None
 
 
 def metrics_fast_path(app: ASGIApp, renderer: MetricsRenderer) -> ASGIApp:
@@ -223,14 +224,14 @@ def create_app(
     token: str,
     *,
     clock: Callable[[], float],
-    extra_routes: Callable[[FastAPI, Callable[..., None]], None] | None = None,
+    route_sets: Sequence[RouteSet] = (),
     gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
     docs: bool = False,
     max_body_bytes: int = 65536,
 ) -> ASGIApp:
     """Build the app: body limit, then /metrics straight from ASGI, everything else through FastAPI.
 
-    `extra_routes(app, require_token)` lets later layers (drills, incidents) add routes; each of
+    Each of `route_sets` adds one part's routes (`route_set(app, require_token)`: incidents, drills); each of
     `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks). `docs` serves
     /openapi.json; `max_body_bytes` is enforced before any route or token check runs.
     """
@@ -372,6 +373,6 @@ def create_app(
     def injections() -> dict[str, Any]:
         return {"injections": [i.as_dict() for i in monitor.injections()]}
 
-    if extra_routes is not None:
-        extra_routes(app, require_token)
+    for route_set in route_sets:
+        route_set(app, require_token)
     return body_limit(metrics_fast_path(app, renderer), max_body_bytes)

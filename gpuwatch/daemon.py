@@ -18,19 +18,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
-from fastapi import FastAPI
+from prometheus_client.registry import Collector
 
 from gpuwatch import __version__, remediation_api, systemd, validation
 from gpuwatch.api import ASGIApp, create_app, ensure_token
 from gpuwatch.backends import open_backend
-from gpuwatch.backends.base import Backend
+from gpuwatch.backends.base import Backend, Scripted
 from gpuwatch.backends.kmsg import KernelLog
 from gpuwatch.config import Config, RulesConfig
-from gpuwatch.drills import install as install_drills
+from gpuwatch.drills.service import DrillService
 from gpuwatch.errors import ConfigError, StoreError
 from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.health.state import Decision
@@ -62,13 +61,13 @@ def setup_logging(level: str) -> None:
 
 def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
     """The sim demo may shorten rule windows so a newcomer sees faults within two minutes; say so."""
-    scenario = getattr(backend, "scenario", None)
-    overrides: dict[str, Any] = dict(getattr(scenario, "rules_overrides", None) or {})
-    if not overrides:
+    if not isinstance(backend, Scripted) or not backend.scenario.rules_overrides:
         return rules
+    scenario = backend.scenario
+    overrides = dict(scenario.rules_overrides)
     log.warning(
         "sim scenario %r shortens rule windows for the demo: %s",
-        getattr(scenario, "name", "?"),
+        scenario.name,
         ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())),
     )
     return dataclasses.replace(rules, **overrides)
@@ -148,19 +147,14 @@ class Daemon:
         self.monitor = Monitor(
             self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
         )
-        self.collector = SnapshotCollector(lambda: self.monitor.snapshot, config.expected_gpus)
-        self.renderer = MetricsRenderer(self.collector, key=self.metrics_key)
         self.scheduler = BackgroundScheduler(timezone="UTC")
         self.stop_event = threading.Event()
-        self.route_hooks: list[Callable[[FastAPI, Callable[..., None]], None]] = []
-        self.key_parts: list[Callable[[], object]] = []
-        self.gpu_views: list[Callable[[int], dict[str, Any]]] = []
         self.remediation = Remediation(config, self.store, self.runtime, clock=clock)
         self.monitor.listeners.append(self.remediation.on_publish)
-        self.collector.extras.append(RemediationCollector(self.remediation).collect)
-        self.key_parts.append(self.remediation.version)
-        self.route_hooks.append(lambda app, _token: remediation_api.add_routes(app, self.remediation, self.store))
-        self.gpu_views.append(lambda index: remediation_api.gpu_view(self.remediation, index))
+        # The drills' scheduled runs go into the same scheduler as sampling.
+        self.drills = DrillService(
+            config, self.monitor, self.store, scheduler=self.scheduler, clock=clock, stop=self.stop_event
+        )
         self._last_prune = 0.0
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
@@ -170,18 +164,15 @@ class Daemon:
         self._kernel_thread: threading.Thread | None = None
         if self.backend.name in LIVE_BACKENDS:  # the GPU test needs a real GPU
             self.monitor.validator = functools.partial(validation.validate, config=config)
-        install_drills(self)
+        self.drills.add_jobs()
         self.fleet = FleetBreaker(config.fleet) if config.fleet.prometheus_url else None
         if self.fleet is not None:
             self.monitor.quarantine_gate = self.fleet.allow_quarantine
-            self.renderer.registry.register(FleetCollector(self.fleet.status))
-            self.key_parts.append(self.fleet.status)
         self.drainer: Drainer | None = None
         if config.slurm.enabled:
             self.drainer = Drainer(config.slurm, gate=self.fleet.allow_drain if self.fleet is not None else None)
             self.monitor.listeners.append(self.drainer.on_publish)
-            self.renderer.registry.register(SlurmCollector(self.drainer.status))
-            self.key_parts.append(self.drainer.status)
+        self.renderer = self._metrics_renderer()
         # Last listener: render /metrics in the sampling thread as soon as a Snapshot is out (while
         # scrapes read every Snapshot), so a scrape finds the bytes ready instead of rendering them
         # while the other scrapes queue behind it.
@@ -199,9 +190,26 @@ class Daemon:
     def _prerender(self, snapshot: Snapshot, decisions: list[Decision]) -> None:
         self.renderer.prerender()
 
-    def metrics_key(self) -> object:
+    def _metrics_renderer(self) -> MetricsRenderer:
+        """One Collector per concern, and a render-cache key that changes whenever any of them would."""
+        collectors: list[Collector] = [
+            SnapshotCollector(lambda: self.monitor.snapshot, self.config.expected_gpus),
+            RemediationCollector(self.remediation),
+            self.drills.record,
+        ]
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
-        return (self.monitor.snapshot, *(part() for part in self.key_parts))
+        key_parts: list[Callable[[], object]] = [
+            lambda: self.monitor.snapshot,
+            self.remediation.version,
+            self.drills.record.key,
+        ]
+        if self.fleet is not None:
+            collectors.append(FleetCollector(self.fleet.status))
+            key_parts.append(self.fleet.status)
+        if self.drainer is not None:
+            collectors.append(SlurmCollector(self.drainer.status))
+            key_parts.append(self.drainer.status)
+        return MetricsRenderer(*collectors, key=lambda: tuple(part() for part in key_parts))
 
     def sample_once(self) -> None:
         """One scheduled sampling round, then the watchdog ping."""
@@ -219,17 +227,13 @@ class Daemon:
                 log.warning("cannot prune old findings: %s", exc)
 
     def app(self) -> ASGIApp:
-        def routes(app: FastAPI, require_token: Callable[..., None]) -> None:
-            for hook in self.route_hooks:
-                hook(app, require_token)
-
         return create_app(
             self.monitor,
             self.renderer,
             self.token,
             clock=self.clock,
-            extra_routes=routes,
-            gpu_views=self.gpu_views,
+            route_sets=(remediation_api.route_set(self.remediation, self.store), self.drills.routes),
+            gpu_views=(functools.partial(remediation_api.gpu_view, self.remediation),),
             docs=self.config.api.docs,
             max_body_bytes=self.config.api.max_body_bytes,
         )

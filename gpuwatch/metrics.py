@@ -20,7 +20,6 @@ from gpuwatch import __version__
 from gpuwatch.model import REASON_NAMES, GpuStatus, Health, Snapshot
 
 MHZ = 1_000_000.0
-ExtraMetrics = Callable[[], Iterable[Metric]]
 
 
 def _drill(flag: bool) -> str:
@@ -28,19 +27,16 @@ def _drill(flag: bool) -> str:
 
 
 class SnapshotCollector(Collector):
-    """Yields every gpuwatch_* family from the current Snapshot plus the registered extras."""
+    """Yields the node and per-GPU gpuwatch_* families from the current Snapshot."""
 
     def __init__(self, snapshot: Callable[[], Snapshot], expected_gpus: int = 0) -> None:
         self._snapshot = snapshot
         self._expected_gpus = expected_gpus
-        self.extras: list[ExtraMetrics] = []
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         yield from self._node(snap)
         yield from self._gpus(snap.gpus)
-        for extra in self.extras:
-            yield from extra()
 
     def _node(self, snap: Snapshot) -> Iterator[Metric]:
         build = GaugeMetricFamily("gpuwatch_build_info", "gpuwatch version and backend.", labels=["version", "backend"])
@@ -323,9 +319,11 @@ class MetricsRenderer:
     interval does not pay fifteen renders for the one it reads.
     """
 
-    def __init__(self, collector: SnapshotCollector, key: Callable[[], Hashable]) -> None:
+    def __init__(self, *collectors: Collector, key: Callable[[], Hashable]) -> None:
+        """One Collector per concern, exposed in the order given; `key` changes whenever any of them would."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(collector)
+        for collector in collectors:
+            self.registry.register(collector)
         self._key = key
         self._lock = threading.Lock()
         self._cached: tuple[Hashable, bytes] | None = None

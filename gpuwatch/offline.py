@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.backends import open_backend
+from gpuwatch.backends.base import Scripted
 from gpuwatch.backends.replay import ReplayBackend, iter_ticks
 from gpuwatch.config import Config
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, Health, Snapshot, worst
@@ -32,11 +33,11 @@ def check(config: Config, samples: int = 3, spacing_s: float = 1.0, duration_s: 
     rules = config.rules
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
-    scenario = getattr(backend, "scenario", None)
-    if scenario is not None:
+    if isinstance(backend, Scripted):
+        scenario = backend.scenario
         simulated = _StepClock(time.time())
         clock, sleep = simulated, simulated.advance
-        backend.clock = simulated  # type: ignore[attr-defined]  # the sim's scripted events follow it
+        backend.clock = simulated  # the sim's scripted events follow it
         rules = dataclasses.replace(rules, **scenario.rules_overrides)
         if duration_s is None and scenario.judged_by_s:
             duration_s = scenario.judged_by_s

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import re
 import socket
-import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from prometheus_client.registry import Collector
 from gpuwatch.config import SlurmConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import GpuStatus, Snapshot
+from gpuwatch.tools import tool_output
 
 log = logging.getLogger("gpuwatch.slurm")
 
@@ -161,19 +161,14 @@ class Scontrol:
 
     def _run(self, *args: str) -> str:
         argv = [self.program, *args]
-        what = " ".join(argv[:3])
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout_s, check=False)
-        except FileNotFoundError:
-            raise SlurmError(f"{what}: {self.program} not found (slurm.scontrol)") from None
-        except subprocess.TimeoutExpired:
-            raise SlurmError(f"{what}: no answer within {self.timeout_s:g} s (slurm.timeout_s)") from None
-        except OSError as exc:
-            raise SlurmError(f"{what}: {exc.strerror or exc}") from None
-        if proc.returncode != 0:
-            detail = (proc.stderr or proc.stdout).strip().splitlines()
-            raise SlurmError(f"{what}: exit {proc.returncode}: {detail[-1] if detail else 'no output'}")
-        return proc.stdout
+        return tool_output(
+            argv,
+            self.timeout_s,
+            error=SlurmError,
+            setting="slurm.scontrol",
+            timeout_setting="slurm.timeout_s",
+            what=" ".join(argv[:3]),  # not the drain reason
+        )
 
 
 def node_name(config: SlurmConfig) -> str:

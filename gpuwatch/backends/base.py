@@ -6,7 +6,8 @@ a vendor exception: failures become `gpuwatch.errors` types at this boundary.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from gpuwatch.config import Config
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
@@ -43,3 +44,42 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the library's handles. Safe to call twice."""
         ...
+
+
+# Optional capabilities: a backend has one when isinstance(backend, Capability) holds.
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """A backend that can let go of its library for a GPU reset and open it again (nvml, dcgm)."""
+
+    def release_handles(self) -> None: ...
+
+    def reacquire(self) -> tuple[GpuStatic, ...]:
+        """Raises BackendError when the library or a GPU does not come back."""
+        ...
+
+
+class Scenario(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def rules_overrides(self) -> Mapping[str, Any]:
+        """Shortened rule windows, so a demo shows its fault within minutes."""
+        ...
+
+    @property
+    def judged_by_s(self) -> float:
+        """How long `check` must sample to see the fault."""
+        ...
+
+
+@runtime_checkable
+class Scripted(Protocol):
+    """A backend that plays a scenario (sim) on a clock the caller may replace with simulated time."""
+
+    clock: Callable[[], float]
+
+    @property
+    def scenario(self) -> Scenario: ...

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,33 +19,15 @@ import psutil
 
 from gpuwatch.config import Config
 from gpuwatch.errors import DrillError
+from gpuwatch.tools import run_tool, tool_output
 
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
 
-def run_tool(argv: list[str], timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
-    """Run a tool; a missing or hung one is a DrillError naming it, a non-zero exit is the caller's to judge."""
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except FileNotFoundError:
-        raise DrillError(f"{argv[0]}: not found (set its path under [tools])") from None
-    except subprocess.TimeoutExpired:
-        raise DrillError(f"{' '.join(argv)}: no answer within {timeout_s:g} s") from None
-    except OSError as exc:
-        raise DrillError(f"{argv[0]}: cannot run: {exc.strerror or exc}") from None
-
-
-def _checked(argv: list[str], timeout_s: float = 120.0) -> str:
-    done = run_tool(argv, timeout_s)
-    said = (done.stderr.strip() or done.stdout.strip()).splitlines()
-    if done.returncode != 0:
-        raise DrillError(f"{' '.join(argv)} exited {done.returncode}: {said[-1] if said else 'no output'}")
-    return done.stdout
-
-
 def compute_pids(nvidia_smi: str, uuid: str) -> list[int]:
     """The PIDs nvidia-smi lists as compute applications on the GPU with `uuid`."""
-    out = _checked([nvidia_smi, "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"])
+    argv = [nvidia_smi, "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
+    out = tool_output(argv, 120.0, error=DrillError, setting="tools.nvidia_smi")
     found = []
     for line in out.splitlines():
         gpu_uuid, _, pid = line.partition(",")
@@ -58,7 +39,7 @@ def compute_pids(nvidia_smi: str, uuid: str) -> list[int]:
 def reset_gpu(nvidia_smi: str, index: int) -> str:
     """`nvidia-smi -r -i N`: a function-level reset of one GPU."""
     argv = [nvidia_smi, "-r", "-i", str(index)]
-    lines = _checked(argv, timeout_s=300.0).strip().splitlines()
+    lines = tool_output(argv, 300.0, error=DrillError, setting="tools.nvidia_smi").strip().splitlines()
     return f"{' '.join(argv)}: {lines[-1] if lines else 'done'}"
 
 
@@ -66,7 +47,7 @@ def dcgm_inject(dcgmi: str, gpu: int, field_id: int, value: float) -> str:
     """`dcgmi test --inject`; --gpuid always, since dcgmi defaults to GPU 1."""
     shown = str(int(value)) if value.is_integer() else str(value)
     argv = [dcgmi, "test", "--inject", "--gpuid", str(gpu), "-f", str(field_id), "-v", shown]
-    lines = _checked(argv).strip().splitlines()
+    lines = tool_output(argv, 120.0, error=DrillError, setting="tools.dcgmi").strip().splitlines()
     return f"{' '.join(argv)}: {lines[-1] if lines else 'done'}"
 
 
@@ -131,7 +112,7 @@ def xid_script(config: Config) -> Path:
 def run_xid_fault(script: Path, gpu: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """Run the sacrificial process with --yes; its JSON report when the child died of the fault."""
     argv = [sys.executable, str(script), "--gpu", str(gpu), "--yes", "--timeout", f"{timeout_s:g}"]
-    done = run_tool(argv, timeout_s + 30.0)
+    done = run_tool(argv, timeout_s + 30.0, error=DrillError, setting="tools.xid_fault")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     report: dict[str, Any] = json.loads(lines[-1]) if lines else {}
     if done.returncode != 0:

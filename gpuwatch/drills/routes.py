@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from gpuwatch.backends.base import Releasable
 from gpuwatch.config import DrillSchedule
 from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.scheduler import DrillScheduler, validate
 from gpuwatch.drills.spec import KINDS
 from gpuwatch.errors import BackendError, ConfigError
-from gpuwatch.model import GpuStatic
 from gpuwatch.monitor import Monitor
 
 
@@ -35,15 +35,6 @@ def _known_drill(name: str) -> str:
 
 
 DrillName = Annotated[str, AfterValidator(_known_drill)]
-
-
-@runtime_checkable
-class Releasable(Protocol):
-    """A backend that can let go of its library for a GPU reset (nvml, dcgm)."""
-
-    def release_handles(self) -> None: ...
-
-    def reacquire(self) -> tuple[GpuStatic, ...]: ...
 
 
 class StepBody(BaseModel):

@@ -1,4 +1,4 @@
-"""Fixtures for drills: a sim daemon with drills installed and a fake clock, an in-memory fake daemon
+"""Fixtures for drills: a sim daemon with its drills and a fake clock, an in-memory fake daemon
 for the paths a sim cannot show (idle GPUs, trainers, incidents), and fake tools that record argv."""
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from fastapi.testclient import TestClient
 
 from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.daemon import Daemon
-from gpuwatch.drills import install
 from gpuwatch.drills.cli import drill
 from gpuwatch.drills.service import DrillService
 from gpuwatch.drills.steps import Clock
@@ -39,13 +38,12 @@ main.add_command(drill)
 def start_drill_node(
     tmp_path: Path, gpus: int = 4, schedule: tuple[DrillSchedule, ...] = (), **overrides: Any
 ) -> SimNode:
-    """A sim daemon (healthy scenario) with drills installed, before its app is built."""
+    """A sim daemon (healthy scenario) with its drills, before its app is built."""
     clock = FakeClock()
     config = sim_config(tmp_path, "healthy", gpus, **overrides)
     config = dataclasses.replace(config, drills=dataclasses.replace(config.drills, schedule=schedule))
     daemon = Daemon(config, clock=clock)
     daemon.backend.clock = clock  # type: ignore[attr-defined]
-    install(daemon)
     daemon.monitor.tick()
     return SimNode(daemon, clock, TestClient(daemon.app()))
 
@@ -82,10 +80,8 @@ class ClientApi:
 
 
 def drill_service(node: SimNode) -> DrillService:
-    """The node's installed drills, pointed at its in-process client and fake clock."""
-    service = next(
-        h.__self__ for h in node.daemon.route_hooks if isinstance(getattr(h, "__self__", None), DrillService)
-    )
+    """The node's drills, pointed at its in-process client and fake clock."""
+    service = node.daemon.drills
     service.drills.api = lambda: ClientApi(node)
     service.drills.clock = sim_clock(node)
     return service

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.config import Config, DrillSchedule
-from gpuwatch.drills import install
 from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
 from gpuwatch.drills.steps import Clock, Step, Verdict, execute
 from gpuwatch.errors import DrillError
@@ -192,20 +191,6 @@ def test_sim_backend_has_no_handles_to_release(node: SimNode) -> None:
     body = node.client.post("/v1/backend/release", json={}, headers=node.auth).json()
     assert body == {"released": False, "detail": "the sim backend holds no handles"}
     assert node.client.post("/v1/backend/reacquire", json={}, headers=node.auth).json()["reacquired"] is False
-
-
-def test_install_twice_is_once(node: SimNode) -> None:
-    hooks, extras, parts = (
-        len(node.daemon.route_hooks),
-        len(node.daemon.collector.extras),
-        len(node.daemon.key_parts),
-    )
-    install(node.daemon)
-    assert (len(node.daemon.route_hooks), len(node.daemon.collector.extras), len(node.daemon.key_parts)) == (
-        hooks,
-        extras,
-        parts,
-    )
 
 
 def test_a_new_verdict_invalidates_the_metrics_render_cache(node: SimNode) -> None:

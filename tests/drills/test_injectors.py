@@ -26,7 +26,7 @@ def test_reset_runs_nvidia_smi_r_i_with_the_index(tools: Tools) -> None:
 
 def test_failed_reset_is_a_drill_error_with_the_tool_message(tools: Tools) -> None:
     tools.fail_reset()
-    with pytest.raises(DrillError, match=r"-r -i 0 exited 3: Unable to reset GPU: In use by another client"):
+    with pytest.raises(DrillError, match=r"-r -i 0: exit 3: Unable to reset GPU: In use by another client"):
         injectors.reset_gpu(str(tools.nvidia_smi), 0)
 
 
@@ -37,7 +37,7 @@ def test_compute_pids_reads_only_the_gpu_asked_for(tools: Tools) -> None:
 
 
 def test_missing_tool_names_the_path(tmp_path: Path) -> None:
-    with pytest.raises(DrillError, match=r"/nowhere/nvidia-smi: not found \(set its path under \[tools\]\)"):
+    with pytest.raises(DrillError, match=r"/nowhere/nvidia-smi not found \(tools.nvidia_smi\)"):
         injectors.compute_pids("/nowhere/nvidia-smi", "GPU-a")
 
 

@@ -25,16 +25,13 @@ from tests.helpers import metric_samples
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
-# `gpuwatch run`, plus install(): a no-op once the daemon installs drills itself.
+# `gpuwatch run`, which builds the drills itself.
 LAUNCH = """
 from gpuwatch.config import load
 from gpuwatch.daemon import Daemon, setup_logging
-from gpuwatch.drills import install
 config = load()
 setup_logging(config.log_level)
-daemon = Daemon(config)
-install(daemon)
-daemon.serve()
+Daemon(config).serve()
 """
 
 
