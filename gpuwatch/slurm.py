@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector
 from gpuwatch.config import SlurmConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import GpuStatus, Snapshot
-from gpuwatch.tools import tool_output
+from gpuwatch.tools import run_tool
 
 log = logging.getLogger("gpuwatch.slurm")
 
@@ -161,14 +161,15 @@ class Scontrol:
 
     def _run(self, *args: str) -> str:
         argv = [self.program, *args]
-        return tool_output(
+        return run_tool(
             argv,
             self.timeout_s,
             error=SlurmError,
             setting="slurm.scontrol",
             timeout_setting="slurm.timeout_s",
             what=" ".join(argv[:3]),  # not the drain reason
-        )
+            check=True,
+        ).stdout
 
 
 def node_name(config: SlurmConfig) -> str:

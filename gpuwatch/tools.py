@@ -20,15 +20,16 @@ def run_tool(
     setting: str,
     timeout_setting: str = "",
     what: str = "",
+    check: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `argv` once; a missing, hung or unstartable program raises `error`. A non-zero exit is the caller's.
+    """Run `argv` once; a missing, hung or unstartable program raises `error`, and so does a non-zero exit with `check`.
 
     `setting` is the config key holding the program's path (`tools.nvidia_smi`), `timeout_setting` the one
     holding `timeout_s`, where there is one; `what` names the command in messages (default: all of argv).
     """
     what = what or " ".join(argv)
     try:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError:
         raise error(f"{what}: {argv[0]} not found ({setting})") from None
     except subprocess.TimeoutExpired:
@@ -36,21 +37,7 @@ def run_tool(
         raise error(f"{what}: no answer within {timeout_s:g} s{hint}") from None
     except OSError as exc:
         raise error(f"{what}: cannot run {argv[0]}: {exc.strerror or exc}") from None
-
-
-def tool_output(
-    argv: Sequence[str],
-    timeout_s: float,
-    *,
-    error: type[GpuwatchError],
-    setting: str,
-    timeout_setting: str = "",
-    what: str = "",
-) -> str:
-    """The stdout of a program that must exit 0; any other exit raises `error` with its code and last line."""
-    what = what or " ".join(argv)
-    done = run_tool(argv, timeout_s, error=error, setting=setting, timeout_setting=timeout_setting, what=what)
-    if done.returncode != 0:
+    if check and done.returncode != 0:
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()
         raise error(f"{what}: exit {done.returncode}: {said[-1] if said else 'no output'}")
-    return done.stdout
+    return done

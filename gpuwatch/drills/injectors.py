@@ -19,7 +19,7 @@ import psutil
 
 from gpuwatch.config import Config
 from gpuwatch.errors import DrillError
-from gpuwatch.tools import run_tool, tool_output
+from gpuwatch.tools import run_tool
 
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 
@@ -27,7 +27,7 @@ _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 def compute_pids(nvidia_smi: str, uuid: str) -> list[int]:
     """The PIDs nvidia-smi lists as compute applications on the GPU with `uuid`."""
     argv = [nvidia_smi, "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
-    out = tool_output(argv, 120.0, error=DrillError, setting="tools.nvidia_smi")
+    out = run_tool(argv, 120.0, error=DrillError, setting="tools.nvidia_smi", check=True).stdout
     found = []
     for line in out.splitlines():
         gpu_uuid, _, pid = line.partition(",")
@@ -39,7 +39,7 @@ def compute_pids(nvidia_smi: str, uuid: str) -> list[int]:
 def reset_gpu(nvidia_smi: str, index: int) -> str:
     """`nvidia-smi -r -i N`: a function-level reset of one GPU."""
     argv = [nvidia_smi, "-r", "-i", str(index)]
-    lines = tool_output(argv, 300.0, error=DrillError, setting="tools.nvidia_smi").strip().splitlines()
+    lines = run_tool(argv, 300.0, error=DrillError, setting="tools.nvidia_smi", check=True).stdout.strip().splitlines()
     return f"{' '.join(argv)}: {lines[-1] if lines else 'done'}"
 
 
@@ -47,7 +47,7 @@ def dcgm_inject(dcgmi: str, gpu: int, field_id: int, value: float) -> str:
     """`dcgmi test --inject`; --gpuid always, since dcgmi defaults to GPU 1."""
     shown = str(int(value)) if value.is_integer() else str(value)
     argv = [dcgmi, "test", "--inject", "--gpuid", str(gpu), "-f", str(field_id), "-v", shown]
-    lines = tool_output(argv, 120.0, error=DrillError, setting="tools.dcgmi").strip().splitlines()
+    lines = run_tool(argv, 120.0, error=DrillError, setting="tools.dcgmi", check=True).stdout.strip().splitlines()
     return f"{' '.join(argv)}: {lines[-1] if lines else 'done'}"
 
 
