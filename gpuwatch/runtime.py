@@ -159,15 +159,26 @@ class Report:
 
 
 def write_json_atomic(path: Path, body: Any) -> None:
-    """Write JSON to `path` through a temp file in the same directory and an atomic rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    """Write JSON to `path` through a temp file in the same directory and an atomic rename.
+
+    Readers see the old file or the new one, never a part. The temp name is fixed (`.<name>.tmp`):
+    the daemon is the only writer (the state-dir lock) and the directory is root's, and one open with
+    O_NOFOLLOW costs a third of mkstemp's name search at every sample.
+    """
+    data = json.dumps(body, separators=(",", ":")).encode("utf-8")  # the C encoder; json.dump is pure Python
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            json.dump(body, out, separators=(",", ":"))
-        os.chmod(tmp, 0o644)
+        try:
+            os.fchmod(fd, 0o644)  # the umask may have cut it; trainers of any user read status.json
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
