@@ -9,81 +9,25 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
-import os
-import secrets
 import socket
-import stat
 import unicodedata
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpuwatch import __version__, statuspage
 from gpuwatch.errors import ConfigError
-from gpuwatch.httpserver import body_limit
+from gpuwatch.httpserver import ASGIApp, front
 from gpuwatch.metrics import MetricsRenderer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.monitor import Monitor
 from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
 
 log = logging.getLogger("gpuwatch.api")
-
-
-def ensure_token(path: Path, *, first_start: bool = True) -> str:
-    """The API token, created 0600 on first start so only root (and the CLI run as root) can change state.
-
-    An existing token is used only if it is a regular file of ours that group and others cannot
-    read (anyone who can read it can quarantine GPUs). A token missing after the first start is
-    minted anew with a warning: clients holding the old one must read the new one.
-
-    Raises:
-        ConfigError: one line naming the path, for a token that is not a private regular file.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        fd = -1
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the API token: {exc.strerror or exc}") from None
-    if fd >= 0:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise ConfigError(f"{path}: the API token is not a regular file")
-        with os.fdopen(fd, "rb") as existing:
-            raw = existing.read(4096)
-        try:
-            token = raw.decode("ascii").strip()
-        except UnicodeDecodeError:
-            token = ""
-        if token and (info.st_uid != os.geteuid() or info.st_mode & 0o077):
-            raise ConfigError(
-                f"{path}: the API token is readable or owned by others (mode {stat.S_IMODE(info.st_mode):04o}, "
-                f"uid {info.st_uid}): remove it to mint a new one, or chmod 600 it"
-            )
-        if token:
-            return token
-        log.warning("%s: the API token is empty or not text; minting a new one", path)
-        path.unlink()  # an empty token (a crash mid-write) would let an empty bearer through
-    elif not first_start:
-        log.warning("%s: the API token was missing; minted a new one (clients must read it again)", path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(token + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot write the API token: {exc.strerror or exc}") from None
-    return token
 
 
 def one_line_text(value: str) -> str:
@@ -158,34 +102,7 @@ class InjectBody(BaseModel):
     xid: int | None = Field(default=None, ge=1, le=1000)
 
 
-ASGIApp = Callable[[dict[str, Any], Callable[..., Any], Callable[..., Any]], Awaitable[None]]
 RouteSet = Callable[[FastAPI, Callable[..., None]], None]  # one part's routes: (app, require_token) -> None
-
-
-def metrics_fast_path(app: ASGIApp, renderer: MetricsRenderer) -> ASGIApp:
-    """Answer GET /metrics before FastAPI's routing, request and response objects.
-
-    A scrape is the hot path (every Prometheus server, every 15 s, often several at once) and its
-    body is cached bytes, so the framework's per-request work is most of its cost: serving the
-    bytes straight from ASGI roughly halves the latency under concurrent scrapes.
-    """
-    headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
-    not_allowed = [(b"allow", b"GET, HEAD"), (b"content-length", b"0")]
-
-    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http" or scope["path"] != "/metrics":
-            await app(scope, receive, send)
-            return
-        if scope["method"] not in {"GET", "HEAD"}:
-            await send({"type": "http.response.start", "status": 405, "headers": not_allowed})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        body = renderer.render()
-        length = [(b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers + length})
-        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
-
-    return asgi
 
 
 def trainer_json(t: TrainerInfo) -> dict[str, Any]:
@@ -229,11 +146,27 @@ def create_app(
     docs: bool = False,
     max_body_bytes: int = 65536,
 ) -> ASGIApp:
-    """Build the app: body limit, then /metrics straight from ASGI, everything else through FastAPI.
+    """The whole app: body limit, then /metrics straight from ASGI, everything else through FastAPI.
+
+    `max_body_bytes` is enforced before any route or token check runs; the rest as create_api.
+    """
+    api = create_api(monitor, token, clock=clock, route_sets=route_sets, gpu_views=gpu_views, docs=docs)
+    return front(api, renderer.render, max_body_bytes)
+
+
+def create_api(
+    monitor: Monitor,
+    token: str,
+    *,
+    clock: Callable[[], float],
+    route_sets: Sequence[RouteSet] = (),
+    gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
+    docs: bool = False,
+) -> FastAPI:
+    """The FastAPI app: /healthz, /v1/*, the status page, and `docs` serves /openapi.json.
 
     Each of `route_sets` adds one part's routes (`route_set(app, require_token)`: incidents, drills); each of
-    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks). `docs` serves
-    /openapi.json; `max_body_bytes` is enforced before any route or token check runs.
+    `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks).
     """
     app = FastAPI(
         title="gpuwatch",
@@ -375,4 +308,4 @@ def create_app(
 
     for route_set in route_sets:
         route_set(app, require_token)
-    return body_limit(metrics_fast_path(app, renderer), max_body_bytes)
+    return app

@@ -23,8 +23,8 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client.registry import Collector
 
-from gpuwatch import __version__, remediation_api, systemd, validation
-from gpuwatch.api import ASGIApp, create_app, ensure_token
+from gpuwatch import __version__, systemd, validation
+from gpuwatch.api_token import ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend, Scripted
 from gpuwatch.backends.kmsg import KernelLog
@@ -33,7 +33,16 @@ from gpuwatch.drills.service import DrillService
 from gpuwatch.errors import ConfigError, StoreError
 from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.health.state import Decision
-from gpuwatch.httpserver import ACCEPT_BURST, AcceptErrorLog, ServerLimits, limited_protocol, raise_fd_limit
+from gpuwatch.httpserver import (
+    ACCEPT_BURST,
+    AcceptErrorLog,
+    ASGIApp,
+    ServerLimits,
+    front,
+    lazy_app,
+    limited_protocol,
+    raise_fd_limit,
+)
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import GpuEvent, Snapshot
 from gpuwatch.monitor import Monitor
@@ -227,15 +236,21 @@ class Daemon:
                 log.warning("cannot prune old findings: %s", exc)
 
     def app(self) -> ASGIApp:
-        return create_app(
+        """The body limit and /metrics at once; the API behind them from its first request (lazy_app)."""
+        return front(lazy_app(self.api), self.renderer.render, self.config.api.max_body_bytes)
+
+    def api(self) -> ASGIApp:
+        """The FastAPI app with every part's routes. Its imports (about 16 MiB) happen here, not at start."""
+        from gpuwatch import remediation_api
+        from gpuwatch.api import create_api
+
+        return create_api(
             self.monitor,
-            self.renderer,
             self.token,
             clock=self.clock,
             route_sets=(remediation_api.route_set(self.remediation, self.store), self.drills.routes),
             gpu_views=(functools.partial(remediation_api.gpu_view, self.remediation),),
             docs=self.config.api.docs,
-            max_body_bytes=self.config.api.max_body_bytes,
         )
 
     def start(self) -> None:

@@ -15,6 +15,9 @@ closes those gaps at the protocol level:
 
 * a request body over `max_body_bytes` is answered 413 by ASGI middleware (`body_limit`) before
   routing and the token check read any of it.
+
+`front` puts those ASGI layers before the app, and serves /metrics itself; `lazy_app` lets the daemon
+build its FastAPI app (FastAPI, starlette and pydantic: about 16 MiB) at the first request that needs it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("gpuwatch.http")
@@ -228,10 +232,10 @@ class AcceptErrorLog:
         self.suppressed = 0
 
 
-_ASGIApp = Callable[[dict[str, Any], Callable[..., Any], Callable[..., Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Callable[..., Any], Callable[..., Any]], Awaitable[None]]
 
 
-def body_limit(app: _ASGIApp, max_bytes: int) -> _ASGIApp:
+def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
     """413 for a request body over `max_bytes`, before routing and the token check read any of it.
 
     A declared Content-Length over the limit is refused unread; a chunked body is read up to the
@@ -276,3 +280,50 @@ def body_limit(app: _ASGIApp, max_bytes: int) -> _ASGIApp:
         await app(scope, replay if chunks else receive, send)
 
     return asgi
+
+
+def metrics_fast_path(app: ASGIApp, render: Callable[[], bytes]) -> ASGIApp:
+    """Answer GET /metrics before FastAPI's routing, request and response objects.
+
+    A scrape is the hot path (every Prometheus server, every 15 s, often several at once) and its
+    body is cached bytes, so the framework's per-request work is most of its cost: serving the
+    bytes straight from ASGI roughly halves the latency under concurrent scrapes.
+    """
+    headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
+    not_allowed = [(b"allow", b"GET, HEAD"), (b"content-length", b"0")]
+
+    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http" or scope["path"] != "/metrics":
+            await app(scope, receive, send)
+            return
+        if scope["method"] not in {"GET", "HEAD"}:
+            await send({"type": "http.response.start", "status": 405, "headers": not_allowed})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = render()
+        length = [(b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers + length})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    return asgi
+
+
+def lazy_app(build: Callable[[], ASGIApp]) -> ASGIApp:
+    """The app `build()` returns, built at the first request that reaches it, not at start.
+
+    A node that is only scraped never pays for the API framework; the first API call pays its imports
+    once (about half a second), on the event loop, where a second request waits for the same build.
+    """
+    built: list[ASGIApp] = []
+
+    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if not built:
+            built.append(build())
+        await built[0](scope, receive, send)
+
+    return asgi
+
+
+def front(app: ASGIApp, render_metrics: Callable[[], bytes], max_body_bytes: int) -> ASGIApp:
+    """What every request meets before `app`: the body limit, then /metrics answered from `render_metrics`."""
+    return body_limit(metrics_fast_path(app, render_metrics), max_body_bytes)

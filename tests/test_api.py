@@ -101,7 +101,7 @@ def test_healthz_and_status_page(node: SimNode) -> None:
 
 
 def test_an_empty_token_file_is_replaced(tmp_path: Path) -> None:
-    from gpuwatch.api import ensure_token
+    from gpuwatch.api_token import ensure_token
 
     path = tmp_path / "token"
     path.write_text("\n")

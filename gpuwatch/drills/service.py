@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.drills.daemon_client import HttpApi
 from gpuwatch.drills.record import DrillRecord
-from gpuwatch.drills.routes import add_routes
 from gpuwatch.drills.scheduler import DrillScheduler
 from gpuwatch.drills.steps import Clock, Interrupted
 from gpuwatch.monitor import Monitor
 from gpuwatch.store import Store
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 class DrillService:
@@ -55,4 +55,6 @@ class DrillService:
         self.drills.submit(self._scheduler, schedule)
 
     def routes(self, app: FastAPI, require_token: Callable[..., None]) -> None:
+        from gpuwatch.drills.routes import add_routes  # FastAPI's: imported with the API, at its first request
+
         add_routes(app, require_token, self.monitor, self.record, self.drills, self.submit)
