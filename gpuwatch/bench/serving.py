@@ -1,7 +1,7 @@
 """Serving: /metrics latency and throughput under 1, 10 and 50 concurrent scrapers, side by side with peers.
 
-Each client is a thread with its own keep-alive connection (as Prometheus keeps one per target); a
-level stops after a bounded number of requests or seconds, whichever comes first. The daemon runs at
+Each client is a process with its own keep-alive connection (as each Prometheus server keeps one per
+target); a level stops after a bounded number of requests or seconds, whichever comes first. The daemon runs at
 a 1 s interval, so its Snapshot (and the cached exposition) changes every second while it is scraped.
 Peers on the same machine: nvitop-exporter as its own process at a 1 s interval, and one
 `nvidia-smi --query-gpu=… --format=csv` call per scrape (what nvidia_gpu_exporter does), timed bare.
@@ -16,11 +16,10 @@ window was served while a tick ran; the p99 of those and of the others, and the 
 from __future__ import annotations
 
 import http.client as http_client
-import itertools
+import multiprocessing
 import re
 import shutil
 import subprocess
-import threading
 import time
 from typing import Any
 
@@ -125,65 +124,77 @@ def _measure(ctx: Context, port: int) -> dict[str, Any]:
 
 
 def _load(port: int, clients: int, max_requests: int, max_s: float) -> dict[str, Any]:
-    """`clients` threads scraping /metrics back to back until `max_requests` in all or `max_s` seconds."""
-    issued = itertools.count()
-    latencies: list[list[float]] = [[] for _ in range(clients)]
-    timeline: list[list[tuple[float, float, float | None]]] = [[] for _ in range(clients)]
-    snapshot_of: dict[int, float | None] = {}  # body hash → the Snapshot it names (parsed once per body)
-    errors = [0] * clients
-    barrier = threading.Barrier(clients + 1)
+    """`clients` processes scraping /metrics back to back until `max_requests` in all or `max_s` seconds.
 
-    def client(k: int) -> None:
-        http = Http(port)
-        try:
-            try:
-                http.request("GET", "/metrics")  # connect (and wait for a slow server) outside the measurement
-            except (OSError, http_client.HTTPException):
-                errors[k] += 1
-            barrier.wait()
-            perf, wall = time.perf_counter, time.time
-            deadline = perf() + max_s
-            while perf() < deadline and next(issued) < max_requests:
-                started, start = wall(), perf()
-                try:
-                    status, body = http.request("GET", "/metrics")
-                except (OSError, http_client.HTTPException):
-                    errors[k] += 1
-                    continue
-                if status == 200:
-                    latencies[k].append(perf() - start)
-                    key = hash(body)
-                    if key not in snapshot_of:
-                        found = _SNAPSHOT_T.search(body)
-                        snapshot_of[key] = float(found.group(1)) if found else None
-                    timeline[k].append((started, latencies[k][-1], snapshot_of[key]))
-                else:
-                    errors[k] += 1
-        finally:
-            http.close()
-
-    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
-    for thread in threads:
-        thread.start()
+    Processes, not threads: ten Prometheus servers are ten processes, and ten client threads in one
+    interpreter queue for its GIL (a switch interval is 5 ms), which lands in the measured latency.
+    """
+    spawn = multiprocessing.get_context("spawn")  # the bench process has threads: no fork
+    barrier = spawn.Barrier(clients + 1)
+    results = spawn.Queue()
+    share = max(1, max_requests // clients)
+    workers = [spawn.Process(target=_client, args=(port, share, max_s, barrier, results)) for _ in range(clients)]
+    for worker in workers:
+        worker.start()
     barrier.wait(timeout=WARM_UP_TIMEOUT_S)
     started = time.perf_counter()
-    for thread in threads:
-        thread.join()
+    outcomes: list[tuple[list[float], list[tuple[float, float, float | None]], int]] = [
+        results.get(timeout=max_s + WARM_UP_TIMEOUT_S) for _ in workers
+    ]
     elapsed = time.perf_counter() - started
-    done = [x for per_client in latencies for x in per_client]
+    for worker in workers:
+        worker.join()
+    done = [x for latencies, _, _ in outcomes for x in latencies]
+    errors = sum(e for _, _, e in outcomes)
     if not done:
-        raise RuntimeError(f"no successful /metrics request at {clients} clients ({sum(errors)} errors)")
+        raise RuntimeError(f"no successful /metrics request at {clients} clients ({errors} errors)")
     result: dict[str, Any] = {
         "clients": clients,
         **summarize(done, "ms"),
-        "errors": sum(errors),
+        "errors": errors,
         "seconds": elapsed,
         "throughput_rps": len(done) / elapsed,
     }
-    ticks = tick_overlap([r for per_client in timeline for r in per_client])
+    ticks = tick_overlap([r for _, timeline, _ in outcomes for r in timeline])
     if ticks is not None:
         result["ticks"] = ticks
     return result
+
+
+def _client(port: int, max_requests: int, max_s: float, barrier: Any, results: Any) -> None:
+    """One scraper process: connect, wait for the others, then scrape; report latencies and timeline."""
+    latencies: list[float] = []
+    timeline: list[tuple[float, float, float | None]] = []
+    snapshot_of: dict[int, float | None] = {}  # body hash → the Snapshot it names (parsed once per body)
+    errors = 0
+    http = Http(port)
+    try:
+        try:
+            http.request("GET", "/metrics")  # connect (and wait for a slow server) outside the measurement
+        except (OSError, http_client.HTTPException):
+            errors += 1
+        barrier.wait()
+        perf, wall = time.perf_counter, time.time
+        deadline = perf() + max_s
+        while perf() < deadline and len(latencies) + errors < max_requests:
+            started, start = wall(), perf()
+            try:
+                status, body = http.request("GET", "/metrics")
+            except (OSError, http_client.HTTPException):
+                errors += 1
+                continue
+            if status != 200:
+                errors += 1
+                continue
+            latencies.append(perf() - start)
+            key = hash(body)
+            if key not in snapshot_of:
+                found = _SNAPSHOT_T.search(body)
+                snapshot_of[key] = float(found.group(1)) if found else None
+            timeline.append((started, latencies[-1], snapshot_of[key]))
+    finally:
+        http.close()
+        results.put((latencies, timeline, errors))
 
 
 def tick_overlap(requests: list[tuple[float, float, float | None]]) -> dict[str, Any] | None:
