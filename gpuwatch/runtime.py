@@ -158,6 +158,9 @@ class Report:
         return self.alive and self.info.ended is None
 
 
+STATUS_REFRESH_S = 30.0  # status.json's `t` is at most this old while the daemon runs
+
+
 def write_json_atomic(path: Path, body: Any) -> None:
     """Write JSON to `path` through a temp file in the same directory and an atomic rename.
 
@@ -209,6 +212,8 @@ class RuntimeDir:
         self.proc = proc or ProcFs()
         self._logged: set[tuple[str, int, int, int]] = set()
         self._flooded = False
+        self._status_gpus: list[dict[str, Any]] | None = None  # what status.json says now, but for `t`
+        self._status_t = float("-inf")
 
     def prepare(self) -> None:
         """Create the directory and the sticky, world-writable trainers/.
@@ -229,7 +234,17 @@ class RuntimeDir:
             raise ConfigError(f"runtime_dir: cannot prepare {where}: {exc.strerror or exc}") from None
 
     def write_status(self, snapshot: Snapshot) -> None:
-        write_json_atomic(self.path / STATUS_FILE, status_body(snapshot))
+        """Replace status.json when a GPU's part of it changed, else every STATUS_REFRESH_S.
+
+        Each rank re-reads the file when its mtime moves, so an unchanged file rewritten every sample
+        would cost every rank a read and a parse each second for nothing; `t` still shows within
+        STATUS_REFRESH_S that the daemon is alive. A failed write is tried again at the next sample.
+        """
+        body = status_body(snapshot)
+        if body["gpus"] == self._status_gpus and snapshot.t - self._status_t < STATUS_REFRESH_S:
+            return
+        write_json_atomic(self.path / STATUS_FILE, body)
+        self._status_gpus, self._status_t = body["gpus"], snapshot.t
 
     def read_reports(self) -> list[Report]:
         """Every valid, attributable report in trainers/ (of running and of gone processes), by pid.
