@@ -33,6 +33,10 @@ _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal"
 _MAX_PSTATE = 15
 # Events already queued when a wait returns are drained without blocking, up to this many.
 _MAX_EVENTS_PER_WAIT = 64
+# nvmlDeviceGetCurrPcieLinkWidth costs about 35 µs on an H200, the other 15 reads of a sample about 60 µs
+# together. A link trained narrow is flagged after link_duty (0.5) of link_window_s (60 s) busy, so a width
+# at most 5 s old changes that verdict by at most 5 s; slow samples read it too.
+PCIE_WIDTH_EVERY_S = 5.0
 
 
 @dataclass
@@ -46,6 +50,8 @@ class _Gpu:
     unsupported: set[str] = field(default_factory=set)
     nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
     links: dict[str, Any] = field(default_factory=dict)  # link counters and states of the last slow sample
+    width: int | None = None  # PCIe lanes at the last reading (PCIE_WIDTH_EVERY_S)
+    width_t: float = float("-inf")
 
 
 class NvmlBackend:
@@ -176,7 +182,7 @@ class NvmlBackend:
                 "ecc_sbe_aggregate": read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
                 "ecc_dbe_aggregate": read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
                 "pcie_link_gen": read("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                "pcie_link_width": read("pcie_width", nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+                "pcie_link_width": self._link_width(gpu, handle, now, slow),
                 **self._read_field_values(gpu, handle, self._field_ids),
             }
             if slow:
@@ -201,6 +207,13 @@ class NvmlBackend:
             pids=() if procs is None else tuple(proc.pid for proc in procs),
             **values,
         )
+
+    def _link_width(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> int | None:
+        """The PCIe width, read every PCIE_WIDTH_EVERY_S and repeated in between: a third of a sample's NVML time."""
+        if slow or now - gpu.width_t >= PCIE_WIDTH_EVERY_S or now < gpu.width_t:
+            gpu.width = self._read(gpu, "pcie_width", self._nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
+            gpu.width_t = now
+        return gpu.width
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
         """The costly counters (DESIGN.md: PCIe 0.17 ms, violations 0.64, energy 3.1), read on slow samples only."""

@@ -119,8 +119,10 @@ def test_fast_path_makes_no_slow_call(nvml: FakeNvml, backend: NvmlBackend) -> N
         backend.sample(0, float(t))
         backend.sample(1, float(t))
     assert not {name: nvml.calls[name] for name in SLOW_CALLS if nvml.calls[name]}
-    # per sample: 8 single-field calls, 2 clocks, 4 ECC totals, 2 PCIe link calls and 1 field-values call
-    assert sum(nvml.calls.values()) == 10 * 17
+    # per sample: 8 single-field calls, 2 clocks, 4 ECC totals, the PCIe generation and 1 field-values call;
+    # the PCIe width once per GPU in these 5 s (PCIE_WIDTH_EVERY_S)
+    assert sum(nvml.calls.values()) == 10 * 16 + 2
+    assert nvml.calls["nvmlDeviceGetCurrPcieLinkWidth"] == 2
     assert nvml.calls["nvmlDeviceGetFieldValues"] == 10
     nvml.calls.clear()
     backend.sample(0, 9.0, slow=True)
@@ -357,3 +359,14 @@ def test_pcie_only_card_reads_no_nvlink(nvml: FakeNvml, backend: NvmlBackend) ->
         s = backend.sample(0, float(t), slow=True)
         assert (s.nvlink_links_down, s.nvlink_crc_errors, s.nvlink_recovery_errors, s.fabric_state) == (None,) * 4
     assert nvml.calls["nvmlDeviceGetNvLinkState"] == opened
+
+
+def test_pcie_width_is_read_every_5_s_and_on_slow_samples(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """The costliest fast read: a reading at most PCIE_WIDTH_EVERY_S old is repeated in between."""
+    nvml.calls.clear()
+    widths = [backend.sample(0, t).pcie_link_width for t in (100.0, 101.0, 104.9, 105.0, 106.0)]
+    assert nvml.calls["nvmlDeviceGetCurrPcieLinkWidth"] == 2  # at 100 and at 105
+    assert widths == [widths[0]] * 5 and widths[0] is not None
+    backend.sample(0, 107.0, slow=True)
+    backend.sample(0, 50.0)  # the clock went back (a test, a clock step): read again
+    assert nvml.calls["nvmlDeviceGetCurrPcieLinkWidth"] == 4
