@@ -1,7 +1,7 @@
 """The composition root: Config → backend → Monitor → metrics and API → one uvicorn server.
 
-Sampling runs as an APScheduler interval job (the drills add their cron jobs to the same
-scheduler), the event thread waits in the backend, uvicorn serves on the main thread.
+Sampling runs on its own thread, the event thread waits in the backend, the drills' cron jobs
+run in APScheduler, uvicorn serves on the main thread.
 READY=1 goes to systemd after the first complete sample; WATCHDOG=1 after every one, so a
 hung NVML call stops the pings and systemd restarts the daemon.
 """
@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import signal
 import socket
 import threading
@@ -160,11 +161,12 @@ class Daemon:
         self.stop_event = threading.Event()
         self.remediation = Remediation(config, self.store, self.runtime, clock=clock)
         self.monitor.listeners.append(self.remediation.on_publish)
-        # The drills' scheduled runs go into the same scheduler as sampling.
+        # The drills' cron jobs and on-demand runs go into APScheduler; sampling has its own thread.
         self.drills = DrillService(
             config, self.monitor, self.store, scheduler=self.scheduler, clock=clock, stop=self.stop_event
         )
         self._last_prune = 0.0
+        self._sample_thread = threading.Thread(target=self._sample_every_interval, name="gpuwatch-sample", daemon=True)
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
@@ -254,17 +256,9 @@ class Daemon:
         )
 
     def start(self) -> None:
-        """First sample (so READY=1 means real data), then the job, the event thread, READY=1."""
+        """First sample (so READY=1 means real data), then the sampling and event threads, READY=1."""
         self.monitor.tick()
-        self.scheduler.add_job(
-            self.sample_once,
-            "interval",
-            seconds=self.config.interval_s,
-            id="sample",
-            max_instances=1,
-            coalesce=True,
-            misfire_grace_time=None,
-        )
+        self._sample_thread.start()
         self.scheduler.start()
         self._start_kernel_log()
         self._event_thread.start()
@@ -272,6 +266,24 @@ class Daemon:
             self.drainer.start()
         systemd.ready()
         systemd.status(f"watching {len(self.monitor.statics)} GPU(s) with {self.backend.name}")
+
+    def _sample_every_interval(self) -> None:
+        """sample_once every interval_s on a steady phase; a round that overran skips the rounds it missed.
+
+        A thread of its own rather than a scheduler job: waking a scheduler thread to hand each round
+        to a pool thread cost more CPU at a 1 s interval than the round's own Python.
+        """
+        interval = self.config.interval_s
+        due = time.monotonic() + interval
+        while not self.stop_event.wait(max(0.0, due - time.monotonic())):
+            try:
+                self.sample_once()
+            except Exception:  # a bug in one round must not end sampling
+                log.exception("sampling round failed")
+            due += interval
+            late = time.monotonic() - due
+            if late > 0:
+                due += math.ceil(late / interval) * interval
 
     def _start_kernel_log(self) -> None:
         """Replay what the kernel buffer still holds (judged by kernel time), then follow it in a thread."""
@@ -300,6 +312,8 @@ class Daemon:
     def stop(self) -> None:
         systemd.stopping()
         self.stop_event.set()
+        if self._sample_thread.is_alive():
+            self._sample_thread.join()  # a round in flight ends before the backend closes under it
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         self.backend.close()
