@@ -23,16 +23,12 @@ from gpuwatch.bench.cli import bench
 from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.exits import fail
 from gpuwatch.launch import launch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 STATE_STYLE = {"healthy": "green", "degraded": "yellow", "unhealthy": "bold red", "unknown": "dim"}
-
-
-def fail(message: str, code: int = 2) -> None:
-    click.echo(f"gpuwatch: error: {message}", err=True)
-    sys.exit(code)
 
 
 def one_line_errors(func: F) -> F:

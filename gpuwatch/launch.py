@@ -47,14 +47,16 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.exits import fail
 from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR
 
+COMMAND = "gpuwatch launch"  # the start of its error lines
 EXIT_STOPPED = 3
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 _SINGLE_NODE = {None, "1", "1:1"}
@@ -599,13 +601,13 @@ def launch(
     relaunch sets GPUWATCH_RESUME=1. Exit 3: too few GPUs, restarts used up, or a crash loop.
     """
     if command[0].startswith("-") and command[0] not in {"-m", "--module"}:
-        _fail(2, f"expected [-m] SCRIPT after the options, not {command[0]!r} (put the job after --)")
+        fail(f"expected [-m] SCRIPT after the options, not {command[0]!r} (put the job after --)", command=COMMAND)
     if command[0] in {"-m", "--module"} and len(command) < 2:
-        _fail(2, "-m needs a module name")
+        fail("-m needs a module name", command=COMMAND)
     if importlib.util.find_spec("torch") is None:
-        _fail(2, "torch is not installed in this Python: torchrun is torch.distributed.run")
+        fail("torch is not installed in this Python: torchrun is torch.distributed.run", command=COMMAND)
     if rendezvous["nnodes"] not in _SINGLE_NODE and not (rdzv_id or os.environ.get("GPUWATCH_JOB_ID")):
-        _fail(2, "a multi-node job needs --rdzv-id, the same on every node (it is also the job id)")
+        fail("a multi-node job needs --rdzv-id, the same on every node (it is also the job id)", command=COMMAND)
     job_id = rdzv_id or os.environ.get("GPUWATCH_JOB_ID") or f"gpuwatch-{uuid.uuid4().hex[:12]}"
     try:
         from gpuwatch.client import DaemonClient
@@ -622,15 +624,9 @@ def launch(
         )
         code = Launcher(plan, DaemonClient(config).gpus, echo=lambda line: click.echo(line, err=True)).run()
     except click.UsageError as exc:
-        _fail(2, exc.format_message())
+        fail(exc.format_message(), command=COMMAND)
     except LaunchStopped as exc:
-        _fail(exc.code, str(exc))
+        fail(str(exc), exc.code, COMMAND)
     except GpuwatchError as exc:
-        _fail(2, str(exc))
+        fail(str(exc), command=COMMAND)
     sys.exit(code)
-
-
-def _fail(code: int, message: str) -> NoReturn:
-    """One line on stderr; a negative code (torchrun killed by a signal) exits as the shell would show it."""
-    click.echo(f"gpuwatch launch: error: {message}", err=True)
-    sys.exit(128 - code if code < 0 else code)

@@ -16,6 +16,7 @@ from typing import Any
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Scripted
 from gpuwatch.backends.replay import ReplayBackend, iter_ticks
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, Health, Snapshot, worst
 from gpuwatch.monitor import Monitor
@@ -35,7 +36,7 @@ def check(config: Config, samples: int = 3, spacing_s: float = 1.0, duration_s: 
     sleep: Callable[[float], None] = time.sleep
     if isinstance(backend, Scripted):
         scenario = backend.scenario
-        simulated = _StepClock(time.time())
+        simulated = ManualClock(time.time())
         clock, sleep = simulated, simulated.advance
         backend.clock = simulated  # the sim's scripted events follow it
         rules = dataclasses.replace(rules, **scenario.rules_overrides)
@@ -77,22 +78,9 @@ class GpuReplay:
         }
 
 
-class _StepClock:
-    """Time that moves only when set or advanced: a trace's own time, or the sim's without the wait."""
-
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
 def replay(trace: Trace, config: Config) -> list[GpuReplay]:
     """Run a trace through the rules and the state machine; record worst state and each new finding."""
-    clock = _StepClock(next((r.t for r in trace.readings), 0.0))
+    clock = ManualClock(next((r.t for r in trace.readings), 0.0))
     config = dataclasses.replace(config, backend="replay", interval_s=max(1.0, _median_spacing(trace)))
     # The backend only names the source here: readings come from iter_ticks, judged on the trace's time.
     monitor = Monitor(ReplayBackend(config), trace.statics, config, clock=clock)

@@ -5,19 +5,15 @@ sent as one datagram to the AF_UNIX socket named by $NOTIFY_SOCKET (a path, or a
 name written with a leading '@'). Every call is a no-op returning False outside systemd, so
 the daemon calls these unconditionally.
 
-config.py is the only reader of gpuwatch's settings from the environment. NOTIFY_SOCKET,
-WATCHDOG_USEC and WATCHDOG_PID are the documented exception: the service manager sets them
-for each start of the unit, they are not gpuwatch settings, and they must be read at the
-moment of use, so they are read here.
+config.py is the only reader of gpuwatch's settings from the environment. NOTIFY_SOCKET is the
+documented exception: the service manager sets it for each start of the unit, it is not a
+gpuwatch setting, and it must be read at the moment of use, so it is read here.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
-
-PROTOCOL_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
 
 def notify(message: str) -> bool:
@@ -61,30 +57,3 @@ def status(text: str) -> bool:
     """Set the one-line status `systemctl status gpuwatch` shows (a newline would end the assignment)."""
     return notify("STATUS=" + " ".join(text.splitlines()))
 
-
-def watchdog_interval_s() -> float | None:
-    """The watchdog timeout systemd enforces on this process, or None when there is none.
-
-    WATCHDOG_PID names the process the timeout is meant for; a child that inherited the
-    variables must not think it owes pings.
-    """
-    usec = os.environ.get("WATCHDOG_USEC", "")
-    pid = os.environ.get("WATCHDOG_PID", "")
-    if pid and pid != str(os.getpid()):
-        return None
-    try:
-        value = int(usec)
-    except ValueError:
-        return None
-    return value / 1e6 if value > 0 else None
-
-
-def unset_for_children(env: Mapping[str, str]) -> dict[str, str]:
-    """A copy of `env` without the notify protocol variables, for the environment of child processes.
-
-    The daemon keeps its own NOTIFY_SOCKET (it pings the watchdog until it stops), so it cannot
-    unset it after READY=1 the way gpud does; drill tools and nvidia-smi get this copy instead,
-    so none of them can send a READY or a ping on the daemon's behalf (NotifyAccess=main drops
-    such messages too; this keeps them from being sent at all).
-    """
-    return {key: value for key, value in env.items() if key not in PROTOCOL_VARIABLES}

@@ -1,4 +1,4 @@
-"""Test helpers: a controllable clock and a Daemon on the sim backend in a temp dir, driven tick by tick."""
+"""Test helpers: a Daemon on the sim backend in a temp dir, driven tick by tick."""
 
 from __future__ import annotations
 
@@ -8,24 +8,12 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, load
 from gpuwatch.daemon import Daemon
 
 T0 = 1_800_000_000.0
 HEALTHY_TRACE = Path(__file__).parent / "data" / "h200-healthy-workload.jsonl"  # copy of shared/traces' H200 trace
-
-
-class FakeClock:
-    """Time that moves only when a test says so."""
-
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 def sim_config(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **overrides: Any) -> Config:
@@ -51,7 +39,7 @@ class SimNode:
     """A daemon on the sim backend with a fake clock and an in-process HTTP client."""
 
     daemon: Daemon
-    clock: FakeClock
+    clock: ManualClock
     client: TestClient
 
     @property
@@ -79,7 +67,7 @@ class SimNode:
 
 
 def start_sim_node(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **overrides: Any) -> SimNode:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     daemon = Daemon(sim_config(tmp_path, scenario, gpus, **overrides), clock=clock)
     daemon.backend.clock = clock  # type: ignore[attr-defined]  # the sim's scripted events follow test time
     daemon.monitor.tick()

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import FleetConfig
 from gpuwatch.fleet import (
     QUARANTINED_SHARE,
@@ -33,7 +34,6 @@ from gpuwatch.fleet import (
 )
 from gpuwatch.slurm import DrainStatus, SlurmCollector
 from tests.e2e.conftest import free_port
-from tests.helpers import FakeClock
 
 LIMITS = FleetConfig(prometheus_url="http://x", max_quarantined_share=0.2, max_drained_nodes=3)
 
@@ -109,7 +109,7 @@ def test_scalar_and_its_failures(prometheus: FakePrometheus) -> None:
 
 
 def test_breaker_caches_counts_each_refused_gpu_once_and_lets_go(prometheus: FakePrometheus) -> None:
-    clock = FakeClock(0)
+    clock = ManualClock(0)
     config = FleetConfig(prometheus_url=prometheus.url, max_quarantined_share=0.2, cache_s=5)
     breaker = FleetBreaker(config, clock=clock)
     prometheus.answer(QUARANTINED_SHARE, 0.25)
@@ -129,7 +129,7 @@ def test_breaker_caches_counts_each_refused_gpu_once_and_lets_go(prometheus: Fak
 
 def test_unreachable_open_and_closed(caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    clock = FakeClock(0)
+    clock = ManualClock(0)
     opened = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, cache_s=0), clock=clock)
     assert opened.allow_quarantine(0, "xid") is None
     clock.advance(29)

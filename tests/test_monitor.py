@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.sim import SimBackend
+from gpuwatch.clock import ManualClock
 from gpuwatch.errors import StoreError
 from gpuwatch.model import GpuSample
 from gpuwatch.monitor import Monitor
 from gpuwatch.store import Store
-from tests.helpers import FakeClock, sim_config
+from tests.helpers import T0, sim_config
 
 
 class BrokenGpu2(SimBackend):
@@ -25,7 +26,7 @@ class BrokenGpu2(SimBackend):
 
 def test_an_unexpected_error_on_one_gpu_hides_no_other(tmp_path: Path) -> None:
     config = sim_config(tmp_path, "healthy", gpus=4)
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = BrokenGpu2(config, clock=clock)
     monitor = Monitor(backend, backend.open(), config, clock=clock)
     for _ in range(3):
@@ -40,7 +41,7 @@ def test_an_unexpected_error_on_one_gpu_hides_no_other(tmp_path: Path) -> None:
 
 def test_a_failing_store_does_not_stop_judging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = sim_config(tmp_path, "healthy", gpus=2)
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = SimBackend(config, clock=clock)
     store = Store(tmp_path / "gpuwatch.db")
     monitor = Monitor(backend, backend.open(), config, store=store, clock=clock)

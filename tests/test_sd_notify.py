@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
@@ -83,41 +82,3 @@ def test_missing_socket_file_returns_false(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
     assert systemd.watchdog() is False
 
-
-@pytest.mark.parametrize(
-    ("usec", "pid", "expected"),
-    [
-        ("90000000", None, 90.0),
-        ("90000000", "self", 90.0),
-        ("90000000", "other", None),
-        ("0", None, None),
-        ("ninety", None, None),
-        (None, None, None),
-    ],
-)
-def test_watchdog_interval(
-    monkeypatch: pytest.MonkeyPatch, usec: str | None, pid: str | None, expected: float | None
-) -> None:
-    for name, value in (("WATCHDOG_USEC", usec), ("WATCHDOG_PID", pid)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        elif value == "self":
-            monkeypatch.setenv(name, str(os.getpid()))
-        elif value == "other":
-            monkeypatch.setenv(name, str(os.getpid() + 1))
-        else:
-            monkeypatch.setenv(name, value)
-    assert systemd.watchdog_interval_s() == expected
-
-
-def test_unset_for_children_drops_only_protocol_variables() -> None:
-    env = {
-        "NOTIFY_SOCKET": "/run/systemd/notify",
-        "WATCHDOG_USEC": "90000000",
-        "WATCHDOG_PID": "42",
-        "PATH": "/usr/bin",
-        "GPUWATCH_STATE_DIR": "/var/lib/gpuwatch",
-    }
-    child = systemd.unset_for_children(env)
-    assert child == {"PATH": "/usr/bin", "GPUWATCH_STATE_DIR": "/var/lib/gpuwatch"}
-    assert "NOTIFY_SOCKET" in env

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.sim import SimBackend
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, ValidationConfig
 from gpuwatch.model import GpuSample, GpuStatic
 from gpuwatch.monitor import Monitor
 from gpuwatch.store import Store
 from gpuwatch.validation import ValidationResult, judge, validate
-from tests.helpers import FakeClock, sim_config
+from tests.helpers import T0, sim_config
 
 FAKE = Path(__file__).parent / "fakes" / "fake_gpu_test.py"
 H200 = GpuStatic(index=3, uuid="GPU-3", name="NVIDIA H200")
@@ -95,19 +96,19 @@ class Scripted(SimBackend):
         return dataclasses.replace(super().sample(index, now, slow=slow), **self.fault.get(index, {}))  # type: ignore[arg-type]
 
 
-def node(tmp_path: Path, store: Store | None = None, **overrides: object) -> tuple[Monitor, Scripted, FakeClock]:
+def node(tmp_path: Path, store: Store | None = None, **overrides: object) -> tuple[Monitor, Scripted, ManualClock]:
     cfg = sim_config(
         tmp_path,
         gpus=2,
         **{"policy.recovery_s": 10.0, "policy.burn_in_s": 30.0, "policy.breaker_window_s": 20.0, **overrides},  # type: ignore[arg-type]
     )
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = Scripted(cfg, clock=clock)
     backend.fault = {}
     return Monitor(backend, backend.open(), cfg, store=store, clock=clock), backend, clock
 
 
-def run(monitor: Monitor, clock: FakeClock, seconds: float) -> None:
+def run(monitor: Monitor, clock: ManualClock, seconds: float) -> None:
     for _ in range(int(seconds / 5)):
         clock.advance(5)
         monitor.tick()
@@ -116,7 +117,7 @@ def run(monitor: Monitor, clock: FakeClock, seconds: float) -> None:
                 thread.join(10)
 
 
-def quarantine_and_recover(monitor: Monitor, backend: Scripted, clock: FakeClock) -> None:
+def quarantine_and_recover(monitor: Monitor, backend: Scripted, clock: ManualClock) -> None:
     backend.fault = {1: {"remapped_pending": 1}}
     run(monitor, clock, 10)
     assert monitor.snapshot.gpu(1).quarantined  # type: ignore[union-attr]

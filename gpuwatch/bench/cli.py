@@ -18,22 +18,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
 from gpuwatch import __version__
+from gpuwatch.exits import fail
 
 # In the order they run: the long footprint and the trainer job come last.
 SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation")
 DEFAULT_SIM_GPUS = 8
 TABLE_WIDTH = 150  # when stdout is not a terminal (a file, CI): rich would wrap at 80
-
-
-def fail(message: str) -> NoReturn:
-    """One line on stderr and exit 2, like every gpuwatch command's usage errors."""
-    click.echo(f"gpuwatch: error: {message}", err=True)
-    sys.exit(2)
 
 
 def parse_only(value: str | None) -> list[str]:

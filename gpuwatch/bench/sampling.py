@@ -27,6 +27,7 @@ from typing import Any
 from gpuwatch.backends.base import Backend
 from gpuwatch.bench.harness import Context, progress, summarize
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, not_applicable, ratio, target
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.health import engine
 from gpuwatch.health.history import History
@@ -43,16 +44,6 @@ HISTORIES_S = (0.0, 600.0, 3600.0)
 SIM_GPU_COUNTS = (1, 8, 64)
 WARM_UP_TICKS = 5
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
-
-
-class FakeClock:
-    """Time that moves only when told: ticks can then be as far apart as the interval without waiting."""
-
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def bench_config(ctx: Context, interval_s: float = 1.0) -> Config:
@@ -283,7 +274,7 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | N
     root = ctx.workdir / f"tick-{interval_s:g}s-{ctx.gpus}-{history_s}"
     tmpfs = Path("/dev/shm")
     run_root = tempfile.TemporaryDirectory(prefix="gpuwatch-bench-", dir=tmpfs if tmpfs.is_dir() else root)
-    clock = FakeClock(time.time())
+    clock = ManualClock(time.time())
     config = dataclasses.replace(
         bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(Path(run_root.name) / "run")
     )
@@ -330,7 +321,7 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | N
 
 
 def _fill_history(
-    monitor: Monitor, backend: Backend, statics: list[GpuStatic], clock: FakeClock, interval_s: float, steps: int
+    monitor: Monitor, backend: Backend, statics: list[GpuStatic], clock: ManualClock, interval_s: float, steps: int
 ) -> None:
     """Fold `steps` rounds of one real round's readings, re-stamped, into the rules' state without judging.
 

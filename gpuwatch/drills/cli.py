@@ -21,6 +21,7 @@ from rich.console import Console
 from gpuwatch.config import Config, load
 from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
+from gpuwatch.exits import fail
 
 if TYPE_CHECKING:
     from gpuwatch.drills.runner import Request
@@ -104,7 +105,7 @@ def drill(
         if value is not None
     ]
     if len(chosen) + show_list != 1:
-        _fail("give one of --list, " + ", ".join(k.option for k in KINDS.values()))
+        fail("give one of --list, " + ", ".join(k.option for k in KINDS.values()))
     try:
         config = load(config_path, overrides={"listen": listen, "state_dir": state_dir})
         if show_list:
@@ -117,7 +118,7 @@ def drill(
         )
         code = _drill(config, request, dry_run or (KINDS[name].needs_yes and not yes), as_json, config_path)
     except GpuwatchError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     sys.exit(code)
 
 
@@ -212,8 +213,3 @@ def _list(config: Config, now: datetime) -> None:
 
 def _spec(values: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in values.items())
-
-
-def _fail(message: str) -> None:
-    click.echo(f"gpuwatch: error: {message}", err=True)
-    sys.exit(2)

@@ -11,9 +11,10 @@ import pytest
 
 from gpuwatch.backends.kmsg import KernelLog, parse_record, pci_key
 from gpuwatch.backends.sim import SimBackend
+from gpuwatch.clock import ManualClock
 from gpuwatch.model import GpuEvent, GpuStatic
 from gpuwatch.monitor import Monitor
-from tests.helpers import FakeClock, sim_config
+from tests.helpers import T0, sim_config
 
 BOOT = 1_800_000_000.0
 # As the driver writes them (the first as on the lab's H200, DESIGN.md), behind /dev/kmsg's "PRI,SEQ,USEC,FLAGS;".
@@ -101,7 +102,7 @@ def test_no_access_is_a_state_not_an_error(tmp_path: Path, caplog: pytest.LogCap
     assert "not readable" in caplog.text
 
 
-def _monitor(tmp_path: Path, clock: FakeClock) -> Monitor:
+def _monitor(tmp_path: Path, clock: ManualClock) -> Monitor:
     config = sim_config(tmp_path, gpus=2)
     backend = SimBackend(config, clock=clock)
     monitor = Monitor(backend, backend.open(), config, clock=clock)
@@ -110,7 +111,7 @@ def _monitor(tmp_path: Path, clock: FakeClock) -> Monitor:
 
 
 def test_an_old_xid_outside_every_window_is_listed_but_raises_no_alarm(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     monitor = _monitor(tmp_path, clock)
     uuid = monitor.statics[1].uuid
     old = GpuEvent(clock.t - 7200, 1, uuid, "xid", 79, source="kmsg", detail=XID79)  # before start, 2 h ago
@@ -125,7 +126,7 @@ def test_an_old_xid_outside_every_window_is_listed_but_raises_no_alarm(tmp_path:
 
 
 def test_an_xid_from_both_sources_counts_once(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     monitor = _monitor(tmp_path, clock)
     uuid = monitor.statics[0].uuid
     nvml = GpuEvent(clock.t, 0, uuid, "xid", 31)
@@ -146,7 +147,7 @@ def test_kernel_log_access_is_exported(tmp_path: Path, readable: bool, value: fl
     from gpuwatch.metrics import SnapshotCollector, text_exposition
     from tests.helpers import metric_samples
 
-    clock = FakeClock()
+    clock = ManualClock(T0)
     monitor = _monitor(tmp_path, clock)
     monitor.kernel_log_readable, monitor.kernel_sxids_total = readable, 2
     monitor.tick()
@@ -157,7 +158,7 @@ def test_kernel_log_access_is_exported(tmp_path: Path, readable: bool, value: fl
 
 def test_an_old_kernel_xid_is_not_counted_for_the_alerts(tmp_path: Path) -> None:
     """gpuwatch_gpu_xid_errors_total feeds GpuwatchXidCritical: an XID 79 from boot must not appear in it."""
-    clock = FakeClock()
+    clock = ManualClock(T0)
     monitor = _monitor(tmp_path, clock)
     old = GpuEvent(clock.t - 7200, 0, monitor.statics[0].uuid, "xid", 79, source="kmsg", detail=XID79)
     monitor.handle_events([old])

@@ -16,6 +16,7 @@ import pytest
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.backends.sim import BUSY_S, CYCLE_S, SCENARIOS, SimBackend
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
 from gpuwatch.health.engine import ALL_RULE_IDS
@@ -34,16 +35,6 @@ SHARED_TRACE = next(
     ),
     None,
 )
-
-
-class FakeClock:
-    """A wall clock the test moves by hand."""
-
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(scenario: str = "healthy", gpus: int = 8, seed: int = 0, clock: Callable[[], float] = time.time) -> SimBackend:
@@ -266,15 +257,15 @@ def test_no_such_gpu() -> None:
         make().sample(8, T0)
 
 
-def events_until(backend: SimBackend, clock: FakeClock, t_rel: float) -> list[GpuEvent]:
-    clock.now = T0 + t_rel
+def events_until(backend: SimBackend, clock: ManualClock, t_rel: float) -> list[GpuEvent]:
+    clock.t = T0 + t_rel
     out = backend.wait_events(0)
     assert all(isinstance(e, GpuEvent) for e in out)
     return [e for e in out if isinstance(e, GpuEvent)]
 
 
 def test_xid_critical_event() -> None:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = make("xid_critical", clock=clock)
     assert events_until(backend, clock, 9.9) == []
     (event,) = events_until(backend, clock, 10.0)
@@ -284,7 +275,7 @@ def test_xid_critical_event() -> None:
 
 
 def test_xid_app_repeated_every_20_s() -> None:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = make("xid_app_repeated", clock=clock)
     events = events_until(backend, clock, 55)
     assert [(e.t - T0, e.xid, e.index) for e in events] == [(10, 31, 1), (30, 31, 1), (50, 31, 1)]
@@ -292,7 +283,7 @@ def test_xid_app_repeated_every_20_s() -> None:
 
 
 def test_ecc_uncorrectable_event_and_counters_agree() -> None:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = make("ecc_uncorrectable", clock=clock)
     backend.sample(FAULTY, T0)
     (event,) = events_until(backend, clock, 10)
@@ -301,7 +292,7 @@ def test_ecc_uncorrectable_event_and_counters_agree() -> None:
 
 
 def test_demo() -> None:
-    clock = FakeClock()
+    clock = ManualClock(T0)
     backend = make("demo", clock=clock)
     assert SCENARIOS["demo"].rules_overrides == {"clock_window_s": 30.0}
     samples = run(backend, 120, 5)

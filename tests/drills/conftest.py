@@ -18,13 +18,14 @@ import click
 import pytest
 from fastapi.testclient import TestClient
 
+from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.daemon import Daemon
 from gpuwatch.drills.cli import drill
 from gpuwatch.drills.service import DrillService
 from gpuwatch.drills.steps import Clock
 from gpuwatch.errors import DaemonError
-from tests.helpers import FakeClock, SimNode, sim_config
+from tests.helpers import T0, SimNode, sim_config
 
 
 @click.group()
@@ -39,7 +40,7 @@ def start_drill_node(
     tmp_path: Path, gpus: int = 4, schedule: tuple[DrillSchedule, ...] = (), **overrides: Any
 ) -> SimNode:
     """A sim daemon (healthy scenario) with its drills, before its app is built."""
-    clock = FakeClock()
+    clock = ManualClock(T0)
     config = sim_config(tmp_path, "healthy", gpus, **overrides)
     config = dataclasses.replace(config, drills=dataclasses.replace(config.drills, schedule=schedule))
     daemon = Daemon(config, clock=clock)
