@@ -56,4 +56,3 @@ def stopping() -> bool:
 def status(text: str) -> bool:
     """Set the one-line status `systemctl status gpuwatch` shows (a newline would end the assignment)."""
     return notify("STATUS=" + " ".join(text.splitlines()))
-

@@ -1,4 +1,4 @@
-"""Test helpers: a Daemon on the sim backend in a temp dir, driven tick by tick."""
+"""Test helpers: a Daemon on the sim backend in a temp dir, driven tick by tick; metrics, Slurm and job stand-ins."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from gpuwatch.bench.daemon_process import child_env
 from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, load
 from gpuwatch.daemon import Daemon
 
 T0 = 1_800_000_000.0
 HEALTHY_TRACE = Path(__file__).parent / "data" / "h200-healthy-workload.jsonl"  # copy of shared/traces' H200 trace
+REPO = Path(__file__).resolve().parents[1]
 
 
 def sim_config(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **overrides: Any) -> Config:
@@ -107,3 +109,11 @@ esac
     )
     program.chmod(0o755)
     return str(program), node_file
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of `gpuwatch launch` and its job in a test: no GPUWATCH_* and no TORCHELASTIC_* from outside,
+    no CUDA_VISIBLE_DEVICES (launch sets it), and this checkout's gpuwatch for the ranks torchrun starts."""
+    env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return {**env, "PYTHONPATH": str(REPO), **extra}

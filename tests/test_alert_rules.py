@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
 import subprocess
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ import yaml
 
 from gpuwatch.health.xid_catalog import CATALOG
 from gpuwatch.model import Severity
+from tests.prometheus_stack import Webhook, alertmanager_config, alertmanager_process, program
 from tests.test_grafana_dashboard import known_metric_names, metric_names
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
@@ -32,13 +29,6 @@ RUNBOOK = DASHBOARDS / "RUNBOOK.md"
 RUNBOOK_BASE = "https://github.com/gpuwatch/gpuwatch/blob/main/dashboards/RUNBOOK.md#"
 SEVERITIES = {"critical", "warning", "info"}
 PER_GPU = re.compile(r"\bgpuwatch_(?:gpu|trainer)_\w+")
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} is not installed (Debian: apt-get install prometheus prometheus-alertmanager)")
-    return path
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -71,23 +61,23 @@ def runbook_anchors() -> set[str]:
 
 
 def test_promtool_check_rules() -> None:
-    proc = run(tool("promtool"), "check", "rules", str(ALERTS), str(RECORDING))
+    proc = run(program("promtool"), "check", "rules", str(ALERTS), str(RECORDING))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_promtool_unit_tests() -> None:
     assert RULE_TESTS, "no promtool test files"
-    proc = run(tool("promtool"), "test", "rules", *map(str, RULE_TESTS))
+    proc = run(program("promtool"), "test", "rules", *map(str, RULE_TESTS))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_example_prometheus_config() -> None:
-    proc = run(tool("promtool"), "check", "config", str(PROMETHEUS / "prometheus.yml"))
+    proc = run(program("promtool"), "check", "config", str(PROMETHEUS / "prometheus.yml"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_amtool_check_config() -> None:
-    proc = run(tool("amtool"), "check-config", str(ALERTMANAGER))
+    proc = run(program("amtool"), "check-config", str(ALERTMANAGER))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -105,7 +95,7 @@ def test_amtool_check_config() -> None:
 )
 def test_routing(labels: list[str], receiver: str) -> None:
     proc = run(
-        tool("amtool"),
+        program("amtool"),
         "config",
         "routes",
         "test",
@@ -206,57 +196,10 @@ def test_github_anchor() -> None:
     assert github_anchor(" Runbook: Foo_bar (x) ") == "runbook-foo_bar-x"
 
 
-class _Webhook(BaseHTTPRequestHandler):
-    """Records (path, alertname, instance) of every alert Alertmanager delivers."""
-
-    received: list[tuple[str, str, str]]
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        for alert in body["alerts"]:
-            self.received.append((self.path, alert["labels"]["alertname"], alert["labels"]["instance"]))
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.slow
 def test_alertmanager_routes_and_inhibits(tmp_path: Path) -> None:
     """A real Alertmanager with this config: drills to `drill`, inhibited alerts nowhere."""
-    binary = shutil.which("alertmanager") or tool("prometheus-alertmanager")  # Debian names it prometheus-alertmanager
-    received: list[tuple[str, str, str]] = []
-    handler = type("Webhook", (_Webhook,), {"received": received})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = yaml.safe_load(ALERTMANAGER.read_text().replace("127.0.0.1:9999", f"127.0.0.1:{server.server_port}"))
-    config["route"].update(group_wait="1s", group_interval="1s")
-    config_path = tmp_path / "alertmanager.yml"
-    config_path.write_text(yaml.safe_dump(config))
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={config_path}",
-            f"--storage.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(base + "/-/ready", proc)
+    with Webhook() as webhook, alertmanager_process(tmp_path, alertmanager_config(webhook)) as alertmanager:
 
         def alert(name: str, instance: str, severity: str, **labels: str) -> dict[str, Any]:
             return {"labels": {"alertname": name, "instance": instance, "severity": severity, **labels}}
@@ -271,7 +214,9 @@ def test_alertmanager_routes_and_inhibits(tmp_path: Path) -> None:
             alert("GpuwatchGpuQuarantined", "node-4:9835", "warning", drill="false", **gpu),
         ]
         request = urllib.request.Request(
-            base + "/api/v2/alerts", data=json.dumps(alerts).encode(), headers={"Content-Type": "application/json"}
+            alertmanager.url + "/api/v2/alerts",
+            data=json.dumps(alerts).encode(),
+            headers={"Content-Type": "application/json"},
         )
         urllib.request.urlopen(request, timeout=5).close()
         expected = {
@@ -281,24 +226,12 @@ def test_alertmanager_routes_and_inhibits(tmp_path: Path) -> None:
             ("/chat", "GpuwatchGpuQuarantined", "node-4:9835"),
         }
         deadline = time.monotonic() + 30
-        while not expected <= set(received) and time.monotonic() < deadline:
+        while not expected <= received(webhook) and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(3)  # several group intervals: an inhibited alert would have arrived by now
-        assert set(received) == expected
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        server.shutdown()
+        assert received(webhook) == expected
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"alertmanager exited: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    pytest.fail("alertmanager did not become ready")
+def received(webhook: Webhook) -> set[tuple[str, str, str]]:
+    """(path, alertname, instance) of every alert Alertmanager delivered."""
+    return {(path, a["labels"]["alertname"], a["labels"]["instance"]) for path, a in list(webhook.received)}

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from gpuwatch.bench.daemon_process import DaemonProcess, run_gpuwatch
 from tests.helpers import HEALTHY_TRACE
-
-
-def gpuwatch(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpuwatch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "GPUWATCH_CONFIG": "", **(env or {})},
-    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -34,7 +23,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
 
 
 def test_replay_shared_healthy_trace_is_healthy_throughout() -> None:
-    result = gpuwatch("replay", str(HEALTHY_TRACE), "--json")
+    result = run_gpuwatch("replay", str(HEALTHY_TRACE), "--json")
     assert result.returncode == 0, result.stderr
     (gpu,) = json.loads(result.stdout)["gpus"]
     assert gpu["worst_state"] == "healthy" and gpu["final_state"] == "healthy"
@@ -44,7 +33,7 @@ def test_replay_shared_healthy_trace_is_healthy_throughout() -> None:
 
 def test_record_then_replay_a_faulty_sim(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    recorded = gpuwatch(
+    recorded = run_gpuwatch(
         "record",
         "--backend",
         "sim",
@@ -61,17 +50,17 @@ def test_record_then_replay_a_faulty_sim(tmp_path: Path) -> None:
     )
     assert recorded.returncode == 0, recorded.stderr
     assert "wrote" in recorded.stdout
-    replayed = json.loads(gpuwatch("replay", str(trace), "--json").stdout)
+    replayed = json.loads(run_gpuwatch("replay", str(trace), "--json").stdout)
     states = {g["index"]: (g["worst_state"], [f["rule"] for f in g["findings"]]) for g in replayed["gpus"]}
     assert states[0] == ("healthy", [])
     assert states[1] == ("unhealthy", ["row_remap_pending"])
-    checked = gpuwatch("check", "--backend", "replay", "--replay-file", str(trace), "--samples", "13")
+    checked = run_gpuwatch("check", "--backend", "replay", "--replay-file", str(trace), "--samples", "13")
     assert checked.returncode == 1, checked.stdout + checked.stderr
     assert "row_remap_pending" in checked.stdout
 
 
 def test_check_healthy_sim_exits_zero() -> None:
-    result = gpuwatch("check", "--backend", "sim", "--sim-scenario", "healthy", "--sim-gpus", "2", "--samples", "1")
+    result = run_gpuwatch("check", "--backend", "sim", "--sim-scenario", "healthy", "--sim-gpus", "2", "--samples", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(" healthy:") == 2
 
@@ -79,7 +68,7 @@ def test_check_healthy_sim_exits_zero() -> None:
 def test_auto_backend_without_gpu_names_sim(tmp_path: Path) -> None:
     if Path("/dev/nvidia0").exists():
         pytest.skip("this machine has a GPU")
-    result = gpuwatch("check", "--state-dir", str(tmp_path))
+    result = run_gpuwatch("check", "--state-dir", str(tmp_path))
     assert_one_line_error(result, "--backend sim")
 
 
@@ -94,7 +83,7 @@ def test_auto_backend_without_gpu_names_sim(tmp_path: Path) -> None:
 def test_bad_config_is_one_line_exit_2(tmp_path: Path, text: str, fragment: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    assert_one_line_error(gpuwatch("run", "--config", str(path)), str(path), fragment)
+    assert_one_line_error(run_gpuwatch("run", "--config", str(path)), str(path), fragment)
 
 
 @pytest.mark.parametrize(
@@ -107,23 +96,17 @@ def test_bad_config_is_one_line_exit_2(tmp_path: Path, text: str, fragment: str)
 def test_bad_trace_is_one_line_exit_2(tmp_path: Path, lines: list[str], fragment: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    assert_one_line_error(gpuwatch("replay", str(path)), str(path) + fragment)
+    assert_one_line_error(run_gpuwatch("replay", str(path)), str(path) + fragment)
 
 
 def test_bad_flag_is_exit_2() -> None:
-    result = gpuwatch("run", "--interval", "fast")
+    result = run_gpuwatch("run", "--interval", "fast")
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
 def test_client_commands_without_daemon_say_so(tmp_path: Path) -> None:
-    result = gpuwatch("status", "--listen", "127.0.0.1:1", "--state-dir", str(tmp_path))
+    result = run_gpuwatch("status", "--listen", "127.0.0.1:1", "--state-dir", str(tmp_path))
     assert_one_line_error(result, "cannot reach the gpuwatch daemon")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.slow
@@ -132,33 +115,10 @@ def test_daemon_notifies_ready_after_first_sample_and_pings_watchdog(tmp_path: P
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(notify_path))
     listener.settimeout(20)
-    port = free_port()
-    env = {**os.environ, "GPUWATCH_CONFIG": "", "NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "10000000"}
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuwatch",
-            "run",
-            "--backend",
-            "sim",
-            "--sim-gpus",
-            "2",
-            "--interval",
-            "1",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--runtime-dir",
-            str(tmp_path / "run"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    env = {"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "10000000"}
+    daemon = DaemonProcess(tmp_path, "--sim-gpus", "2", "--interval", "1", env=env)
     try:
+        daemon.start()
         messages: list[str] = []
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and sum("WATCHDOG=1" in m for m in messages) < 2:
@@ -166,11 +126,9 @@ def test_daemon_notifies_ready_after_first_sample_and_pings_watchdog(tmp_path: P
         assert messages[0].startswith("READY=1") or "READY=1" in messages[0], messages
         assert (tmp_path / "run" / "status.json").exists(), "READY=1 only after the first complete sample"
         assert sum("WATCHDOG=1" in m for m in messages) >= 2, messages
-        daemon.terminate()
-        daemon.wait(timeout=15)
+        returncode = daemon.stop()
         assert any("STOPPING=1" in listener.recv(4096).decode() for _ in range(5))
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
+        daemon.stop()
         listener.close()
-    assert daemon.returncode == 0, daemon.stdout.read() if daemon.stdout else ""
+    assert returncode == 0, daemon.log_text()

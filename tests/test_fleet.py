@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.clock import ManualClock
 from gpuwatch.config import FleetConfig
 from gpuwatch.fleet import (
@@ -33,7 +34,6 @@ from gpuwatch.fleet import (
     judge_quarantine,
 )
 from gpuwatch.slurm import DrainStatus, SlurmCollector
-from tests.e2e.conftest import free_port
 
 LIMITS = FleetConfig(prometheus_url="http://x", max_quarantined_share=0.2, max_drained_nodes=3)
 

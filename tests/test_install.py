@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import free_port
+from gpuwatch.bench.daemon_process import free_port
 from tests.test_systemd_unit import parse_unit
 
 pytestmark = pytest.mark.slow

@@ -13,80 +13,35 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from gpuwatch.bench.daemon_process import DaemonProcess
+from tests.helpers import REPO, launch_env
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 90
 
 
-@dataclass
-class Node:
-    """A `gpuwatch run` subprocess on the sim backend, and where it lives."""
+class Node(DaemonProcess):
+    """A `gpuwatch run` subprocess on the sim backend (2 GPUs, 1 s), and the environment of the commands beside it."""
 
-    listen: str
-    state_dir: Path
-    runtime_dir: Path
-    env: dict[str, str]
-
-    def get(self, path: str) -> Any:
-        with urllib.request.urlopen(f"http://{self.listen}{path}", timeout=5) as response:
-            return json.loads(response.read())
-
-    def gpuwatch(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "gpuwatch", *args, "--listen", self.listen, "--state-dir", str(self.state_dir)]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_"))}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return {**env, "PYTHONPATH": str(REPO), **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    def __init__(self, root: Path, **env: str) -> None:
+        super().__init__(root, "--sim-scenario", "healthy", "--sim-gpus", "2", "--interval", "1", env=env)
+        self.job_env = launch_env(**env)
 
 
 @pytest.fixture
 def start_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
-    daemons: list[subprocess.Popen[str]] = []
-    log = (tmp_path / "daemon.log").open("w")
-
-    def start(**env: str) -> Node:
-        node = Node(f"127.0.0.1:{_free_port()}", tmp_path / "state", tmp_path / "run", _env(**env))
-        command = [
-            *("run", "--backend", "sim", "--sim-scenario", "healthy", "--sim-gpus", "2", "--interval", "1"),
-            *("--runtime-dir", str(node.runtime_dir)),
-        ]
-        daemons.append(subprocess.Popen(node.gpuwatch(*command), env=node.env, stdout=log, stderr=log, text=True))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                node.get("/healthz")
-                return node
-            except OSError:
-                assert daemons[-1].poll() is None, (tmp_path / "daemon.log").read_text()
-                time.sleep(0.1)
-        raise AssertionError("the daemon did not come up: " + (tmp_path / "daemon.log").read_text())
-
-    yield start
-    for daemon in daemons:
-        daemon.terminate()
-        daemon.wait(timeout=30)
-    log.close()
+    with contextlib.ExitStack() as daemons:
+        yield lambda **env: daemons.enter_context(Node(tmp_path, **env))
 
 
 def _launch(node: Node, ckpt: Path, *example_args: str, max_restarts: int = 2) -> subprocess.Popen[str]:
@@ -95,10 +50,10 @@ def _launch(node: Node, ckpt: Path, *example_args: str, max_restarts: int = 2) -
 
 
 def _launch_job(node: Node, cwd: Path, *job: str, max_restarts: int = 2, nproc: str = "auto") -> subprocess.Popen[str]:
-    command = node.gpuwatch("launch", "--runtime-dir", str(node.runtime_dir), "--max-restarts", str(max_restarts))
+    command = node.command("launch", "--runtime-dir", str(node.runtime_dir), "--max-restarts", str(max_restarts))
     return subprocess.Popen(
         [*command, "--nproc-per-node", nproc, "--", *job],
-        env=node.env,
+        env=node.job_env,
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -139,7 +94,7 @@ def test_quarantine_mid_run_checkpoints_relaunches_on_one_gpu_and_resumes(
     assert sorted((r["gpu"], r["rank"]) for r in ranks) == [(0, 0), (1, 1)]
     job = ranks[0]["job_id"]
 
-    subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
+    subprocess.run(node.command("quarantine", "1", "--reason", "test"), env=node.job_env, check=True, timeout=30)
     stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
 
     assert proc.returncode == 0, stderr
@@ -171,7 +126,7 @@ def test_a_rank_that_ignores_the_stop_is_terminated_after_the_grace_period(
     proc = _launch(node, tmp_path / "ckpt", *args, max_restarts=0)
     _wait_for_ranks(node, proc, ranks=2, step=10)
 
-    subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
+    subprocess.run(node.command("quarantine", "1", "--reason", "test"), env=node.job_env, check=True, timeout=30)
     _, stderr = proc.communicate(timeout=TIMEOUT_S)
 
     assert proc.returncode == 3  # a crash, and no relaunch left
@@ -187,16 +142,6 @@ def test_a_rank_that_ignores_the_stop_is_terminated_after_the_grace_period(
 # -- issue 9: sudden faults -----------------------------------------------------------------------
 
 
-def _reports(runtime_dir: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in (runtime_dir / "trainers").glob("*.json"):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (FileNotFoundError, ValueError):
-            continue
-    return found
-
-
 def _kill_rank_and_time_the_resume(
     node: Node, proc: subprocess.Popen[str], *, step: int
 ) -> tuple[float, int, str, str]:
@@ -207,7 +152,7 @@ def _kill_rank_and_time_the_resume(
     os.kill(victim["pid"], signal.SIGKILL)
     deadline = time.monotonic() + TIMEOUT_S
     while True:
-        resumed = [r for r in _reports(node.runtime_dir) if r["t"] > killed_t and r.get("first_step") is not None]
+        resumed = [r for r in node.trainer_reports() if r["t"] > killed_t and r.get("first_step") is not None]
         resumed = [r for r in resumed if r["pid"] not in {rank["pid"] for rank in ranks}]
         if resumed:
             break
@@ -328,7 +273,7 @@ def test_a_relaunch_shorter_than_one_report_interval_is_recorded_as_resumed(
     _wait_for_ranks(node, proc, ranks=2, step=1)  # the first step's report, long before the interval
     time.sleep(0.5)
 
-    subprocess.run(node.gpuwatch("quarantine", "1", "--reason", "test"), env=node.env, check=True, timeout=30)
+    subprocess.run(node.command("quarantine", "1", "--reason", "test"), env=node.job_env, check=True, timeout=30)
     stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
 
     assert proc.returncode == 0, stderr
@@ -348,7 +293,7 @@ def test_the_kill_rank_drill_passes_against_a_job_under_launch(tmp_path: Path) -
     out = tmp_path / "drills.json"
     argv = [sys.executable, str(REPO / "tests/hardware/rank_drills.py"), "--backend", "sim", "--trainers", "example"]
     argv += ["--drills", "kill_rank", "--steps", "200", "--warmup", "30", "--out", str(out)]
-    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=240)
+    done = subprocess.run(argv, env=launch_env(), capture_output=True, text=True, timeout=240)
 
     result = json.loads(out.read_text())
     (job,) = result["jobs"]

@@ -81,4 +81,3 @@ def test_unsupported_addresses_are_refused(monkeypatch: pytest.MonkeyPatch, valu
 def test_missing_socket_file_returns_false(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
     assert systemd.watchdog() is False
-

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
+from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
 from gpuwatch.config import SlurmConfig
 from gpuwatch.slurm import (
@@ -27,7 +28,6 @@ from gpuwatch.slurm import (
     plan,
     wanted,
 )
-from tests.e2e.conftest import free_port
 from tests.helpers import fake_scontrol, metric_samples, start_sim_node
 
 SHOW_DRAINED = """NodeName=gwnode Arch=x86_64 CoresPerSocket=1

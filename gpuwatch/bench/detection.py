@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gpuwatch.bench.harness import Context, Daemon, Http, progress
+from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
 from gpuwatch.bench.report import Row, Section, target
 from gpuwatch.config import RulesConfig
 
@@ -28,7 +28,7 @@ def run(ctx: Context) -> Section:
     window_s = ctx.pick(RulesConfig.clock_window_s, 6.0)
     duty = RulesConfig.throttle_duty
     section = Section("detection")
-    with Daemon(ctx, "detection", interval_s=1.0, tables={"rules": {"clock_window_s": window_s}}) as daemon:
+    with bench_daemon(ctx, "detection", interval_s=1.0, tables={"rules": {"clock_window_s": window_s}}) as daemon:
         http = Http(daemon.port)
         try:
             events = [_event(http, daemon.token, gpu) for gpu in range(min(ctx.gpus, 3))]

@@ -21,7 +21,8 @@ from typing import Any
 
 import psutil
 
-from gpuwatch.bench.harness import Context, Daemon, Http, Service, child_env, nvitop_exporter, progress
+from gpuwatch.bench.daemon_process import ServerProcess, child_env
+from gpuwatch.bench.harness import Context, Http, bench_daemon, nvitop_exporter, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, target
 
 SCRAPE_EVERY_S = 15.0
@@ -54,9 +55,9 @@ _RSS_PROBE = (
 def run(ctx: Context) -> Section:
     period = ctx.footprint_s
     section = Section("footprint")
-    services: dict[str, Service] = {
-        "gpuwatch_1s": Daemon(ctx, "footprint-1s", interval_s=1.0),
-        "gpuwatch_30s": Daemon(ctx, "footprint-30s", interval_s=30.0),
+    services: dict[str, ServerProcess] = {
+        "gpuwatch_1s": bench_daemon(ctx, "footprint-1s", interval_s=1.0),
+        "gpuwatch_30s": bench_daemon(ctx, "footprint-30s", interval_s=30.0),
     }
     peer = nvitop_exporter(ctx, "footprint")
     peer_status = "not installed" if peer is None else "ok"
@@ -96,7 +97,7 @@ def import_rss() -> dict[str, float | None]:
     return result
 
 
-def _measure(services: dict[str, Service], period: float) -> dict[str, Any]:
+def _measure(services: dict[str, ServerProcess], period: float) -> dict[str, Any]:
     processes = {name: psutil.Process(service.pid) for name, service in services.items()}
     clients = {name: Http(service.port) for name, service in services.items()}
     start_cpu = {name: _cpu(p) for name, p in processes.items()}

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.harness import Context, Daemon, Http, child_env, progress
+from gpuwatch.bench.daemon_process import child_env
+from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
 from gpuwatch.bench.sampling import bench_config, open_backend
 
@@ -53,7 +54,8 @@ def run(ctx: Context) -> Section:
     steps, warm_steps = int(ctx.pick(300, 40)), int(ctx.pick(40, 10))
     report_s = ctx.pick(2.0, 0.5)  # the trainer's report interval: the default, or quicker for a smoke run
     timeout_s = ctx.pick(300.0, 120.0)
-    with Daemon(ctx, "remediation", interval_s=1.0, tables={"policy": {"quarantine_on_unhealthy": True}}) as daemon:
+    may_quarantine = {"policy": {"quarantine_on_unhealthy": True}}
+    with bench_daemon(ctx, "remediation", interval_s=1.0, tables=may_quarantine) as daemon:
         ckpt = daemon.root / "ckpt"
         args = [sys.executable, "-m", "gpuwatch", "launch", "--nproc-per-node", "2", "--min-nproc", "1"]
         args += ["--max-restarts", "3", "--runtime-dir", str(daemon.runtime_dir), "--listen", daemon.listen]

@@ -25,8 +25,8 @@ from typing import Any
 
 from gpuwatch.bench.harness import (
     Context,
-    Daemon,
     Http,
+    bench_daemon,
     exposition_size,
     nvitop_exporter,
     percentile,
@@ -51,7 +51,7 @@ NVIDIA_SMI_FIELDS = (
 
 def run(ctx: Context) -> Section:
     section = Section("serving")
-    with Daemon(ctx, "serving", interval_s=1.0) as daemon:
+    with bench_daemon(ctx, "serving", interval_s=1.0) as daemon:
         progress(f"serving: gpuwatch /metrics at {', '.join(map(str, LEVELS))} clients")
         ours = _measure(ctx, daemon.port)
     theirs = _nvitop(ctx)

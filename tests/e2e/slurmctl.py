@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import free_port
+from gpuwatch.bench.daemon_process import free_port
 
 NODE = "gwnode"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "scontrol")

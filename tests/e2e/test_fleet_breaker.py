@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import RunningDaemon, free_port, start_daemon, start_prometheus, stop_daemon
+from gpuwatch.bench.daemon_process import DaemonProcess, free_port
 from tests.helpers import fake_scontrol, metric_samples
+from tests.prometheus_stack import prometheus_process
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,18 +35,18 @@ def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> Non
     raise AssertionError(f"not within {timeout_s:g} s: {what}")
 
 
-def _metric(daemon: RunningDaemon, name: str) -> float:
-    with urllib.request.urlopen(daemon.base + "/metrics", timeout=5) as resp:
+def _metric(daemon: DaemonProcess, name: str) -> float:
+    with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as resp:
         samples = metric_samples(resp.read().decode(), name)
     assert len(samples) == 1, (name, samples)
     return samples[0][1]
 
 
-def _inject_xid79(daemon: RunningDaemon, gpu: int) -> None:
+def _inject_xid79(daemon: DaemonProcess, gpu: int) -> None:
     """An XID 79 event on `gpu` through the daemon's inject API: unhealthy at once, so an automatic quarantine."""
     token = (daemon.state_dir / "token").read_text().strip()
     request = urllib.request.Request(
-        f"{daemon.base}/v1/gpus/{gpu}/inject",
+        f"{daemon.url}/v1/gpus/{gpu}/inject",
         data=json.dumps({"event": "xid", "xid": 79, "duration_s": 60}).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
@@ -56,12 +57,12 @@ def _scalar(result: list[dict[str, Any]]) -> float | None:
     return float(result[0]["value"][1]) if len(result) == 1 else None
 
 
-def _log(daemon: RunningDaemon) -> str:
+def _log(daemon: DaemonProcess) -> str:
     return (daemon.state_dir.parent / "daemon.log").read_text()
 
 
 def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheus(tmp_path: Path) -> None:
-    daemons: dict[str, RunningDaemon] = {}
+    daemons: dict[str, DaemonProcess] = {}
     prometheus = None
     port = free_port()
     fleet = {"GPUWATCH_FLEET_PROMETHEUS_URL": f"http://127.0.0.1:{port}", "GPUWATCH_FLEET_MAX_QUARANTINED_SHARE": "0.2",
@@ -80,7 +81,7 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
         ):
             slurm = {"GPUWATCH_SLURM_ENABLED": "1", "GPUWATCH_SLURM_DRAIN_ON": "any_quarantine",
                      "GPUWATCH_SLURM_SCONTROL": scontrol[name]}  # fmt: skip
-            daemons[name] = start_daemon(tmp_path / name, *args, env={**env, **slurm})
+            daemons[name] = DaemonProcess(tmp_path / name, *args, env={**env, **slurm}).start()
         a, b, c = daemons["a"], daemons["b"], daemons["c"]
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -89,7 +90,7 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
             "scrape_configs": [{"job_name": "gpuwatch", "static_configs": [
                 {"targets": [f"127.0.0.1:{d.port}" for d in (a, b, c)]}]}],
         }  # fmt: skip
-        prometheus = start_prometheus(tmp_path, config, port)
+        prometheus = prometheus_process(tmp_path, config, port).start()
         query, alerts = prometheus.query, prometheus.alerts
         _until("the recording rules loaded", lambda: len(query("fleet:gpuwatch_gpus_quarantined:ratio")) == 1)
         for daemon, gpu in ((a, 0), (a, 1), (b, 0)):
@@ -143,4 +144,4 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
         if prometheus is not None:
             prometheus.stop()
         for daemon in daemons.values():
-            stop_daemon(daemon)
+            daemon.stop()

@@ -8,23 +8,20 @@ the pager, chat and drill receivers got, and that every Grafana panel query retu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
-from tests.e2e.conftest import RunningDaemon, free_port, start_daemon, stop_daemon
+from gpuwatch.bench.daemon_process import DaemonProcess
+from tests.prometheus_stack import Prometheus, Webhook, alertmanager_config, alertmanager_process, prometheus_process
 from tests.test_grafana_dashboard import dashboard_queries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,27 +43,26 @@ class Notification:
 
 @dataclass
 class Stack:
-    daemon: RunningDaemon
-    prometheus: str
-    alertmanager: str
-    received: list[Notification] = field(default_factory=list)
+    daemon: DaemonProcess
+    prometheus: Prometheus
+    webhook: Webhook
+
+    @property
+    def received(self) -> list[Notification]:
+        return [
+            Notification(path.strip("/"), alert["status"], alert["labels"], alert["annotations"])
+            for path, alert in list(self.webhook.received)
+        ]
 
     def wait_for(self, what: str, predicate: Callable[[Notification], bool], timeout: float = 90) -> Notification:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for note in list(self.received):
+            for note in self.received:
                 if predicate(note):
                     return note
             time.sleep(0.25)
         seen = [(n.receiver, n.status, n.labels.get("alertname"), n.labels.get("gpu")) for n in self.received]
         raise AssertionError(f"no notification: {what}; received {seen}")
-
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            body = json.loads(resp.read())
-        assert body["status"] == "success", (promql, body)
-        return list(body["data"]["result"])
 
 
 class FakeJob:
@@ -78,7 +74,7 @@ class FakeJob:
     PIDs and a later step, as `gpuwatch launch` would: that gives the incident its resume time.
     """
 
-    def __init__(self, daemon: RunningDaemon) -> None:
+    def __init__(self, daemon: DaemonProcess) -> None:
         self.daemon = daemon
         self.uuids = {g["index"]: g["uuid"] for g in daemon.get("/v1/gpus")["gpus"]}
         self.step = 100
@@ -122,99 +118,29 @@ class FakeJob:
             process.kill()
 
 
-def _webhook(received: list[Notification]) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            for alert in body["alerts"]:
-                received.append(
-                    Notification(self.path.strip("/"), alert["status"], alert["labels"], alert["annotations"])
-                )
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(log.read_text()[-3000:])
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready: {log.read_text()[-3000:]}")
-
-
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")
-    received: list[Notification] = []
-    webhook = _webhook(received)
-    am_port, prom_port = free_port(), free_port()
-
-    am_config = yaml.safe_load(
-        (ROOT / "dashboards/alertmanager/alertmanager.yml")
-        .read_text()
-        .replace("127.0.0.1:9999", f"127.0.0.1:{webhook.server_port}")
-    )
-    am_config["route"].update(group_wait="1s", group_interval="1s")
-    (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
-
-    # Slow fields (PCIe replay, violation counters) every 2 s, so their rate() panels have data.
-    daemon = start_daemon(tmp, "--sim-scenario", "demo", "--interval", "1", env={"GPUWATCH_SLOW_INTERVAL_S": "2"})
-    job = FakeJob(daemon)
-    prom_config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(ROOT / "dashboards/prometheus/gpuwatch-alerts.yml"),
-                       str(ROOT / "dashboards/prometheus/gpuwatch-recording.yml")],
-        "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-        "scrape_configs": [
-            {"job_name": "gpuwatch", "static_configs": [{"targets": [f"127.0.0.1:{daemon.port}"],
-                                                         "labels": {"cluster": "ci"}}]}
-        ],
-    }  # fmt: skip
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom_config))
-
-    processes = [
-        _spawn(
-            [ALERTMANAGER or "", f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am'}",
-             f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
-            tmp / "alertmanager.log",
-        ),
-        _spawn(
-            [PROMETHEUS or "", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            tmp / "prometheus.log",
-        ),
-    ]  # fmt: skip
-    try:
-        _wait_ready(f"http://127.0.0.1:{am_port}/-/ready", processes[0], tmp / "alertmanager.log")
-        _wait_ready(f"http://127.0.0.1:{prom_port}/-/ready", processes[1], tmp / "prometheus.log")
-        yield Stack(daemon, f"http://127.0.0.1:{prom_port}", f"http://127.0.0.1:{am_port}", received)
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        job.close()
-        stop_daemon(daemon)
-        webhook.shutdown()
+    args = ("--sim-scenario", "demo", "--interval", "1")
+    with contextlib.ExitStack() as running:
+        webhook = running.enter_context(Webhook())
+        alertmanager = running.enter_context(alertmanager_process(tmp, alertmanager_config(webhook)))
+        # Slow fields (PCIe replay, violation counters) every 2 s, so their rate() panels have data.
+        daemon = running.enter_context(DaemonProcess(tmp, *args, env={"GPUWATCH_SLOW_INTERVAL_S": "2"}))
+        job = FakeJob(daemon)
+        running.callback(job.close)
+        prom_config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ROOT / "dashboards/prometheus/gpuwatch-alerts.yml"),
+                           str(ROOT / "dashboards/prometheus/gpuwatch-recording.yml")],
+            "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{alertmanager.port}"]}]}]},
+            "scrape_configs": [
+                {"job_name": "gpuwatch", "static_configs": [{"targets": [f"127.0.0.1:{daemon.port}"],
+                                                             "labels": {"cluster": "ci"}}]}
+            ],
+        }  # fmt: skip
+        prometheus = running.enter_context(prometheus_process(tmp, prom_config))
+        yield Stack(daemon, prometheus, webhook)
 
 
 def test_unhealthy_gpu_pages_with_uuid_and_runbook(stack: Stack) -> None:
@@ -265,6 +191,6 @@ def test_every_grafana_query_parses_and_returns_data(stack: Stack) -> None:
     deadline = time.monotonic() + 60
     empty = dashboard_queries()
     while empty and time.monotonic() < deadline:  # the incident's resume and the rate() windows need a moment
-        empty = [promql for promql in dashboard_queries() if not stack.query(promql)]
+        empty = [promql for promql in dashboard_queries() if not stack.prometheus.query(promql)]
         time.sleep(2)
     assert empty == [], f"{len(empty)} panel queries returned no data"

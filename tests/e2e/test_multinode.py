@@ -24,33 +24,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import RunningDaemon, free_port, start_daemon, stop_daemon
+from gpuwatch.bench.daemon_process import DaemonProcess, free_port
+from tests.helpers import launch_env
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120
 
 
 @pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[tuple[RunningDaemon, RunningDaemon]]:
-    started = []
-    for name, seed in (("a", "1"), ("b", "2")):
-        (tmp_path / name).mkdir()
-        args = ("--sim-scenario", "healthy", "--sim-gpus", "2", "--interval", "1", "--seed", seed)
-        started.append(start_daemon(tmp_path / name, *args))
-    yield started[0], started[1]
-    for daemon in started:
-        if daemon.process.poll() is None:
-            stop_daemon(daemon)
+def nodes(tmp_path: Path) -> Iterator[tuple[DaemonProcess, DaemonProcess]]:
+    args = ("--sim-scenario", "healthy", "--sim-gpus", "2", "--interval", "1")
+    with (
+        DaemonProcess(tmp_path / "a", *args, "--seed", "1") as a,
+        DaemonProcess(tmp_path / "b", *args, "--seed", "2") as b,
+    ):
+        yield a, b
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_"))}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return {**env, "PYTHONPATH": str(REPO)}
-
-
-def _launch(node: RunningDaemon, ckpt: Path, steps: int, *launch_args: str) -> subprocess.Popen[str]:
+def _launch(node: DaemonProcess, ckpt: Path, steps: int, *launch_args: str) -> subprocess.Popen[str]:
     command = [
         sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
         "--max-restarts", "2", *launch_args,
@@ -58,7 +49,7 @@ def _launch(node: RunningDaemon, ckpt: Path, steps: int, *launch_args: str) -> s
         "--step-sleep", "0.1", "--ckpt-every", "10", "--report-interval", "0.2",
     ]  # fmt: skip
     return subprocess.Popen(
-        command, env=_env(), cwd=ckpt.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command, env=launch_env(), cwd=ckpt.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 
@@ -95,11 +86,11 @@ def _kill_tree(proc: subprocess.Popen[str]) -> None:
         proc.communicate()
 
 
-def _ranks(node: RunningDaemon) -> list[dict[str, object]]:
+def _ranks(node: DaemonProcess) -> list[dict[str, object]]:
     return list(node.get("/v1/trainers")["ranks"])
 
 
-def _wait_for_steps(a: RunningDaemon, b: RunningDaemon, step: int, launchers: list[subprocess.Popen[str]]) -> None:
+def _wait_for_steps(a: DaemonProcess, b: DaemonProcess, step: int, launchers: list[subprocess.Popen[str]]) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
         ranks = _ranks(a) + _ranks(b)
@@ -119,7 +110,7 @@ def _summary(stdout: str) -> dict[str, object] | None:
 
 
 def test_quarantine_on_node_b_finishes_the_job_on_three_ranks_with_no_step_lost(
-    nodes: tuple[RunningDaemon, RunningDaemon], tmp_path: Path
+    nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
 ) -> None:
     a, b = nodes
     ckpt, rdzv = tmp_path / "ckpt", _two_nodes("two-nodes")
@@ -141,7 +132,7 @@ def test_quarantine_on_node_b_finishes_the_job_on_three_ranks_with_no_step_lost(
 
 
 def _drop_node_b(
-    a: RunningDaemon, b: RunningDaemon, launchers: list[subprocess.Popen[str]]
+    a: DaemonProcess, b: DaemonProcess, launchers: list[subprocess.Popen[str]]
 ) -> tuple[float, tuple[str, str]]:
     """Kill node B whole (daemon, launcher, torchrun, ranks) at step 25; seconds until A's launcher ends, its output."""
     try:
@@ -157,7 +148,7 @@ def _drop_node_b(
 
 
 def test_an_elastic_job_goes_on_without_a_node_that_dropped_out(
-    nodes: tuple[RunningDaemon, RunningDaemon], tmp_path: Path
+    nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
 ) -> None:
     """--nnodes 1:2: node A's ranks save the last step (rescue), its launcher relaunches and torchrun
     forms the job again from the nodes left once `last_call_timeout` has passed: no step lost."""
@@ -175,7 +166,7 @@ def test_an_elastic_job_goes_on_without_a_node_that_dropped_out(
 
 
 def test_a_fixed_size_job_waits_for_the_lost_node_only_until_the_join_timeout(
-    nodes: tuple[RunningDaemon, RunningDaemon], tmp_path: Path
+    nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
 ) -> None:
     """--nnodes 2: node A's launcher relaunches, torchrun waits at the rendezvous for a second node
     for `join_timeout` and fails; after a second such crash with no progress the launcher stops (exit 3). The

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import RunningDaemon, start_daemon, stop_daemon
+from gpuwatch.bench.daemon_process import DaemonProcess
 from tests.e2e.slurmctl import NODE, Slurm, start_slurm
 from tests.helpers import metric_samples
 
 pytestmark = pytest.mark.slow
+SIM_4_GPUS = ("--sim-scenario", "healthy", "--sim-gpus", "4", "--interval", "1")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def node(slurm: Slurm) -> Iterator[Slurm]:
     slurm.reset()
 
 
-def _daemon(tmp_path: Path, slurm: Slurm, **env: str) -> RunningDaemon:
+def _daemon(tmp_path: Path, slurm: Slurm, **env: str) -> DaemonProcess:
     settings = {
         "SLURM_CONF": slurm.env["SLURM_CONF"],
         "GPUWATCH_SLURM_ENABLED": "true",
@@ -42,7 +43,7 @@ def _daemon(tmp_path: Path, slurm: Slurm, **env: str) -> RunningDaemon:
         "GPUWATCH_SLURM_DRAIN_ON": "any_quarantine",
         **env,
     }
-    return start_daemon(tmp_path, "--sim-scenario", "healthy", "--sim-gpus", "4", "--interval", "1", env=settings)
+    return DaemonProcess(tmp_path, *SIM_4_GPUS, env=settings).start()
 
 
 def _until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> float:
@@ -55,8 +56,8 @@ def _until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> flo
     raise AssertionError(f"not within {timeout_s:g} s: {what}")
 
 
-def _metric(daemon: RunningDaemon, name: str) -> float:
-    with urllib.request.urlopen(daemon.base + "/metrics", timeout=5) as resp:
+def _metric(daemon: DaemonProcess, name: str) -> float:
+    with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as resp:
         samples = metric_samples(resp.read().decode(), name)
     assert len(samples) == 1, (name, samples)
     return samples[0][1]
@@ -74,7 +75,7 @@ def test_quarantine_drains_release_resumes_and_a_restart_keeps_the_drain_ours(no
         assert _metric(daemon, "gpuwatch_slurm_drains_total") == 1
         print(f"\nslurm: drained {took:.2f} s after `gpuwatch quarantine 2`")
     finally:
-        stop_daemon(daemon)
+        daemon.stop()
 
     daemon = _daemon(tmp_path, node)  # same state dir: GPU 2 stays quarantined, the drain is recognised as ours
     try:
@@ -85,7 +86,7 @@ def test_quarantine_drains_release_resumes_and_a_restart_keeps_the_drain_ours(no
         assert node.node()[1] == ""
         _until("gpuwatch_slurm_resumes_total 1", lambda: _metric(daemon, "gpuwatch_slurm_resumes_total") == 1)
     finally:
-        stop_daemon(daemon)
+        daemon.stop()
 
 
 def test_an_operators_drain_survives_quarantine_and_release(node: Slurm, tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_an_operators_drain_survives_quarantine_and_release(node: Slurm, tmp_pat
         assert _metric(daemon, "gpuwatch_slurm_drained") == 0
         assert _metric(daemon, "gpuwatch_slurm_drains_total") == _metric(daemon, "gpuwatch_slurm_resumes_total") == 0
     finally:
-        stop_daemon(daemon)
+        daemon.stop()
     assert "drained by someone else (maintenance)" in (tmp_path / "daemon.log").read_text()
 
 
@@ -122,7 +123,7 @@ def test_scontrol_missing_or_hanging_does_not_stop_the_daemon(node: Slurm, tmp_p
         assert daemon.get("/v1/gpus/2")["quarantined"] and time.monotonic() - started < 10
         assert daemon.process.poll() is None
     finally:
-        stop_daemon(daemon)
+        daemon.stop()
     log = (tmp_path / "daemon.log").read_text()
     assert ("not found (slurm.scontrol)" if scontrol == "missing" else "no answer within 0.5 s") in log
     assert "retry 2 in 2 s" in log
@@ -130,7 +131,7 @@ def test_scontrol_missing_or_hanging_does_not_stop_the_daemon(node: Slurm, tmp_p
 
 
 def test_check_slurm_drains_and_resumes_from_the_running_daemon(node: Slurm, tmp_path: Path) -> None:
-    daemon = start_daemon(tmp_path, "--sim-scenario", "healthy", "--sim-gpus", "4", "--interval", "1")
+    daemon = DaemonProcess(tmp_path, *SIM_4_GPUS).start()
     env = {
         "SLURM_CONF": node.env["SLURM_CONF"],
         "GPUWATCH_SLURM_NODE_NAME": NODE,
@@ -150,4 +151,4 @@ def test_check_slurm_drains_and_resumes_from_the_running_daemon(node: Slurm, tmp
         assert check.returncode == 0 and f"slurm: node {NODE} resumed" in check.stdout, check.stdout + check.stderr
         assert not node.drained()
     finally:
-        stop_daemon(daemon)
+        daemon.stop()

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import RunningDaemon
+from gpuwatch.bench.daemon_process import DaemonProcess
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="Debian package chromium not installed")]
 
 
-def test_status_page_shows_the_faulty_sim_gpu(demo_daemon: RunningDaemon, tmp_path: Path) -> None:
+def test_status_page_shows_the_faulty_sim_gpu(demo_daemon: DaemonProcess, tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     deadline = time.monotonic() + 90
@@ -27,7 +27,7 @@ def test_status_page_shows_the_faulty_sim_gpu(demo_daemon: RunningDaemon, tmp_pa
         )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
-            page.goto(demo_daemon.base + "/")
+            page.goto(demo_daemon.url + "/")
             row = page.locator('tr[data-gpu="5"]')
             assert row.get_attribute("data-state") == "unhealthy"
             assert "ecc_uncorrectable" in row.inner_text()

@@ -158,13 +158,13 @@ def test_read_only_runtime_dir_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_cli_shows_a_refused_reason_as_one_line(tmp_path: Path) -> None:
-    from tests.e2e.conftest import start_daemon, stop_daemon
+    from gpuwatch.bench.daemon_process import DaemonProcess
 
-    daemon = start_daemon(tmp_path, "--sim-gpus", "1", "--sim-scenario", "healthy")
+    daemon = DaemonProcess(tmp_path, "--sim-gpus", "1", "--sim-scenario", "healthy").start()
     try:
         result = daemon.cli("quarantine", "0", "--reason", "two\nlines")
     finally:
-        stop_daemon(daemon)
+        daemon.stop()
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "HTTP 422: body.reason:" in line and "control character" in line

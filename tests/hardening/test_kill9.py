@@ -19,22 +19,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import RunningDaemon, start_daemon
+from gpuwatch.bench.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 
 KILLS = 20
 GPUS = 4
+SIM_ARGS = ("--sim-gpus", str(GPUS), "--sim-scenario", "healthy", "--interval", "1")
 Expected = tuple[bool, str | None]  # quarantined, reason
 
 
-def gpu_states(node: RunningDaemon) -> dict[int, Expected]:
+def gpu_states(node: DaemonProcess) -> dict[int, Expected]:
     gpus = node.get("/v1/gpus")["gpus"]
     return {g["index"]: (g["quarantined"], g["quarantine_reason"]) for g in gpus}
 
 
 def traffic_until_killed(
-    node: RunningDaemon, rng: random.Random, expected: dict[int, Expected], seq: list[int]
+    node: DaemonProcess, rng: random.Random, expected: dict[int, Expected], seq: list[int]
 ) -> tuple[int, int | None, Expected | None]:
     """Send operations until the daemon dies; (acknowledged count, GPU in flight, its state had it landed)."""
     token = (node.state_dir / "token").read_text().strip()
@@ -69,7 +70,7 @@ def traffic_until_killed(
 def test_kill_9_loses_no_acknowledged_operation(tmp_path: Path) -> None:
     seed = int(os.environ.get("GPUWATCH_KILL9_SEED", time.time_ns() % 1_000_000))
     rng = random.Random(seed)
-    node = start_daemon(tmp_path, "--sim-gpus", str(GPUS), "--sim-scenario", "healthy", "--interval", "1")
+    node = DaemonProcess(tmp_path, *SIM_ARGS).start()
     expected = gpu_states(node)
     seq = [0]
     total = 0
@@ -82,7 +83,7 @@ def test_kill_9_loses_no_acknowledged_operation(tmp_path: Path) -> None:
             node.process.wait(timeout=10)
             assert node.process.returncode == -signal.SIGKILL
             total += acked
-            node = start_daemon(tmp_path, "--sim-gpus", str(GPUS), "--sim-scenario", "healthy", "--interval", "1")
+            node = DaemonProcess(tmp_path, *SIM_ARGS).start()
             actual = gpu_states(node)
             for gpu in range(GPUS):
                 allowed = {expected[gpu]} | ({would} if gpu == in_flight and would is not None else set())

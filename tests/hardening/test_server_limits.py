@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import RunningDaemon, start_daemon, stop_daemon
+from gpuwatch.bench.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ FD_LIMIT = 400  # the daemon's own RLIMIT_NOFILE in these tests (soft and hard)
 CAP = 100  # api.max_connections
 
 
-def start_limited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fd_limit: int) -> RunningDaemon:
+def start_limited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fd_limit: int) -> DaemonProcess:
     """A sim daemon whose RLIMIT_NOFILE (soft and hard) is `fd_limit`, with small API limits."""
     env = {
         "GPUWATCH_API_MAX_CONNECTIONS": str(CAP),
@@ -41,27 +41,28 @@ def start_limited(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fd_limit: int
     real_popen = subprocess.Popen
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: real_popen(*a, preexec_fn=low_fd_limit, **kw))
     try:
-        return start_daemon(tmp_path, "--sim-gpus", "2", "--sim-scenario", "healthy", "--interval", "1", env=env)
+        args = ("--sim-gpus", "2", "--sim-scenario", "healthy", "--interval", "1")
+        return DaemonProcess(tmp_path, *args, env=env).start()
     finally:
         monkeypatch.undo()
 
 
 @pytest.fixture
-def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningDaemon]:
+def daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
     node = start_limited(tmp_path, monkeypatch, FD_LIMIT)
     yield node
-    stop_daemon(node)
+    node.stop()
 
 
-def scrape(node: RunningDaemon, timeout: float = 3.0) -> float:
+def scrape(node: DaemonProcess, timeout: float = 3.0) -> float:
     """Seconds one fresh-connection GET /metrics took; fails the test if it does not answer."""
     started = time.monotonic()
-    with urllib.request.urlopen(node.base + "/metrics", timeout=timeout) as resp:
+    with urllib.request.urlopen(node.url + "/metrics", timeout=timeout) as resp:
         assert resp.status == 200 and b"gpuwatch_gpus" in resp.read()
     return time.monotonic() - started
 
 
-def open_idle(node: RunningDaemon, count: int) -> list[socket.socket]:
+def open_idle(node: DaemonProcess, count: int) -> list[socket.socket]:
     sockets = []
     for _ in range(count):
         sock = socket.create_connection(("127.0.0.1", node.port), timeout=5)
@@ -88,7 +89,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100  # utime + stime in clock ticks (USER_HZ 100)
 
 
-def test_more_idle_connections_than_fds_leave_metrics_answering(daemon: RunningDaemon) -> None:
+def test_more_idle_connections_than_fds_leave_metrics_answering(daemon: DaemonProcess) -> None:
     """Issue 10 item 5: 1,100 idle connections under 1,024 fds left /metrics timing out and burnt CPU."""
     before = scrape(daemon)
     cpu_before = cpu_seconds(daemon.process.pid)
@@ -139,7 +140,7 @@ def test_accept_errors_are_one_line_and_no_spin(tmp_path: Path, monkeypatch: pyt
             for sock in flood:
                 sock.close()
     finally:
-        stop_daemon(node)
+        node.stop()
     log = (tmp_path / "daemon.log").read_text()
     print(
         f"EMFILE: {log.count('cannot accept')} log line(s), {cpu:.2f} CPU-s in 5 s, scrape max {max(latencies):.2f} s"
@@ -149,7 +150,7 @@ def test_accept_errors_are_one_line_and_no_spin(tmp_path: Path, monkeypatch: pyt
     assert cpu < 1.5, "no accept() spin"
 
 
-def test_slowloris_is_closed_after_the_header_timeout(daemon: RunningDaemon) -> None:
+def test_slowloris_is_closed_after_the_header_timeout(daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
     sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
     closed_after = trickle_until_closed(sock)
@@ -158,7 +159,7 @@ def test_slowloris_is_closed_after_the_header_timeout(daemon: RunningDaemon) -> 
     scrape(daemon)
 
 
-def test_idle_fresh_connection_is_closed_after_the_header_timeout(daemon: RunningDaemon) -> None:
+def test_idle_fresh_connection_is_closed_after_the_header_timeout(daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=6)
     started = time.monotonic()
     assert sock.recv(1024) == b"", "a connection that never sends a request is closed, not kept"
@@ -166,7 +167,7 @@ def test_idle_fresh_connection_is_closed_after_the_header_timeout(daemon: Runnin
     sock.close()
 
 
-def raw_request(node: RunningDaemon, data: bytes) -> bytes:
+def raw_request(node: DaemonProcess, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", node.port), timeout=5) as sock:
         try:
             sock.sendall(data)
@@ -184,7 +185,7 @@ def raw_request(node: RunningDaemon, data: bytes) -> bytes:
     return b"".join(chunks)
 
 
-def test_huge_headers_are_431_before_the_token_check(daemon: RunningDaemon) -> None:
+def test_huge_headers_are_431_before_the_token_check(daemon: DaemonProcess) -> None:
     """64 MB of headers were answered 200; now anything over max_header_bytes is 431 unread."""
     big = b"X-Pad: " + b"a" * 100_000 + b"\r\n"
     answer = raw_request(daemon, b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
@@ -195,7 +196,7 @@ def test_huge_headers_are_431_before_the_token_check(daemon: RunningDaemon) -> N
     scrape(daemon)
 
 
-def test_large_bodies_are_413_before_the_token_check(daemon: RunningDaemon) -> None:
+def test_large_bodies_are_413_before_the_token_check(daemon: DaemonProcess) -> None:
     """8 x 100 MB unauthenticated POSTs took 1.27 GB RSS; now a body over max_body_bytes is 413 unread."""
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=5)
     conn.putrequest("POST", "/v1/gpus/0/quarantine")
@@ -220,7 +221,7 @@ def test_large_bodies_are_413_before_the_token_check(daemon: RunningDaemon) -> N
     assert unauth.startswith(b"HTTP/1.1 401"), "a small body still reaches the token check"
 
 
-def test_kept_alive_scrapes_outlive_the_header_timeout(daemon: RunningDaemon) -> None:
+def test_kept_alive_scrapes_outlive_the_header_timeout(daemon: DaemonProcess) -> None:
     """The deadline is per request: a scraper reusing one connection is never cut off by it."""
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=5)
     for _ in range(4):
@@ -231,7 +232,7 @@ def test_kept_alive_scrapes_outlive_the_header_timeout(daemon: RunningDaemon) ->
     conn.close()
 
 
-def test_slowloris_after_a_kept_alive_request_is_closed_too(daemon: RunningDaemon) -> None:
+def test_slowloris_after_a_kept_alive_request_is_closed_too(daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")

@@ -27,14 +27,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from gpuwatch.bench.daemon_process import DaemonProcess, child_env
 
 
 def main() -> int:
@@ -52,32 +52,27 @@ def main() -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gpuwatch-rank-death-"))
     work.mkdir(parents=True, exist_ok=True)
-    runtime_dir, state_dir = work / "run", work / "state"
-    listen = f"127.0.0.1:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_"))}
-    common = ("--listen", listen, "--state-dir", str(state_dir))
-    daemon_cmd = [sys.executable, "-m", "gpuwatch", "run", "--backend", args.backend, "--interval", "1", *common]
-    daemon_cmd += ["--runtime-dir", str(runtime_dir)] + (
-        ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.backend == "sim" else []
-    )
-    daemon = subprocess.Popen(daemon_cmd, env=env, stdout=open(work / "daemon.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(listen, daemon)
+    env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
+    sim = ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.backend == "sim" else []
+    with DaemonProcess(work, "--interval", "1", *sim, backend=args.backend) as daemon:
         example = ["-m", "gpuwatch.trainer.example", "--ckpt-dir", str(work / "ckpt"), "--steps", str(args.steps)]
         example += ["--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep)]
         example += ["--report-interval", "0.5", "--abort-after", str(args.abort_after), "--gloo-timeout", "10"]
         example += ["--no-rescue"] if args.no_rescue else []
         example += ["--allow-drills"] if args.fault == "xid31" else []
-        launch_cmd = [sys.executable, "-m", "gpuwatch", "launch", *common, "--runtime-dir", str(runtime_dir)]
         launch = subprocess.Popen(
-            [*launch_cmd, "--max-restarts", "2", "--", *example],
+            [
+                *daemon.command("launch", "--runtime-dir", str(daemon.runtime_dir), "--max-restarts", "2"),
+                "--",
+                *example,
+            ],
             env=env,
             cwd=work,
             stdout=subprocess.PIPE,
             stderr=open(work / "launch.log", "w"),
             text=True,
         )
-        ranks = _wait_for_ranks(runtime_dir, launch, step=args.fault_at)
+        ranks = _wait_for_ranks(daemon, launch, step=args.fault_at)
         victim = ranks[1]
         fault_t = time.time()
         survivor_out_s = None
@@ -86,15 +81,12 @@ def main() -> int:
             time.sleep(1)  # rank 0 is now blocked in the step's collective
             fault_t = time.time()
             os.kill(ranks[0]["pid"], signal.SIGUSR1)
-            survivor_out_s = _wait_ended(runtime_dir, ranks[0]["pid"], launch) - fault_t
+            survivor_out_s = _wait_ended(daemon, ranks[0]["pid"], launch) - fault_t
             os.kill(victim["pid"], signal.SIGKILL)
         else:
             os.kill(victim["pid"], signal.SIGKILL if args.fault == "kill" else signal.SIGUSR2)
-        first = _first_resumed_report(runtime_dir, launch, after=fault_t, old={r["pid"] for r in ranks.values()})
+        first = _first_resumed_report(daemon, launch, after=fault_t, old={r["pid"] for r in ranks.values()})
         stdout, _ = launch.communicate(timeout=600)
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
     summary = _last_json(stdout)
     result = {
         "fault": args.fault,
@@ -119,39 +111,10 @@ def main() -> int:
     return 0 if ok and (args.no_rescue or summary.get("lost_steps") == 0) else 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_healthy(listen: str, daemon: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://{listen}/healthz", timeout=2).read()
-            return
-        except OSError:
-            if daemon.poll() is not None:
-                raise SystemExit(f"the daemon exited {daemon.returncode}: see daemon.log") from None
-            time.sleep(0.2)
-    raise SystemExit("the daemon did not come up in 60 s")
-
-
-def _reports(runtime_dir: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in (runtime_dir / "trainers").glob("*.json"):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _wait_for_ranks(runtime_dir: Path, launch: subprocess.Popen[str], *, step: int) -> dict[int, dict[str, Any]]:
+def _wait_for_ranks(daemon: DaemonProcess, launch: subprocess.Popen[str], *, step: int) -> dict[int, dict[str, Any]]:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        live = {r["rank"]: r for r in _reports(runtime_dir) if r.get("ended") is None}
+        live = {r["rank"]: r for r in daemon.trainer_reports() if r.get("ended") is None}
         if len(live) >= 2 and all((r.get("step") or 0) >= step for r in live.values()):
             return live
         if launch.poll() is not None:
@@ -161,10 +124,10 @@ def _wait_for_ranks(runtime_dir: Path, launch: subprocess.Popen[str], *, step: i
 
 
 def _first_resumed_report(
-    runtime_dir: Path, launch: subprocess.Popen[str], *, after: float, old: set[int]
+    daemon: DaemonProcess, launch: subprocess.Popen[str], *, after: float, old: set[int]
 ) -> dict[str, Any] | None:
     while True:
-        new = [r for r in _reports(runtime_dir) if r["pid"] not in old and r.get("first_step") is not None]
+        new = [r for r in daemon.trainer_reports() if r["pid"] not in old and r.get("first_step") is not None]
         new = [r for r in new if r["t"] > after]
         if new:
             return min(new, key=lambda r: r["t"])
@@ -173,11 +136,11 @@ def _first_resumed_report(
         time.sleep(0.02)
 
 
-def _wait_ended(runtime_dir: Path, pid: int, launch: subprocess.Popen[str]) -> float:
+def _wait_ended(daemon: DaemonProcess, pid: int, launch: subprocess.Popen[str]) -> float:
     """When rank `pid` left its final report (ended set), from the report's own time."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        report = next((r for r in _reports(runtime_dir) if r["pid"] == pid), None)
+        report = next((r for r in daemon.trainer_reports() if r["pid"] == pid), None)
         if report is not None and report.get("ended") is not None:
             return float(report["t"])
         if launch.poll() is not None:

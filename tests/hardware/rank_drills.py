@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from gpuwatch.bench.daemon_process import DaemonProcess, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,51 +40,37 @@ def main() -> int:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-rank-drills-"))
-    listen = f"127.0.0.1:{_free_port()}"
-    common = ["--listen", listen, "--state-dir", str(work / "state")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_"))}
-    env.update(GPUWATCH_TRAINER_HANG_AFTER_S="10", GPUWATCH_TRAINER_STALE_AFTER_S="5")
-    gw = [sys.executable, "-m", "gpuwatch"]
-    daemon_argv = [*gw, "run", "--backend", args.backend, "--interval", "1", *common]
-    daemon_argv += ["--runtime-dir", str(work / "run")] + (
-        ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.backend == "sim" else []
-    )
-    daemon = subprocess.Popen(daemon_argv, env=env, stdout=subprocess.DEVNULL, stderr=open(work / "daemon.log", "w"))
+    env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
+    sim = ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.backend == "sim" else []
+    hang_in_seconds = {"GPUWATCH_TRAINER_HANG_AFTER_S": "10", "GPUWATCH_TRAINER_STALE_AFTER_S": "5"}
+    daemon = DaemonProcess(work, "--interval", "1", *sim, backend=args.backend, env=hang_in_seconds)
     results: dict[str, Any] = {"backend": args.backend, "jobs": []}
     ok = True
     try:
-        _wait(lambda: _get(listen, "/healthz") is not None, 60, "the daemon to answer /healthz")
+        daemon.start()
         for trainer in args.trainers.split(","):
-            job = _run_job(trainer, args, gw, common, work, env, listen)
+            job = _run_job(trainer, args, daemon, {**env, **hang_in_seconds})
             results["jobs"].append(job)
             ok = ok and job["ok"]
             _save(results, args.out)
-        results["incidents"] = (_get(listen, "/v1/incidents?limit=50") or {}).get("incidents")
+        results["incidents"] = daemon.get("/v1/incidents?limit=50").get("incidents")
     finally:
-        daemon.terminate()
-        daemon.wait(30)
-        results["daemon_log_tail"] = (work / "daemon.log").read_text()[-6000:]
+        daemon.stop()
+        results["daemon_log_tail"] = daemon.log_text()[-6000:]
         _save(results, args.out)
     print(json.dumps(results, indent=1))
     return 0 if ok else 1
 
 
-def _run_job(
-    trainer: str,
-    args: argparse.Namespace,
-    gw: list[str],
-    common: list[str],
-    work: Path,
-    env: dict[str, str],
-    listen: str,
-) -> dict[str, Any]:
+def _run_job(trainer: str, args: argparse.Namespace, daemon: DaemonProcess, env: dict[str, str]) -> dict[str, Any]:
+    work = daemon.root
     ckpt = work / f"ckpt-{trainer}"
     if trainer == "example":
         job = ["-m", "gpuwatch.trainer.example", "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]
         job += ["--step-sleep", "0.02", "--report-interval", "1", "--allow-drills", "--ckpt-every", "200"]
     else:
         job = [str(REPO / "tests/hardware/readme_trainer.py"), "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]
-    argv = [*gw, "launch", *common, "--runtime-dir", str(work / "run"), "--max-restarts", "6", "--", *job]
+    argv = [*daemon.command("launch", "--runtime-dir", str(daemon.runtime_dir), "--max-restarts", "6"), "--", *job]
     started = time.time()
     launch = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=open(work / f"launch-{trainer}.log", "w"), text=True
@@ -94,9 +79,9 @@ def _run_job(
     try:
         for drill in args.drills.split(","):
             gpu = "0" if drill == "fault_rank" else "1"
-            floor = _furthest(work, launch) + args.warmup
-            _wait(lambda floor=floor: _both_past(work, floor, launch), 240, f"both ranks past step {floor}")
-            cmd = [*gw, "drill", f"--{drill.replace('_', '-')}", gpu, "--yes", "--json", *common]
+            floor = _furthest(daemon) + args.warmup
+            _wait(lambda floor=floor: _both_past(daemon, floor, launch), 240, f"both ranks past step {floor}")
+            cmd = daemon.command("drill", f"--{drill.replace('_', '-')}", gpu, "--yes", "--json")
             t0 = time.time()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
             verdict = _last_json(done.stdout)
@@ -125,24 +110,14 @@ def _run_job(
     return out
 
 
-def _reports(work: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in (work / "run" / "trainers").glob("*.json"):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return found
+def _furthest(daemon: DaemonProcess) -> int:
+    return max((r.get("step") or 0 for r in daemon.trainer_reports() if r.get("ended") is None), default=0)
 
 
-def _furthest(work: Path, launch: subprocess.Popen[str]) -> int:
-    return max((r.get("step") or 0 for r in _reports(work) if r.get("ended") is None), default=0)
-
-
-def _both_past(work: Path, floor: int, launch: subprocess.Popen[str]) -> bool:
+def _both_past(daemon: DaemonProcess, floor: int, launch: subprocess.Popen[str]) -> bool:
     if launch.poll() is not None:
         raise RuntimeError(f"the launcher exited {launch.returncode}")
-    running = [r for r in _reports(work) if r.get("ended") is None and (r.get("step") or 0) >= floor]
+    running = [r for r in daemon.trainer_reports() if r.get("ended") is None and (r.get("step") or 0) >= floor]
     return len(running) >= 2
 
 
@@ -153,14 +128,6 @@ def _wait(check: Any, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"no {what} within {timeout_s} s")
-
-
-def _get(listen: str, path: str) -> Any:
-    try:
-        with urllib.request.urlopen(f"http://{listen}{path}", timeout=5) as response:
-            return json.loads(response.read())
-    except (OSError, ValueError):
-        return None
 
 
 def _last_json(text: str) -> Any:
@@ -178,12 +145,6 @@ def _last_json(text: str) -> Any:
 def _save(results: dict[str, Any], path: str) -> None:
     if path:
         Path(path).write_text(json.dumps(results, indent=1))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -7,16 +7,14 @@ setting: the XID comes from fault_injection/xid_fault.py's sacrificial process.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from gpuwatch.bench.daemon_process import DaemonProcess, run_gpuwatch
 
 pytestmark = pytest.mark.gpu
 
@@ -24,10 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 XID_DEADLINE_S = 2.0
 
 
-def gpuwatch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gpuwatch", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+def gpuwatch(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_gpuwatch(*args, timeout=120, cwd=ROOT)
 
 
 def test_check_judges_the_real_gpus() -> None:
@@ -55,32 +51,10 @@ def test_record_then_replay(tmp_path: Path) -> None:
     assert all(g["worst_state"] == "healthy" for g in json.loads(replayed.stdout)["gpus"])
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
 def test_daemon_flags_a_real_xid31_within_2s(tmp_path: Path) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    daemon = subprocess.Popen(
-        [
-            sys.executable, "-m", "gpuwatch", "run", "--backend", "nvml", "--interval", "30",
-            "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
-            "--runtime-dir", str(tmp_path / "run"),
-        ],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "GPUWATCH_CONFIG": ""},
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    daemon = DaemonProcess(tmp_path, "--interval", "30", backend="nvml", cwd=ROOT)
     try:
-        for _ in range(100):
-            try:
-                if _get(base + "/healthz")["status"] == "ok":
-                    break
-            except OSError:
-                time.sleep(0.1)
+        daemon.start()
         injector = subprocess.Popen(
             [sys.executable, str(ROOT / "fault_injection" / "xid_fault.py"), "--gpu", "0", "--yes"],
             stdout=subprocess.PIPE, text=True,
@@ -88,7 +62,7 @@ def test_daemon_flags_a_real_xid31_within_2s(tmp_path: Path) -> None:
         seen_t = None
         deadline = time.time() + 60
         while time.time() < deadline and seen_t is None:
-            gpu = _get(base + "/v1/gpus/0")
+            gpu = daemon.get("/v1/gpus/0")
             if any(f["rule"].startswith("xid") for f in gpu["findings"]):
                 seen_t = time.time()
             else:
@@ -103,6 +77,5 @@ def test_daemon_flags_a_real_xid31_within_2s(tmp_path: Path) -> None:
         assert gpu["xids"] == {"31": 1}
         assert gpu["quarantined"] is False, "one application XID does not condemn the card"
     finally:
-        daemon.terminate()
-        out = daemon.communicate(timeout=30)[0]
-        print(out[-2000:])
+        daemon.stop()
+        print(daemon.log_text()[-2000:])

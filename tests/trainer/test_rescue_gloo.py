@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.trainer import load_latest
 
 pytest.importorskip("torch")
@@ -48,12 +48,6 @@ with TrainerLink(sys.argv[1], report_interval_s=3600, abort_after_s=0.5) as link
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _report(runtime_dir: Path, pid: int) -> dict[str, object]:
     try:
         return dict(json.loads((runtime_dir / "trainers" / f"{pid}.json").read_text()))
@@ -68,7 +62,7 @@ def _state(pid: int) -> str:
 def test_a_rank_blocked_by_a_hung_peer_gets_out_saves_and_exits_75(tmp_path: Path) -> None:
     runtime_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     runtime_dir.mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "PYTHONPATH": str(REPO), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
