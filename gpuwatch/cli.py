@@ -20,10 +20,10 @@ from rich.table import Table
 
 from gpuwatch import __version__
 from gpuwatch.bench.cli import bench
+from gpuwatch.command_error import fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.exits import fail
 from gpuwatch.launch import launch
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -51,9 +51,9 @@ from typing import Any
 
 import click
 
+from gpuwatch.command_error import fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.exits import fail
 from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR
 
 COMMAND = "gpuwatch launch"  # the start of its error lines

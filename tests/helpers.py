@@ -88,6 +88,13 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     ]
 
 
+def metric_value(text: str, name: str) -> float:
+    """The value of the one sample named `name` in a Prometheus exposition."""
+    samples = metric_samples(text, name)
+    assert len(samples) == 1, (name, samples)
+    return samples[0][1]
+
+
 def fake_scontrol(directory: Path) -> tuple[str, Path]:
     """An scontrol stand-in for one node, where a real Slurm would be beside the point; (program, node file).
 

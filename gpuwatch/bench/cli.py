@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from gpuwatch import __version__
-from gpuwatch.exits import fail
+from gpuwatch.command_error import fail
 
 # In the order they run: the long footprint and the trainer job come last.
 SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation")

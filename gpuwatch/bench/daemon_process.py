@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, TypeVar
@@ -39,6 +39,16 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0, poll_s: float = 0.1) -> float:
+    """Seconds until `check()` holds, asked every `poll_s`; TimeoutError naming `what` after `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if check():
+            return time.monotonic() - started
+        time.sleep(poll_s)
+    raise TimeoutError(f"not within {timeout_s:g} s: {what}")
 
 
 def child_env(drop: Sequence[str] = ("GPUWATCH_",)) -> dict[str, str]:

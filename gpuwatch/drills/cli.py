@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
+from gpuwatch.command_error import fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
-from gpuwatch.exits import fail
 
 if TYPE_CHECKING:
     from gpuwatch.drills.runner import Request

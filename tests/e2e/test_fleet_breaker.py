@@ -10,36 +10,22 @@ node breaker, which still allows one automatic quarantine and refuses the next; 
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, free_port
-from tests.helpers import fake_scontrol, metric_samples
+from gpuwatch.bench.daemon_process import DaemonProcess, free_port, wait_until
+from tests.helpers import fake_scontrol, metric_value
 from tests.prometheus_stack import prometheus_process
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not within {timeout_s:g} s: {what}")
-
-
 def _metric(daemon: DaemonProcess, name: str) -> float:
-    with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as resp:
-        samples = metric_samples(resp.read().decode(), name)
-    assert len(samples) == 1, (name, samples)
-    return samples[0][1]
+    return metric_value(daemon.text("/metrics"), name)
 
 
 def _inject_xid79(daemon: DaemonProcess, gpu: int) -> None:
@@ -92,22 +78,22 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
         }  # fmt: skip
         prometheus = prometheus_process(tmp_path, config, port).start()
         query, alerts = prometheus.query, prometheus.alerts
-        _until("the recording rules loaded", lambda: len(query("fleet:gpuwatch_gpus_quarantined:ratio")) == 1)
+        wait_until("the recording rules loaded", lambda: len(query("fleet:gpuwatch_gpus_quarantined:ratio")) == 1)
         for daemon, gpu in ((a, 0), (a, 1), (b, 0)):
             assert daemon.cli("quarantine", str(gpu), "--reason", "ci").returncode == 0
-        _until(
+        wait_until(
             "Prometheus sees 3 of 12 GPUs quarantined",
             lambda: [float(r["value"][1]) for r in query("fleet:gpuwatch_gpus_quarantined:ratio")] == [0.25],
         )
 
         _inject_xid79(c, 1)
-        _until("C refuses", lambda: "fleet breaker refused the quarantine" in _log(c))
+        wait_until("C refuses", lambda: "fleet breaker refused the quarantine" in _log(c))
         assert "25.0% of the fleet's GPUs are quarantined, at or above fleet.max_quarantined_share 20.0%" in _log(c)
         assert not c.get("/v1/gpus/1")["quarantined"]
         assert _metric(c, "gpuwatch_fleet_breaker_refusals_total") == 1
         assert _metric(c, "gpuwatch_fleet_breaker_tripped") == 1
         c_instance = f"127.0.0.1:{c.port}"
-        _until(
+        wait_until(
             "GpuwatchFleetBreakerRefused firing for C",
             lambda: any(
                 x["labels"]["alertname"] == "GpuwatchFleetBreakerRefused"
@@ -119,26 +105,26 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
 
         # A and B drained themselves in Slurm; with 2 nodes drained, C's drain (after an operator's
         # quarantine, which the breaker does not hold back) is refused.
-        _until(
+        wait_until(
             "Prometheus counts 2 drained nodes", lambda: _scalar(query("fleet:gpuwatch_slurm_drained_nodes:sum")) == 2
         )
         assert nodes["a"].exists() and nodes["b"].exists()
         assert c.cli("quarantine", "3", "--reason", "ci").returncode == 0
-        _until("C's drain refused", lambda: _metric(c, "gpuwatch_slurm_drain_refused") == 1)
+        wait_until("C's drain refused", lambda: _metric(c, "gpuwatch_slurm_drain_refused") == 1)
         assert "fleet breaker refuses to drain node" in _log(c)
         assert "2 node(s) drained by gpuwatch in the last 3600 s, at or above fleet.max_drained_nodes 2" in _log(c)
         assert not nodes["c"].exists() and _metric(c, "gpuwatch_fleet_breaker_refusals_total") == 2
 
         prometheus.stop()
-        _until("C falls back to its node breaker and quarantines GPU 1", lambda: c.get("/v1/gpus/1")["quarantined"])
+        wait_until("C falls back to its node breaker and quarantines GPU 1", lambda: c.get("/v1/gpus/1")["quarantined"])
         assert "cannot ask Prometheus" in _log(c) and "the node breaker alone decides" in _log(c)
         assert _metric(c, "gpuwatch_fleet_prometheus_up") == 0
         _inject_xid79(c, 2)
-        _until("C's node breaker refuses GPU 2", lambda: "circuit breaker refused the quarantine" in _log(c))
+        wait_until("C's node breaker refuses GPU 2", lambda: "circuit breaker refused the quarantine" in _log(c))
         assert not c.get("/v1/gpus/2")["quarantined"]
 
         _inject_xid79(b, 1)
-        _until("B (closed) refuses", lambda: "fleet.on_unreachable is closed" in _log(b))
+        wait_until("B (closed) refuses", lambda: "fleet.on_unreachable is closed" in _log(b))
         assert not b.get("/v1/gpus/1")["quarantined"]
     finally:
         if prometheus is not None:

@@ -6,16 +6,16 @@ environment is all gpuwatch needs to find it (it runs the real scontrol).
 
 from __future__ import annotations
 
+import functools
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.bench.daemon_process import DaemonProcess, wait_until
 from tests.e2e.slurmctl import NODE, Slurm, start_slurm
-from tests.helpers import metric_samples
+from tests.helpers import metric_value
 
 pytestmark = pytest.mark.slow
 SIM_4_GPUS = ("--sim-scenario", "healthy", "--sim-gpus", "4", "--interval", "1")
@@ -46,21 +46,11 @@ def _daemon(tmp_path: Path, slurm: Slurm, **env: str) -> DaemonProcess:
     return DaemonProcess(tmp_path, *SIM_4_GPUS, env=settings).start()
 
 
-def _until(what: str, check: Callable[[], bool], timeout_s: float = 10.0) -> float:
-    """Seconds until `check()` holds."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if check():
-            return time.monotonic() - started
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout_s:g} s: {what}")
+_until = functools.partial(wait_until, timeout_s=10.0)
 
 
 def _metric(daemon: DaemonProcess, name: str) -> float:
-    with urllib.request.urlopen(daemon.url + "/metrics", timeout=5) as resp:
-        samples = metric_samples(resp.read().decode(), name)
-    assert len(samples) == 1, (name, samples)
-    return samples[0][1]
+    return metric_value(daemon.text("/metrics"), name)
 
 
 def test_quarantine_drains_release_resumes_and_a_restart_keeps_the_drain_ours(node: Slurm, tmp_path: Path) -> None:

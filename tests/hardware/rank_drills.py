@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env
+from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def _run_job(trainer: str, args: argparse.Namespace, daemon: DaemonProcess, env:
         for drill in args.drills.split(","):
             gpu = "0" if drill == "fault_rank" else "1"
             floor = _furthest(daemon) + args.warmup
-            _wait(lambda floor=floor: _both_past(daemon, floor, launch), 240, f"both ranks past step {floor}")
+            wait_until(f"both ranks past step {floor}", lambda floor=floor: _both_past(daemon, floor, launch), 240, 0.2)
             cmd = daemon.command("drill", f"--{drill.replace('_', '-')}", gpu, "--yes", "--json")
             t0 = time.time()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -119,15 +119,6 @@ def _both_past(daemon: DaemonProcess, floor: int, launch: subprocess.Popen[str])
         raise RuntimeError(f"the launcher exited {launch.returncode}")
     running = [r for r in daemon.trainer_reports() if r.get("ended") is None and (r.get("step") or 0) >= floor]
     return len(running) >= 2
-
-
-def _wait(check: Any, timeout_s: float, what: str) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"no {what} within {timeout_s} s")
 
 
 def _last_json(text: str) -> Any:
