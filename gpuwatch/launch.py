@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -55,11 +55,14 @@ from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR
 
+if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.client)
+    from gpuwatch.wire import Gpu
+
 EXIT_STOPPED = 3
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 _SINGLE_NODE = {None, "1", "1:1"}
 
-Gpus = Callable[[], list[dict[str, Any]]]
+Gpus = Callable[[], list["Gpu"]]
 Runner = Callable[[list[str], dict[str, str]], "Outcome"]
 _TAIL_BYTES = 64 * 1024
 
@@ -85,9 +88,9 @@ class Plan:
     command: tuple[str, ...]
 
 
-def usable(gpus: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def usable(gpus: Sequence[Gpu]) -> list[Gpu]:
     """The GPUs a job may use: not quarantined and not unhealthy by index."""
-    return sorted((g for g in gpus if not g["quarantined"] and g["state"] != "unhealthy"), key=lambda g: g["index"])
+    return sorted((g for g in gpus if not g.quarantined and g.state != "unhealthy"), key=lambda g: g.index)
 
 
 def rendezvous_args(
@@ -364,7 +367,7 @@ class Launcher:
                 n = len(chosen)
                 self.echo(
                     f"gpuwatch launch: launch {launch + 1} ({reason}): job {self.plan.job_id}, {n} rank(s) on GPU "
-                    + ",".join(str(g["index"]) for g in chosen)
+                    + ",".join(str(g.index) for g in chosen)
                 )
                 env = self._env(chosen, error_file, resume=launch > 0)
                 resumed_line = self._say_resumed(launch + 1) if launch > 0 else None
@@ -404,7 +407,7 @@ class Launcher:
         """The line for a relaunch's first step, as soon as a rank reports it (it resumed from first_step - 1)."""
         return lambda first: self.echo(f"gpuwatch launch: launch {launch} resumed from step {first - 1}")
 
-    def _ask_daemon(self) -> list[dict[str, Any]] | None:
+    def _ask_daemon(self) -> list[Gpu] | None:
         """The daemon's GPUs now, or None (said in one line) when it cannot be reached: relaunch on the same GPUs."""
         try:
             return self.gpus()
@@ -416,8 +419,8 @@ class Launcher:
         self,
         failure: Failure | None,
         rc: int,
-        chosen: list[dict[str, Any]],
-        everything: list[dict[str, Any]] | None,
+        chosen: list[Gpu],
+        everything: list[Gpu] | None,
         furthest: int | None,
     ) -> str:
         """ "rank 1 on GPU 1 (GPU-…) killed by SIGKILL after step 37, daemon: no finding on GPU 1"."""
@@ -427,20 +430,20 @@ class Launcher:
         gpu = chosen[failure.local_rank] if failure.local_rank < len(chosen) else None
         if gpu is None:
             return f"rank {failure.rank} {failure.how()}{at}"
-        where = f"GPU {gpu['index']} ({gpu['uuid']})"
+        where = f"GPU {gpu.index} ({gpu.uuid})"
         if everything is None:
             daemon = "daemon not reachable"
         else:
             found = _hardware_findings([gpu], everything)
-            daemon = f"daemon: {found[0]}" if found else f"daemon: no finding on GPU {gpu['index']}"
+            daemon = f"daemon: {found[0]}" if found else f"daemon: no finding on GPU {gpu.index}"
         return f"rank {failure.rank} on {where} {failure.how()}{at}, {daemon}"
 
     def _stop_a_crash_loop(
         self,
         last_crash: _Crash | None,
         furthest: int | None,
-        chosen: list[dict[str, Any]],
-        everything: list[dict[str, Any]] | None,
+        chosen: list[Gpu],
+        everything: list[Gpu] | None,
     ) -> None:
         """Stop (exit 3) when this crash repeats the last one's step with no hardware finding: a software fault.
 
@@ -452,14 +455,14 @@ class Launcher:
         if (-1 if furthest is None else furthest) > before:
             return
         at = f"at step {furthest}" if furthest is not None else "before its first step"
-        indices = ",".join(str(g["index"]) for g in chosen)
+        indices = ",".join(str(g.index) for g in chosen)
         raise LaunchStopped(
             EXIT_STOPPED,
             f"job {self.plan.job_id} crashed twice {at} with no hardware finding on GPU {indices}: "
             "a software fault, not relaunching",
         )
 
-    def _choose(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _choose(self, gpus: list[Gpu]) -> list[Gpu]:
         want = len(gpus) if self.plan.nproc is None else min(self.plan.nproc, len(gpus))
         if want < self.plan.min_nproc:
             raise LaunchStopped(
@@ -479,10 +482,10 @@ class Launcher:
             *self.plan.command,
         ]
 
-    def _env(self, chosen: list[dict[str, Any]], error_file: Path, *, resume: bool) -> dict[str, str]:
+    def _env(self, chosen: list[Gpu], error_file: Path, *, resume: bool) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            CUDA_VISIBLE_DEVICES=",".join(g["uuid"] for g in chosen),
+            CUDA_VISIBLE_DEVICES=",".join(g.uuid for g in chosen),
             GPUWATCH_RUNTIME_DIR=self.plan.runtime_dir,
             GPUWATCH_JOB_ID=self.plan.job_id,
             TORCHELASTIC_ERROR_FILE=str(error_file),
@@ -492,42 +495,42 @@ class Launcher:
         return env
 
 
-def _hardware_findings(chosen: list[dict[str, Any]], everything: list[dict[str, Any]]) -> list[str]:
+def _hardware_findings(chosen: list[Gpu], everything: list[Gpu]) -> list[str]:
     """What the daemon holds against these GPUs: findings, quarantine, a state worse than healthy, or gone."""
-    by_uuid = {g["uuid"]: g for g in everything}
+    by_uuid = {g.uuid: g for g in everything}
     found = []
     for gpu in chosen:
-        now = by_uuid.get(gpu["uuid"])
-        name = f"GPU {gpu['index']}"
+        now = by_uuid.get(gpu.uuid)
+        name = f"GPU {gpu.index}"
         if now is None:
             found.append(f"{name} gone")
             continue
-        for finding in now.get("findings") or ():
-            found.append(f"{name} {finding.get('rule')}: {finding.get('reason')}")
-        if now.get("quarantined"):
-            found.append(f"{name} quarantined: {now.get('quarantine_reason')}")
-        elif now.get("state") not in ("healthy", None):
-            found.append(f"{name} {now.get('state')}")
+        for finding in now.findings:
+            found.append(f"{name} {finding.rule}: {finding.reason}")
+        if now.quarantined:
+            found.append(f"{name} quarantined: {now.quarantine_reason}")
+        elif now.state != "healthy":
+            found.append(f"{name} {now.state}")
     return found
 
 
 def _why_relaunch(
-    chosen: list[dict[str, Any]],
-    everything: list[dict[str, Any]],
-    now_usable: list[dict[str, Any]],
+    chosen: list[Gpu],
+    everything: list[Gpu],
+    now_usable: list[Gpu],
     message: str,
     crash: str | None = None,
 ) -> str:
     """The crash's cause and which of the launch's GPUs left and why (from the daemon)."""
-    still = {g["uuid"] for g in now_usable}
-    by_uuid = {g["uuid"]: g for g in everything}
+    still = {g.uuid for g in now_usable}
+    by_uuid = {g.uuid: g for g in everything}
     left = []
     for gpu in chosen:
-        if gpu["uuid"] in still:
+        if gpu.uuid in still:
             continue
-        now = by_uuid.get(gpu["uuid"], {})
-        why = f"quarantined: {now.get('quarantine_reason')}" if now.get("quarantined") else now.get("state", "gone")
-        left.append(f"GPU {gpu['index']} ({gpu['uuid']}) left, {why}")
+        now = by_uuid.get(gpu.uuid)
+        why = "gone" if now is None else f"quarantined: {now.quarantine_reason}" if now.quarantined else now.state
+        left.append(f"GPU {gpu.index} ({gpu.uuid}) left, {why}")
     if crash is not None:
         return "; ".join([crash, *left])
     if left:

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Protocol
 
+from gpuwatch import wire
 from gpuwatch.client import DaemonClient
 from gpuwatch.config import Config
 from gpuwatch.errors import DaemonError
@@ -50,19 +51,30 @@ class HttpApi(DaemonClient):
             raise DaemonError(f"GET {path}: {getattr(exc, 'reason', exc)}") from None
 
 
-def gpus(api: DrillApi) -> list[dict[str, Any]]:
-    return list(api.get("/v1/gpus")["gpus"])
+def node(api: DrillApi) -> wire.GpuList:
+    return wire.read(wire.GpuList, api.get("/v1/gpus"), "GET /v1/gpus")
 
 
-def gpu(api: DrillApi, index: int) -> dict[str, Any]:
-    return dict(api.get(f"/v1/gpus/{index}"))
+def gpus(api: DrillApi) -> list[wire.Gpu]:
+    return node(api).gpus
 
 
-def pids(g: dict[str, Any]) -> list[int]:
+def gpu(api: DrillApi, index: int) -> wire.Gpu:
+    path = f"/v1/gpus/{index}"
+    return wire.read(wire.Gpu, api.get(path), f"GET {path}")
+
+
+def incidents(api: DrillApi, limit: int | None = None) -> list[wire.Incident]:
+    """The daemon's incidents, newest first (its default number of them without `limit`)."""
+    path = "/v1/incidents" if limit is None else f"/v1/incidents?limit={limit}"
+    return wire.read(wire.Incidents, api.get(path), f"GET {path}").incidents
+
+
+def pids(g: wire.Gpu) -> list[int]:
     """Every process NVML last listed on the GPU and every trainer that reports from it."""
-    listed = (g.get("sample") or {}).get("pids") or []
-    return sorted({*listed, *(t["pid"] for t in g.get("trainers", []))})
+    listed = g.sample.pids if g.sample else []
+    return sorted({*listed, *(t.pid for t in g.trainers)})
 
 
-def describe_trainers(g: dict[str, Any]) -> str:
-    return ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("trainers", [])) or "none"
+def describe_trainers(g: wire.Gpu) -> str:
+    return ", ".join(f"rank {t.rank} (pid {t.pid})" for t in g.trainers) or "none"

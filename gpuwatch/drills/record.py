@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gpuwatch import wire
 from gpuwatch.drills.steps import FAIL, PASS
 from gpuwatch.store import Store
 
@@ -52,12 +53,12 @@ class DrillRecord:
             self._version += 1
         log.warning("scheduled drill %s skipped (%s): %s", drill, reason, detail)
 
-    def runs(self, limit: int) -> list[dict[str, Any]]:
-        return self._store.drill_runs(limit=limit)
+    def runs(self, limit: int) -> list[wire.DrillRun]:
+        return [wire.DrillRun.model_validate(run) for run in self._store.drill_runs(limit=limit)]
 
-    def skipped(self) -> list[dict[str, Any]]:
+    def skipped(self) -> list[wire.DrillSkip]:
         with self._lock:
-            return [{"drill": d, "reason": r, "count": n} for (d, r), n in sorted(self._skipped.items())]
+            return [wire.DrillSkip(drill=d, reason=r, count=n) for (d, r), n in sorted(self._skipped.items())]
 
     def key(self) -> object:
         """Changes whenever the metrics would: the /metrics render cache keys on it."""
