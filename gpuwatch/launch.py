@@ -53,7 +53,9 @@ import click
 
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR
+from gpuwatch.model import TrainerInfo
+from gpuwatch.runtime import ReportError, parse_report
+from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR, report_pid
 
 if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.client)
     from gpuwatch.wire import Gpu
@@ -298,26 +300,27 @@ class ProgressWatch:
     def read(self) -> None:
         """Fold the reports there now into `furthest` and `first_step`."""
         try:
-            paths = list(self.trainers.glob("*.json"))
+            names = [path.name for path in self.trainers.iterdir()]
         except OSError:
             return
-        for path in paths:
-            report = _read_own_report(path)
-            if report is None or report.get("job_id") != self.job_id:
+        for name in names:
+            pid = report_pid(name)
+            report = _read_own_report(self.trainers / name, pid) if pid is not None else None
+            if report is None or report.job_id != self.job_id or report.updated_t is None:
                 continue
-            t, step, first = report.get("t"), report.get("step"), report.get("first_step")
-            if not isinstance(t, (int, float)) or t < self.since:
+            if report.updated_t < self.since:
                 continue
-            if isinstance(step, int) and (self.furthest is None or step > self.furthest):
+            step, first = report.step, report.first_step
+            if step is not None and (self.furthest is None or step > self.furthest):
                 self.furthest = step
-            if isinstance(first, int) and (self.first_step is None or first < self.first_step):
+            if first is not None and (self.first_step is None or first < self.first_step):
                 if self.first_step is None and self.on_first_step is not None:
                     self.on_first_step(first)
                 self.first_step = first
 
 
-def _read_own_report(path: Path) -> dict[str, Any] | None:
-    """A report written by our own user (trainers/ is world-writable), as a dict; None otherwise."""
+def _read_own_report(path: Path, pid: int) -> TrainerInfo | None:
+    """Rank `pid`'s report if our own user wrote it (trainers/ is world-writable) and it is valid; else None."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -326,12 +329,11 @@ def _read_own_report(path: Path) -> dict[str, Any] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_REPORT_BYTES:
             return None
-        body = json.loads(os.read(fd, MAX_REPORT_BYTES))
-    except (OSError, ValueError):
+        return parse_report(os.read(fd, MAX_REPORT_BYTES), pid)
+    except (OSError, ReportError):
         return None
     finally:
         os.close(fd)
-    return body if isinstance(body, dict) else None
 
 
 @dataclass
