@@ -1,7 +1,8 @@
 """A small HTTP client for the running daemon (urllib), used by the CLI, `launch` and the drills.
 
-Answers are parsed into the API's own models (gpuwatch.wire); the CLI imports this module only in
-the commands that talk to the daemon, so pydantic is not loaded to start `gpuwatch`.
+Answers are parsed into the API's own models (gpuwatch.wire), imported at the first answer: the
+daemon imports this client (its drills talk to it over HTTP) and must not load pydantic before its
+own API is asked something, and `gpuwatch --help` should not pay for it either.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from gpuwatch import wire
 from gpuwatch.config import DEFAULT_CONFIG_PATH, Config, config_file
 from gpuwatch.errors import DaemonError
+
+if TYPE_CHECKING:
+    from gpuwatch import wire
 
 
 class DaemonClient:
@@ -68,9 +69,13 @@ class DaemonClient:
             ) from None
 
     def gpus(self) -> list[wire.Gpu]:
+        from gpuwatch import wire
+
         return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus").gpus
 
     def quarantine(self, index: int, reason: str) -> wire.GpuChanged:
+        from gpuwatch import wire
+
         path = f"/v1/gpus/{index}/quarantine"
         return wire.read(wire.GpuChanged, self.request("POST", path, {"reason": reason}), f"POST {path}")
 
@@ -79,6 +84,8 @@ class DaemonClient:
     ) -> wire.GpuChanged:
         """Release GPU `index`; a GPU still degraded or unhealthy needs `force` (HTTP 409 without it); with
         `validate_timeout_s`, only after the GPU test passes (waited for that long)."""
+        from gpuwatch import wire
+
         path, body = f"/v1/gpus/{index}/release", {"reason": reason, "force": force}
         if validate_timeout_s is not None:
             body["validate"] = True
@@ -87,6 +94,10 @@ class DaemonClient:
 
 def _detail(body: bytes) -> str:
     """What an error answer says: its `detail`, a 422's bad parts one by one, or the body as it came."""
+    from pydantic import ValidationError
+
+    from gpuwatch import wire
+
     try:
         detail = wire.UnprocessableBody.model_validate_json(body).detail
     except ValidationError:

@@ -41,7 +41,6 @@ from gpuwatch.trainer.contract import (
     STATUS_FILE,
     TRAINERS_DIR,
     Status,
-    StatusGpu,
     report_name,
     report_pid,
 )
@@ -194,20 +193,20 @@ def write_json_atomic(path: Path, body: Any) -> None:
 
 def status_body(snapshot: Snapshot) -> Status:
     """status.json: per GPU its uuid, state, quarantined flag, epoch and findings."""
-    return Status(
-        t=snapshot.t,
-        gpus=[
-            StatusGpu(
-                index=g.index,
-                uuid=g.uuid,
-                state=g.state.value,
-                quarantined=g.quarantined,
-                epoch=g.epoch,
-                findings=[f.as_dict() for f in g.findings],
-            )
+    return {
+        "t": snapshot.t,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "state": g.state.value,
+                "quarantined": g.quarantined,
+                "epoch": g.epoch,
+                "findings": [f.as_dict() for f in g.findings],
+            }
             for g in snapshot.gpus
         ],
-    )
+    }
 
 
 class RuntimeDir:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from tests.drills.conftest import Job, start_drill_node
 from tests.drills.test_validate_drill import idle_gpu, use_fake_test
 from tests.helpers import SimNode
 
+REPO = Path(__file__).resolve().parents[1]
 VERDICT = {
     "drill": "inject", "gpu": 3, "uuid": "GPU-x", "spec": "preset=xid79", "trigger": "cli", "started": 1.0,
     "finished": 2.5, "steps": [{"name": "inject", "result": "pass", "duration_s": 0.5, "detail": "ok"}],
@@ -155,3 +158,10 @@ def test_an_answer_that_is_not_the_body_is_a_daemon_error() -> None:
         wire.read(wire.GpuList, {"gpus": []}, "GET /v1/gpus")
     with pytest.raises(DaemonError, match="the daemon's answer is not a Gpu"):
         wire.read(wire.Gpu, ["not", "an", "object"], "GET /v1/gpus/0")
+
+
+def test_the_cli_and_the_daemon_start_without_pydantic() -> None:
+    """The models load with the first answer read: `gpuwatch --help` and a scraped-only daemon never pay for them."""
+    code = "import sys, gpuwatch.cli, gpuwatch.daemon; print(sorted({'pydantic', 'gpuwatch.wire'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -7,15 +7,19 @@ with "no trainer on GPU N" when none ran there, and when the finding quarantines
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch import wire
 from gpuwatch.drills.daemon_client import gpu, incidents
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.spec import InjectSpec
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
 from gpuwatch.errors import DrillError
 from gpuwatch.model import Severity
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 _BAD = (Severity.DEGRADED.value, Severity.UNHEALTHY.value)
 

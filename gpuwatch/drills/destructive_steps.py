@@ -9,9 +9,8 @@ release the quarantine the drill took.
 
 from __future__ import annotations
 
-from gpuwatch import wire
 from gpuwatch.drills import injectors
-from gpuwatch.drills.daemon_client import describe_trainers, gpu, pids
+from gpuwatch.drills.daemon_client import describe_trainers, gpu, pids, reacquire_backend, release_backend
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
 
@@ -41,8 +40,7 @@ def hands_off(run: Run) -> list[Step]:
         return Pending(f"processes {busy} are on GPU {n}; it stays quarantined (`gpuwatch release {n}`)")
 
     def release_handles() -> Outcome:
-        path = "/v1/backend/release"
-        answer = wire.read(wire.BackendReleased, run.api.post(path, {"duration_s": DRILL_WINDOW_S}), f"POST {path}")
+        answer = release_backend(run.api, DRILL_WINDOW_S)
         run.handles_released = answer.released
         return answer.detail
 
@@ -98,8 +96,7 @@ def reacquire(run: Run) -> Step:
     def check() -> Outcome:
         if not run.handles_released:
             return Skip("the daemon's handles were not released")
-        path = "/v1/backend/reacquire"
-        answer = wire.read(wire.BackendReacquired, run.api.post(path, {}), f"POST {path}")
+        answer = reacquire_backend(run.api)
         run.handles_released = False
         return answer.detail
 

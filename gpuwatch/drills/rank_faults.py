@@ -15,16 +15,18 @@ has exited, the wait fails at once instead of running out its deadline.
 from __future__ import annotations
 
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from gpuwatch import wire
 from gpuwatch.drills import injectors
 from gpuwatch.drills.daemon_client import gpus, incidents
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Step
 from gpuwatch.errors import DrillError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 FAULT_SIGNAL = signal.SIGUSR2  # what TrainerLink(allow_drills=True) answers with a real XID 31
 SUDDEN = ("rank_died", "gpu_fault")

@@ -7,13 +7,15 @@ decides whether a quarantine must follow), which keeps each step a small pure-is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpuwatch import wire
 from gpuwatch.config import Config
 from gpuwatch.drills.daemon_client import DrillApi
 from gpuwatch.drills.spec import DcgmSpec, Expectation, InjectSpec, Kind
 from gpuwatch.drills.steps import Clock
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 
 @dataclass

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpuwatch import wire
 from gpuwatch.config import Config
 from gpuwatch.drills import checks, destructive_steps, injectors, rank_faults, validate
-from gpuwatch.drills.daemon_client import DrillApi, describe_trainers, gpu, node, pids
+from gpuwatch.drills.daemon_client import DrillApi, describe_trainers, gpu, inject, node, pids
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.spec import KINDS, DcgmSpec, InjectSpec, expectation, parse_dcgm, parse_inject, xid_expectation
 from gpuwatch.drills.steps import Clock, Outcome, Pending, Progress, Skip, Step, Verdict, deadline_of, execute
 from gpuwatch.errors import DaemonError, DrillError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 XID_FAULT = 31
 RANK_DRILLS: dict[str, Callable[[Run], list[Step]]] = {
@@ -224,8 +227,7 @@ def _inject(run: Run) -> Step:
     assert spec is not None and not isinstance(spec, DcgmSpec)
 
     def check() -> Outcome:
-        path = f"/v1/gpus/{run.gpu}/inject"
-        injection = wire.read(wire.Injection, run.api.post(path, spec.body()), f"POST {path}")
+        injection = inject(run.api, run.gpu, spec.body())
         return f"injection {injection.id} on GPU {run.gpu} for {spec.duration_s:g} s: {spec.body()}"
 
     return Step("inject", f"POST /v1/gpus/{run.gpu}/inject {spec.body()}", check)

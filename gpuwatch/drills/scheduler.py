@@ -15,11 +15,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.triggers.cron import CronTrigger
 
-from gpuwatch import wire
 from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.drills.daemon_client import DrillApi, gpus, pids
 from gpuwatch.drills.record import DrillRecord
@@ -27,6 +27,9 @@ from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
 from gpuwatch.drills.spec import KINDS, parse_dcgm, parse_inject
 from gpuwatch.drills.steps import Clock, Verdict
 from gpuwatch.errors import ConfigError, GpuwatchError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 log = logging.getLogger("gpuwatch.drills")
 
@@ -167,6 +170,9 @@ class DrillScheduler:
         scheduler.add_job(self.run, args=[Entry(-1, schedule, None)], name=f"drill {schedule.drill} (on demand)")
 
     def schedule_view(self, now: datetime) -> list[wire.ScheduleEntry]:
+        """Each scheduled entry with its next runs, for GET /v1/drills."""
+        from gpuwatch import wire
+
         return [
             wire.ScheduleEntry(
                 entry=e.number,

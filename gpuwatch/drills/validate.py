@@ -6,8 +6,7 @@ before a job finds out it does not. The target must be idle: no process and no t
 
 from __future__ import annotations
 
-from gpuwatch import wire
-from gpuwatch.drills.daemon_client import gpu, pids
+from gpuwatch.drills.daemon_client import gpu, pids, release
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Step
 from gpuwatch.errors import DaemonError
@@ -26,11 +25,10 @@ def steps(run: Run) -> list[Step]:
 
     def validate() -> Outcome:
         # 409 (the test failed: the GPU stays quarantined with a validation_failed finding) fails this step.
-        path = f"/v1/gpus/{n}/release"
         body = {"reason": "drill validate: the GPU test passed", "validate": True}
-        validation = wire.read(wire.GpuChanged, run.api.post(path, body), f"POST {path}").validation
+        validation = release(run.api, n, body).validation
         if validation is None:
-            raise DaemonError(f"POST {path}: the answer says nothing of the GPU test")
+            raise DaemonError(f"POST /v1/gpus/{n}/release: the answer says nothing of the GPU test")
         return f"GPU test passed and GPU {n} is back in service: {validation.reason}"
 
     return [
