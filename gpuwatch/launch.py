@@ -53,11 +53,10 @@ import click
 
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.model import TrainerInfo
-from gpuwatch.runtime import ReportError, parse_report
 from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR, report_pid
 
 if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.client)
+    from gpuwatch.model import TrainerInfo
     from gpuwatch.wire import Gpu
 
 EXIT_STOPPED = 3
@@ -321,6 +320,8 @@ class ProgressWatch:
 
 def _read_own_report(path: Path, pid: int) -> TrainerInfo | None:
     """Rank `pid`'s report if our own user wrote it (trainers/ is world-writable) and it is valid; else None."""
+    from gpuwatch.runtime import ReportError, parse_report  # the daemon's reader, loaded by a launch, not by the CLI
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
