@@ -41,6 +41,7 @@ from gpuwatch.trainer.contract import (
     STATUS_FILE,
     TRAINERS_DIR,
     Status,
+    StatusGpu,
     report_name,
     report_pid,
 )
@@ -218,7 +219,7 @@ class RuntimeDir:
         self.proc = proc or ProcFs()
         self._logged: set[tuple[str, int, int, int]] = set()
         self._flooded = False
-        self._status_gpus: list[dict[str, Any]] | None = None  # what status.json says now, but for `t`
+        self._status_gpus: list[StatusGpu] | None = None  # what status.json says now, but for `t`
         self._status_t = float("-inf")
 
     def prepare(self) -> None:
