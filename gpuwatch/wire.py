@@ -199,8 +199,8 @@ class GpuBase(Body):
     uuid: str
     name: str = ""
     pci_bus_id: str = ""
-    state: str
-    quarantined: bool
+    state: str = "unknown"
+    quarantined: bool = False
     quarantine_reason: str | None = None
     quarantined_since: float | None = None
     epoch: int = 0
