@@ -10,61 +10,28 @@ import dataclasses
 import hmac
 import logging
 import socket
-import unicodedata
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from gpuwatch import __version__, statuspage
+from gpuwatch import __version__, statuspage, wire
 from gpuwatch.errors import ConfigError
 from gpuwatch.httpserver import ASGIApp, front
 from gpuwatch.metrics import MetricsRenderer
-from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot, TrainerInfo
+from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
 
 log = logging.getLogger("gpuwatch.api")
 
-
-def one_line_text(value: str) -> str:
-    """A reason goes to the database, the journal and status pages: printable UTF-8 on one line only."""
-    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-        raise ValueError("contains a lone surrogate (not valid UTF-8)")
-    if any(unicodedata.category(c) == "Cc" for c in value):
-        raise ValueError("contains a control character (newline, tab, escape, ...)")
-    return value
-
-
-# The schema says "no control characters" as a pattern; one_line_text enforces it with a clearer message.
-Reason = Annotated[
-    str,
-    Field(min_length=1, max_length=500, json_schema_extra={"pattern": r"^[^\x00-\x1f\x7f-\x9f]+$"}),
-    AfterValidator(one_line_text),
-]
-
-
-class ErrorBody(BaseModel):
-    detail: str
-
-
-class FieldError(BaseModel):
-    loc: list[str | int]
-    msg: str
-    type: str
-
-
-class UnprocessableBody(BaseModel):
-    """A 422: body or query validation lists each bad part; a handler's own check says it in one string."""
-
-    detail: list[FieldError] | str
+B = TypeVar("B", bound=wire.GpuBase)
 
 
 def _error(description: str) -> dict[str, Any]:
-    return {"model": ErrorBody, "description": description}
+    return {"model": wire.ErrorBody, "description": description}
 
 
 Responses = dict[int | str, dict[str, Any]]
@@ -75,64 +42,36 @@ NOT_DURABLE: Responses = {503: _error("in force, but the state store cannot writ
 STILL_FAULTY: Responses = {409: _error("the GPU is still degraded or unhealthy: release it with force")}
 
 
-class QuarantineBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reason: Reason
-
-
-class ReleaseBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    reason: Reason = "operator"
-    force: bool = False  # needed to release a GPU that is still degraded or unhealthy (409 without it)
-    validate_first: bool = Field(default=False, alias="validate")  # run the GPU test; release only if it passes
-
-
-class InjectBody(BaseModel):
-    """A drill's injection: sample fields to override for `duration_s`, and/or one event.
-
-    Each field's type and range is checked against the sample field it overrides (monitor.checked_injection).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    fields: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr | list[StrictInt] | None] = Field(
-        default_factory=dict
-    )
-    duration_s: float = Field(default=60.0, gt=0, le=86400, allow_inf_nan=False)
-    event: Literal["xid", "ecc_dbe", "ecc_sbe"] | None = None
-    xid: int | None = Field(default=None, ge=1, le=1000)
-
-
 RouteSet = Callable[[FastAPI, Callable[..., None]], None]  # one part's routes: (app, require_token) -> None
 
 
-def trainer_json(t: TrainerInfo) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(t).items() if v is not None}
-
-
-def gpu_json(g: GpuStatus, now: float) -> dict[str, Any]:
-    """The wire form of one GPU (GET /v1/gpus and the status page)."""
+def gpu_json(g: GpuStatus, now: float, body: type[B], **extra: Any) -> B:
+    """The wire form of one GPU (GET /v1/gpus and the answers of a quarantine or release), with `extra` fields."""
     sample = g.sample
-    return {
-        "index": g.index,
-        "uuid": g.uuid,
-        "name": g.static.name,
-        "pci_bus_id": g.static.pci_bus_id,
-        "state": g.state.value,
-        "quarantined": g.quarantined,
-        "quarantine_reason": g.quarantine_reason or None,
-        "quarantined_since": g.quarantined_since,
-        "epoch": g.epoch,
-        "suggested_action": g.suggested_action.value,
-        "findings": [f.as_dict() for f in g.findings],
-        "drill_active": g.drill_active,
-        "error": g.error.kind if g.error else None,
-        "sample_age_s": round(now - sample.t, 3) if sample else None,
-        "sample": {k: getattr(sample, k) for k in SAMPLE_FIELDS if k not in {"index", "uuid"}} if sample else None,
-        "xids": {str(x): n for x, n in g.xid_counts},
-        "kernel_xids": [{"t": e.t, "xid": e.xid, "line": e.detail} for e in g.kernel_xids],
-        "trainers": [trainer_json(t) for t in g.trainers],
-        "static": dataclasses.asdict(g.static),
-    }
+    return body(
+        index=g.index,
+        uuid=g.uuid,
+        name=g.static.name,
+        pci_bus_id=g.static.pci_bus_id,
+        state=g.state.value,
+        quarantined=g.quarantined,
+        quarantine_reason=g.quarantine_reason or None,
+        quarantined_since=g.quarantined_since,
+        epoch=g.epoch,
+        suggested_action=g.suggested_action.value,
+        findings=[wire.Finding(**f.as_dict()) for f in g.findings],
+        drill_active=g.drill_active,
+        error=g.error.kind if g.error else None,
+        sample_age_s=round(now - sample.t, 3) if sample else None,
+        sample=wire.Sample(**{k: getattr(sample, k) for k in SAMPLE_FIELDS if k not in {"index", "uuid"}})
+        if sample
+        else None,
+        xids={str(x): n for x, n in g.xid_counts},
+        kernel_xids=[wire.KernelXid(t=e.t, xid=e.xid, line=e.detail) for e in g.kernel_xids],
+        trainers=[wire.Trainer(**dataclasses.asdict(t)) for t in g.trainers],
+        static=g.static,
+        **extra,
+    )
 
 
 def create_app(
@@ -177,7 +116,7 @@ def create_api(
         responses={
             **NOT_FOUND,
             413: _error("request body over api.max_body_bytes"),
-            422: {"model": UnprocessableBody, "description": "invalid input; nothing changed"},
+            422: {"model": wire.UnprocessableBody, "description": "invalid input; nothing changed"},
         },
     )
 
@@ -185,14 +124,12 @@ def create_api(
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         """422 naming each bad part, without echoing the input (it may be NaN or a lone surrogate)."""
         detail = [
-            {
-                "loc": [str(part) for part in e.get("loc", ())],
-                "msg": str(e.get("msg", "")),
-                "type": str(e.get("type", "")),
-            }
+            wire.FieldError(
+                loc=[str(part) for part in e.get("loc", ())], msg=str(e.get("msg", "")), type=str(e.get("type", ""))
+            )
             for e in exc.errors()
         ]
-        return JSONResponse({"detail": detail}, status_code=422)
+        return JSONResponse(wire.UnprocessableBody(detail=detail).model_dump(mode="json"), status_code=422)
 
     def require_token(request: Request) -> None:
         header = request.headers.get("authorization", "")
@@ -203,11 +140,8 @@ def create_api(
     def snapshot() -> Snapshot:
         return monitor.snapshot
 
-    def gpu_body(g: GpuStatus, now: float) -> dict[str, Any]:
-        body = gpu_json(g, now)
-        for view in gpu_views:
-            body.update(view(g.index))
-        return body
+    def gpu_body(g: GpuStatus, now: float) -> wire.Gpu:
+        return gpu_json(g, now, wire.Gpu, **{k: v for view in gpu_views for k, v in view(g.index).items()})
 
     def gpu_or_404(index: int) -> GpuStatus:
         status = monitor.snapshot.gpu(index)
@@ -219,37 +153,46 @@ def create_api(
     def status_page() -> HTMLResponse:
         return HTMLResponse(statuspage.render(snapshot(), clock(), socket.gethostname()))
 
-    @app.get("/healthz", responses={503: {"description": "samples are stale or the state store cannot write"}})
+    @app.get(
+        "/healthz",
+        response_model=wire.Healthz,
+        responses={503: {"model": wire.Healthz, "description": "samples are stale or the state store cannot write"}},
+    )
     def healthz() -> JSONResponse:
         snap = snapshot()
         age = clock() - snap.t
         stale = snap.samples_total == 0 or age > 3 * monitor.config.interval_s
         status = "stale" if stale else "store_degraded" if snap.store_error else "ok"
-        body: dict[str, Any] = {"status": status, "last_sample_age_s": round(age, 3), "gpus": len(snap.gpus)}
-        if snap.store_error:
-            body["store_error"] = snap.store_error
-            body["store_unsaved_changes"] = snap.store_unsaved
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        body = wire.Healthz(
+            status=status,
+            last_sample_age_s=round(age, 3),
+            gpus=len(snap.gpus),
+            store_error=snap.store_error or None,
+            store_unsaved_changes=snap.store_unsaved if snap.store_error else None,
+        )
+        return JSONResponse(body.model_dump(mode="json"), status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/gpus")
-    def gpus() -> dict[str, Any]:
+    def gpus() -> wire.GpuList:
         snap = snapshot()
         now = clock()
-        return {"t": snap.t, "backend": snap.backend, "gpus": [gpu_body(g, now) for g in snap.gpus]}
+        return wire.GpuList(t=snap.t, backend=snap.backend, gpus=[gpu_body(g, now) for g in snap.gpus])
 
     @app.get("/v1/gpus/{index}", responses=NOT_FOUND)
-    def gpu(index: int) -> dict[str, Any]:
+    def gpu(index: int) -> wire.Gpu:
         return gpu_body(gpu_or_404(index), clock())
 
     @app.get("/v1/findings")
     def findings(
         limit: Annotated[int, Query(ge=1, le=5000)] = 200, gpu: Annotated[int | None, Query(ge=0, le=1023)] = None
-    ) -> dict[str, Any]:
-        active = [f.as_dict() for g in snapshot().gpus for f in g.findings if gpu is None or g.index == gpu]
+    ) -> wire.Findings:
+        active = [
+            wire.Finding(**f.as_dict()) for g in snapshot().gpus for f in g.findings if gpu is None or g.index == gpu
+        ]
         history = monitor.store.findings(limit=limit, gpu=gpu) if monitor.store else []
-        return {"active": active, "history": history}
+        return wire.Findings(active=active, history=[wire.FindingRecord(**row) for row in history])
 
-    def durable(index: int, status: GpuStatus, what: str) -> dict[str, Any]:
+    def durable(index: int, status: GpuStatus, what: str, **outcome: Any) -> wire.GpuChanged:
         """200 only once the change is on disk; else 503: in force now, written when the store can."""
         if monitor.unsaved(index):
             detail = (
@@ -257,23 +200,23 @@ def create_api(
                 f"({monitor.snapshot.store_error}); it is kept in memory and written when the store recovers"
             )
             raise HTTPException(status_code=503, detail=detail)
-        return gpu_json(status, clock())
+        return gpu_json(status, clock(), wire.GpuChanged, **outcome)
 
     @app.post(
         "/v1/gpus/{index}/quarantine", dependencies=[Depends(require_token)], responses={**GUARDED, **NOT_DURABLE}
     )
-    def quarantine(index: int, body: QuarantineBody) -> dict[str, Any]:
+    def quarantine(index: int, body: wire.QuarantineBody) -> wire.GpuChanged:
         before = gpu_or_404(index)
         after = monitor.quarantine(index, body.reason)
         changed, message = quarantine_outcome(before, after, body.reason)
-        return {**durable(index, after, "quarantined"), "changed": changed, "message": message}
+        return durable(index, after, "quarantined", changed=changed, message=message)
 
     @app.post(
         "/v1/gpus/{index}/release",
         dependencies=[Depends(require_token)],
         responses={**GUARDED, **NOT_DURABLE, **STILL_FAULTY},
     )
-    def release(index: int, body: ReleaseBody) -> dict[str, Any]:
+    def release(index: int, body: wire.ReleaseBody) -> wire.GpuChanged:
         before = gpu_or_404(index)
         refusal = None if body.force or body.validate_first else release_refusal(before)  # a test decides
         if refusal is not None:
@@ -281,16 +224,16 @@ def create_api(
         if not body.validate_first:
             after = monitor.release(index, body.reason)
             changed, message = release_outcome(before, after)
-            return {**durable(index, after, "released"), "changed": changed, "message": message}
+            return durable(index, after, "released", changed=changed, message=message)
         after, result = monitor.release_validated(index, body.reason)  # blocks for the GPU test (threadpool)
         if not result.passed:
             raise HTTPException(409, f"GPU {index} stays quarantined: validation {result.outcome}: {result.reason}")
         changed, message = release_outcome(before, after)
-        validation = {"outcome": result.outcome, "reason": result.reason}
-        return {**durable(index, after, "released"), "changed": changed, "message": message, "validation": validation}
+        validation = wire.Validation(outcome=result.outcome, reason=result.reason)
+        return durable(index, after, "released", changed=changed, message=message, validation=validation)
 
     @app.post("/v1/gpus/{index}/inject", dependencies=[Depends(require_token)], responses=GUARDED)
-    def inject(index: int, body: InjectBody) -> dict[str, Any]:
+    def inject(index: int, body: wire.InjectBody) -> wire.Injection:
         gpu_or_404(index)
         if not body.fields and body.event is None:
             raise HTTPException(status_code=422, detail="inject needs fields to override or an event")
@@ -300,11 +243,11 @@ def create_api(
             injection = monitor.inject(index, body.fields, body.duration_s, body.event, body.xid)
         except ConfigError as exc:
             raise HTTPException(status_code=422, detail=str(exc)) from None
-        return injection.as_dict()
+        return wire.Injection(**injection.as_dict())
 
     @app.get("/v1/injections")
-    def injections() -> dict[str, Any]:
-        return {"injections": [i.as_dict() for i in monitor.injections()]}
+    def injections() -> wire.Injections:
+        return wire.Injections(injections=[wire.Injection(**i.as_dict()) for i in monitor.injections()])
 
     for route_set in route_sets:
         route_set(app, require_token)

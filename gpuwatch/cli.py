@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
@@ -25,6 +25,9 @@ from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launch import launch
+
+if TYPE_CHECKING:
+    from gpuwatch.wire import Gpu
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -118,7 +121,7 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
 
     gpus = DaemonClient(build_config(config_path, **flags), config_path=config_path).gpus()
     if as_json:
-        click.echo(json.dumps({"gpus": gpus}, indent=2))
+        click.echo(json.dumps({"gpus": [g.model_dump(mode="json") for g in gpus]}, indent=2))
         return
     rows = [_status_row(g) for g in gpus]
     table = Table(title="gpuwatch")
@@ -139,25 +142,25 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
     else:
         console.print(table)
     for g in gpus:  # XIDs the kernel log holds (also from before the daemon started), with their kernel time
-        for x in g.get("kernel_xids", []):
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x["t"]))
-            click.echo(f"GPU {g['index']} kernel log {when} UTC: XID {x['xid']}: {x['line']}")
+        for x in g.kernel_xids:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x.t))
+            click.echo(f"GPU {g.index} kernel log {when} UTC: XID {x.xid}: {x.line}")
 
 
-def _status_row(g: dict[str, Any]) -> list[str]:
+def _status_row(g: Gpu) -> list[str]:
     """One GPU's cells, in STATUS_COLUMNS order, full text."""
-    sample = g.get("sample") or {}
-    ranks = ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("ranks", g.get("trainers", [])))
+    sample = g.sample
+    ranks = ", ".join(f"rank {t.rank} (pid {t.pid})" for t in (g.trainers if g.ranks is None else g.ranks))
     return [
-        str(g["index"]),
-        g["uuid"],
-        g["state"],
-        "yes: " + (g.get("quarantine_reason") or "") if g["quarantined"] else "no",
-        _fmt(sample.get("sm_clock_mhz")),
-        _fmt(sample.get("power_w"), "{:.0f}"),
-        _fmt(sample.get("temp_c")),
-        "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "-",
-        g["suggested_action"],
+        str(g.index),
+        g.uuid,
+        g.state,
+        "yes: " + (g.quarantine_reason or "") if g.quarantined else "no",
+        _fmt(sample.sm_clock_mhz if sample else None),
+        _fmt(sample.power_w if sample else None, "{:.0f}"),
+        _fmt(sample.temp_c if sample else None),
+        "; ".join(f"{f.rule}: {f.reason}" for f in g.findings) or "-",
+        g.suggested_action,
         ranks or "-",
     ]
 
@@ -218,12 +221,13 @@ def check(
 
 
 def _daemon_rows(config: Config) -> list[dict[str, Any]] | None:
-    """The running daemon's GPUs (GET /v1/gpus), or None when no daemon answers."""
+    """The running daemon's GPUs as GET /v1/gpus writes them (check's rows are its --json), or None when no
+    daemon answers."""
     from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
 
     try:
-        return DaemonClient(config, timeout_s=5.0).gpus()
+        return [g.model_dump(mode="json") for g in DaemonClient(config, timeout_s=5.0).gpus()]
     except DaemonError as exc:
         click.echo(f"gpuwatch check: {exc}; sampling the GPUs itself", err=True)
         return None
@@ -304,7 +308,7 @@ def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -
     from gpuwatch.client import DaemonClient
 
     g = DaemonClient(build_config(config_path, **flags), config_path=config_path).quarantine(index, reason)
-    click.echo(g.get("message") or f"GPU {g['index']} quarantined (epoch {g['epoch']}): {g['quarantine_reason']}")
+    click.echo(g.message or f"GPU {g.index} quarantined (epoch {g.epoch}): {g.quarantine_reason}")
 
 
 @main.command()
@@ -328,9 +332,9 @@ def release(index: int, reason: str, force: bool, validate: bool, config_path: s
             click.echo(f"gpuwatch: {exc}", err=True)
             raise SystemExit(1) from None
         raise
-    click.echo(g.get("message") or f"GPU {g['index']} released; state {g['state']}")
-    if validate:
-        click.echo(f"validation {g['validation']['outcome']}: {g['validation']['reason']}")
+    click.echo(g.message or f"GPU {g.index} released; state {g.state}")
+    if validate and g.validation is not None:
+        click.echo(f"validation {g.validation.outcome}: {g.validation.reason}")
 
 
 main.add_command(launch)

@@ -1,4 +1,9 @@
-"""A small HTTP client for the running daemon (stdlib only), used by the CLI, `launch` and the injectors."""
+"""A small HTTP client for the running daemon (urllib), used by the CLI, `launch` and the drills.
+
+Answers are parsed into the API's own models (gpuwatch.wire), imported at the first answer: the
+daemon imports this client (its drills talk to it over HTTP) and must not load pydantic before its
+own API is asked something, and `gpuwatch --help` should not pay for it either.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,13 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatch.config import DEFAULT_CONFIG_PATH, Config, config_file
 from gpuwatch.errors import DaemonError
+
+if TYPE_CHECKING:
+    from gpuwatch import wire
 
 
 class DaemonClient:
@@ -52,17 +60,7 @@ class DaemonClient:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail).get("detail", detail)
-            except (ValueError, AttributeError):
-                pass
-            if isinstance(detail, list):  # a 422: [{"loc": [...], "msg": ...}, ...]
-                detail = "; ".join(
-                    f"{'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg')}" if isinstance(e, dict) else str(e)
-                    for e in detail
-                )
-            raise DaemonError(f"{method} {path}: HTTP {exc.code}: {detail}") from None
+            raise DaemonError(f"{method} {path}: HTTP {exc.code}: {_detail(exc.read())}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise DaemonError(
@@ -70,22 +68,40 @@ class DaemonClient:
                 "Pass --listen HOST:PORT, or --config with the daemon's config file"
             ) from None
 
-    def gpus(self) -> list[dict[str, Any]]:
-        return list(self.request("GET", "/v1/gpus")["gpus"])
+    def gpus(self) -> list[wire.Gpu]:
+        from gpuwatch import wire
 
-    def quarantine(self, index: int, reason: str) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/gpus/{index}/quarantine", {"reason": reason}))
+        return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus").gpus
+
+    def quarantine(self, index: int, reason: str) -> wire.GpuChanged:
+        from gpuwatch import wire
+
+        path = f"/v1/gpus/{index}/quarantine"
+        return wire.read(wire.GpuChanged, self.request("POST", path, {"reason": reason}), f"POST {path}")
 
     def release(
         self, index: int, reason: str = "operator", force: bool = False, validate_timeout_s: float | None = None
-    ) -> dict[str, Any]:
+    ) -> wire.GpuChanged:
         """Release GPU `index`; a GPU still degraded or unhealthy needs `force` (HTTP 409 without it); with
         `validate_timeout_s`, only after the GPU test passes (waited for that long)."""
-        body: dict[str, Any] = {"reason": reason, "force": force}
-        if validate_timeout_s is None:
-            return dict(self.request("POST", f"/v1/gpus/{index}/release", body))
-        body["validate"] = True
-        return dict(self.request("POST", f"/v1/gpus/{index}/release", body, timeout_s=validate_timeout_s))
+        from gpuwatch import wire
 
-    def inject(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/gpus/{index}/inject", body))
+        path, body = f"/v1/gpus/{index}/release", {"reason": reason, "force": force}
+        if validate_timeout_s is not None:
+            body["validate"] = True
+        return wire.read(wire.GpuChanged, self.request("POST", path, body, validate_timeout_s), f"POST {path}")
+
+
+def _detail(body: bytes) -> str:
+    """What an error answer says: its `detail`, a 422's bad parts one by one, or the body as it came."""
+    from pydantic import ValidationError
+
+    from gpuwatch import wire
+
+    try:
+        detail = wire.UnprocessableBody.model_validate_json(body).detail
+    except ValidationError:
+        return body.decode(errors="replace")
+    if isinstance(detail, str):
+        return detail
+    return "; ".join(f"{'.'.join(str(part) for part in e.loc)}: {e.msg}" for e in detail)

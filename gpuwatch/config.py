@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.errors import ConfigError
+from gpuwatch.trainer.contract import DEFAULT_RUNTIME_DIR
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -205,7 +206,7 @@ class Config:
     slow_interval_s: float = 300.0
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
     state_dir: str = "/var/lib/gpuwatch"
-    runtime_dir: str = "/run/gpuwatch"
+    runtime_dir: str = DEFAULT_RUNTIME_DIR
     log_level: str = "info"
     findings_retention_days: float = 30.0
     replay_file: str = ""

@@ -47,21 +47,25 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from gpuwatch.command_error import fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR
+from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR, report_pid
+
+if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.client)
+    from gpuwatch.model import TrainerInfo
+    from gpuwatch.wire import Gpu
 
 COMMAND = "gpuwatch launch"  # the start of its error lines
 EXIT_STOPPED = 3
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 _SINGLE_NODE = {None, "1", "1:1"}
 
-Gpus = Callable[[], list[dict[str, Any]]]
+Gpus = Callable[[], list["Gpu"]]
 Runner = Callable[[list[str], dict[str, str]], "Outcome"]
 _TAIL_BYTES = 64 * 1024
 
@@ -87,9 +91,9 @@ class Plan:
     command: tuple[str, ...]
 
 
-def usable(gpus: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def usable(gpus: Sequence[Gpu]) -> list[Gpu]:
     """The GPUs a job may use: not quarantined and not unhealthy by index."""
-    return sorted((g for g in gpus if not g["quarantined"] and g["state"] != "unhealthy"), key=lambda g: g["index"])
+    return sorted((g for g in gpus if not g.quarantined and g.state != "unhealthy"), key=lambda g: g.index)
 
 
 def rendezvous_args(
@@ -297,26 +301,29 @@ class ProgressWatch:
     def read(self) -> None:
         """Fold the reports there now into `furthest` and `first_step`."""
         try:
-            paths = list(self.trainers.glob("*.json"))
+            names = [path.name for path in self.trainers.iterdir()]
         except OSError:
             return
-        for path in paths:
-            report = _read_own_report(path)
-            if report is None or report.get("job_id") != self.job_id:
+        for name in names:
+            pid = report_pid(name)
+            report = _read_own_report(self.trainers / name, pid) if pid is not None else None
+            if report is None or report.job_id != self.job_id or report.updated_t is None:
                 continue
-            t, step, first = report.get("t"), report.get("step"), report.get("first_step")
-            if not isinstance(t, (int, float)) or t < self.since:
+            if report.updated_t < self.since:
                 continue
-            if isinstance(step, int) and (self.furthest is None or step > self.furthest):
+            step, first = report.step, report.first_step
+            if step is not None and (self.furthest is None or step > self.furthest):
                 self.furthest = step
-            if isinstance(first, int) and (self.first_step is None or first < self.first_step):
+            if first is not None and (self.first_step is None or first < self.first_step):
                 if self.first_step is None and self.on_first_step is not None:
                     self.on_first_step(first)
                 self.first_step = first
 
 
-def _read_own_report(path: Path) -> dict[str, Any] | None:
-    """A report written by our own user (trainers/ is world-writable), as a dict; None otherwise."""
+def _read_own_report(path: Path, pid: int) -> TrainerInfo | None:
+    """Rank `pid`'s report if our own user wrote it (trainers/ is world-writable) and it is valid; else None."""
+    from gpuwatch.runtime import ReportError, parse_report  # the daemon's reader, loaded by a launch, not by the CLI
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -325,12 +332,11 @@ def _read_own_report(path: Path) -> dict[str, Any] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_REPORT_BYTES:
             return None
-        body = json.loads(os.read(fd, MAX_REPORT_BYTES))
-    except (OSError, ValueError):
+        return parse_report(os.read(fd, MAX_REPORT_BYTES), pid)
+    except (OSError, ReportError):
         return None
     finally:
         os.close(fd)
-    return body if isinstance(body, dict) else None
 
 
 @dataclass
@@ -366,7 +372,7 @@ class Launcher:
                 n = len(chosen)
                 self.echo(
                     f"gpuwatch launch: launch {launch + 1} ({reason}): job {self.plan.job_id}, {n} rank(s) on GPU "
-                    + ",".join(str(g["index"]) for g in chosen)
+                    + ",".join(str(g.index) for g in chosen)
                 )
                 env = self._env(chosen, error_file, resume=launch > 0)
                 resumed_line = self._say_resumed(launch + 1) if launch > 0 else None
@@ -406,7 +412,7 @@ class Launcher:
         """The line for a relaunch's first step, as soon as a rank reports it (it resumed from first_step - 1)."""
         return lambda first: self.echo(f"gpuwatch launch: launch {launch} resumed from step {first - 1}")
 
-    def _ask_daemon(self) -> list[dict[str, Any]] | None:
+    def _ask_daemon(self) -> list[Gpu] | None:
         """The daemon's GPUs now, or None (said in one line) when it cannot be reached: relaunch on the same GPUs."""
         try:
             return self.gpus()
@@ -418,8 +424,8 @@ class Launcher:
         self,
         failure: Failure | None,
         rc: int,
-        chosen: list[dict[str, Any]],
-        everything: list[dict[str, Any]] | None,
+        chosen: list[Gpu],
+        everything: list[Gpu] | None,
         furthest: int | None,
     ) -> str:
         """ "rank 1 on GPU 1 (GPU-…) killed by SIGKILL after step 37, daemon: no finding on GPU 1"."""
@@ -429,20 +435,20 @@ class Launcher:
         gpu = chosen[failure.local_rank] if failure.local_rank < len(chosen) else None
         if gpu is None:
             return f"rank {failure.rank} {failure.how()}{at}"
-        where = f"GPU {gpu['index']} ({gpu['uuid']})"
+        where = f"GPU {gpu.index} ({gpu.uuid})"
         if everything is None:
             daemon = "daemon not reachable"
         else:
             found = _hardware_findings([gpu], everything)
-            daemon = f"daemon: {found[0]}" if found else f"daemon: no finding on GPU {gpu['index']}"
+            daemon = f"daemon: {found[0]}" if found else f"daemon: no finding on GPU {gpu.index}"
         return f"rank {failure.rank} on {where} {failure.how()}{at}, {daemon}"
 
     def _stop_a_crash_loop(
         self,
         last_crash: _Crash | None,
         furthest: int | None,
-        chosen: list[dict[str, Any]],
-        everything: list[dict[str, Any]] | None,
+        chosen: list[Gpu],
+        everything: list[Gpu] | None,
     ) -> None:
         """Stop (exit 3) when this crash repeats the last one's step with no hardware finding: a software fault.
 
@@ -454,14 +460,14 @@ class Launcher:
         if (-1 if furthest is None else furthest) > before:
             return
         at = f"at step {furthest}" if furthest is not None else "before its first step"
-        indices = ",".join(str(g["index"]) for g in chosen)
+        indices = ",".join(str(g.index) for g in chosen)
         raise LaunchStopped(
             EXIT_STOPPED,
             f"job {self.plan.job_id} crashed twice {at} with no hardware finding on GPU {indices}: "
             "a software fault, not relaunching",
         )
 
-    def _choose(self, gpus: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _choose(self, gpus: list[Gpu]) -> list[Gpu]:
         want = len(gpus) if self.plan.nproc is None else min(self.plan.nproc, len(gpus))
         if want < self.plan.min_nproc:
             raise LaunchStopped(
@@ -481,10 +487,10 @@ class Launcher:
             *self.plan.command,
         ]
 
-    def _env(self, chosen: list[dict[str, Any]], error_file: Path, *, resume: bool) -> dict[str, str]:
+    def _env(self, chosen: list[Gpu], error_file: Path, *, resume: bool) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
-            CUDA_VISIBLE_DEVICES=",".join(g["uuid"] for g in chosen),
+            CUDA_VISIBLE_DEVICES=",".join(g.uuid for g in chosen),
             GPUWATCH_RUNTIME_DIR=self.plan.runtime_dir,
             GPUWATCH_JOB_ID=self.plan.job_id,
             TORCHELASTIC_ERROR_FILE=str(error_file),
@@ -494,42 +500,42 @@ class Launcher:
         return env
 
 
-def _hardware_findings(chosen: list[dict[str, Any]], everything: list[dict[str, Any]]) -> list[str]:
+def _hardware_findings(chosen: list[Gpu], everything: list[Gpu]) -> list[str]:
     """What the daemon holds against these GPUs: findings, quarantine, a state worse than healthy, or gone."""
-    by_uuid = {g["uuid"]: g for g in everything}
+    by_uuid = {g.uuid: g for g in everything}
     found = []
     for gpu in chosen:
-        now = by_uuid.get(gpu["uuid"])
-        name = f"GPU {gpu['index']}"
+        now = by_uuid.get(gpu.uuid)
+        name = f"GPU {gpu.index}"
         if now is None:
             found.append(f"{name} gone")
             continue
-        for finding in now.get("findings") or ():
-            found.append(f"{name} {finding.get('rule')}: {finding.get('reason')}")
-        if now.get("quarantined"):
-            found.append(f"{name} quarantined: {now.get('quarantine_reason')}")
-        elif now.get("state") not in ("healthy", None):
-            found.append(f"{name} {now.get('state')}")
+        for finding in now.findings:
+            found.append(f"{name} {finding.rule}: {finding.reason}")
+        if now.quarantined:
+            found.append(f"{name} quarantined: {now.quarantine_reason}")
+        elif now.state != "healthy":
+            found.append(f"{name} {now.state}")
     return found
 
 
 def _why_relaunch(
-    chosen: list[dict[str, Any]],
-    everything: list[dict[str, Any]],
-    now_usable: list[dict[str, Any]],
+    chosen: list[Gpu],
+    everything: list[Gpu],
+    now_usable: list[Gpu],
     message: str,
     crash: str | None = None,
 ) -> str:
     """The crash's cause and which of the launch's GPUs left and why (from the daemon)."""
-    still = {g["uuid"] for g in now_usable}
-    by_uuid = {g["uuid"]: g for g in everything}
+    still = {g.uuid for g in now_usable}
+    by_uuid = {g.uuid: g for g in everything}
     left = []
     for gpu in chosen:
-        if gpu["uuid"] in still:
+        if gpu.uuid in still:
             continue
-        now = by_uuid.get(gpu["uuid"], {})
-        why = f"quarantined: {now.get('quarantine_reason')}" if now.get("quarantined") else now.get("state", "gone")
-        left.append(f"GPU {gpu['index']} ({gpu['uuid']}) left, {why}")
+        now = by_uuid.get(gpu.uuid)
+        why = "gone" if now is None else f"quarantined: {now.quarantine_reason}" if now.quarantined else now.state
+        left.append(f"GPU {gpu.index} ({gpu.uuid}) left, {why}")
     if crash is not None:
         return "; ".join([crash, *left])
     if left:

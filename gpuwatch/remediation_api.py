@@ -5,19 +5,18 @@ Read-only, so no token. Every body is built from remediation's last judgement an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 from fastapi import FastAPI
 
+from gpuwatch import wire
 from gpuwatch.health import trainer_rules
-from gpuwatch.model import TrainerInfo
 from gpuwatch.ranks import Rank
 from gpuwatch.remediation import Remediation
 from gpuwatch.store import Store
 
-_INFO_FIELDS = tuple(f.name for f in fields(TrainerInfo))
 MAX_INCIDENTS = 1000
 
 
@@ -29,14 +28,18 @@ def route_set(remediation: Remediation, store: Store) -> Callable[[FastAPI, Call
 def add_routes(app: FastAPI, remediation: Remediation, store: Store) -> None:
     """GET /v1/incidents (newest first, `limit` clamped to 1..1000) and GET /v1/trainers."""
 
-    @app.get("/v1/incidents")
-    def incidents(limit: int = 100) -> dict[str, Any]:
-        return {"incidents": store.incidents(limit=max(1, min(limit, MAX_INCIDENTS)))}
+    # An incident is shown as stored: the keys of an older version's incident are neither added nor dropped.
+    @app.get("/v1/incidents", response_model_exclude_unset=True)
+    def incidents(limit: int = 100) -> wire.Incidents:
+        stored = store.incidents(limit=max(1, min(limit, MAX_INCIDENTS)))
+        return wire.Incidents(incidents=[wire.Incident.model_validate(i) for i in stored])
 
     @app.get("/v1/trainers")
-    def trainers() -> dict[str, Any]:
+    def trainers() -> wire.Trainers:
         ranks, verdict = remediation.ranks()
-        return {"ranks": [rank_json(r) for r in ranks], "findings": [f.as_dict() for f in verdict.findings]}
+        return wire.Trainers(
+            ranks=[rank_json(r) for r in ranks], findings=[wire.Finding(**f.as_dict()) for f in verdict.findings]
+        )
 
 
 def gpu_view(remediation: Remediation, index: int) -> dict[str, Any]:
@@ -44,16 +47,14 @@ def gpu_view(remediation: Remediation, index: int) -> dict[str, Any]:
     ranks, verdict = remediation.ranks()
     return {
         "ranks": [rank_json(r) for r in ranks if r.gpu == index],
-        "trainer_findings": [f.as_dict() for f in verdict.findings if f.index == index],
+        "trainer_findings": [wire.Finding(**f.as_dict()) for f in verdict.findings if f.index == index],
     }
 
 
-def rank_json(rank: Rank) -> dict[str, Any]:
-    body = {name: getattr(rank.info, name) for name in _INFO_FIELDS if getattr(rank.info, name) is not None}
-    ratio = trainer_rules.fragmentation_ratio(rank.info)
-    return {
-        **body,
-        "gpu": rank.gpu,
-        "sources": list(rank.sources),
-        **({"fragmentation_ratio": ratio} if ratio is not None else {}),
-    }
+def rank_json(rank: Rank) -> wire.Rank:
+    return wire.Rank(
+        **dataclasses.asdict(rank.info),
+        gpu=rank.gpu,
+        sources=list(rank.sources),
+        fragmentation_ratio=trainer_rules.fragmentation_ratio(rank.info),
+    )

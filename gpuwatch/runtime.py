@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import re
 import stat
 import tempfile
 import time
@@ -36,7 +35,16 @@ from typing import Any
 from gpuwatch.errors import ConfigError
 from gpuwatch.model import Snapshot, TrainerInfo
 from gpuwatch.procfs import ProcFs
-from gpuwatch.trainer.contract import ENDED_VALUES, MAX_REPORT_BYTES, STATUS_FILE, TRAINERS_DIR, report_name
+from gpuwatch.trainer.contract import (
+    ENDED_VALUES,
+    MAX_REPORT_BYTES,
+    STATUS_FILE,
+    TRAINERS_DIR,
+    Status,
+    StatusGpu,
+    report_name,
+    report_pid,
+)
 
 log = logging.getLogger("gpuwatch.runtime")
 
@@ -46,7 +54,6 @@ JUNK_KEEP_S = 600.0  # an entry that is no valid report is removed once it is th
 MAX_PID = 1 << 22  # the kernel's pid_max ceiling
 _MAX_INT = 1 << 62
 _MAX_TEXT = 256
-_REPORT_NAME = re.compile(r"^([1-9][0-9]{0,6})\.json$")
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _LOGGED_MAX = 4096
 
@@ -90,7 +97,7 @@ def _ended(value: Any) -> str:
 
 _COUNT = _int(0, _MAX_INT)
 _RANK = _int(0, 1 << 20)
-# Each report field and its check; null is always allowed except for `t` and `pid`. Others are ignored.
+# Each field of a TrainerReport but `t` and `pid`, and its check; null is always allowed. Others are ignored.
 _FIELDS: dict[str, Any] = {
     "rank": _RANK,
     "local_rank": _RANK,
@@ -185,7 +192,7 @@ def write_json_atomic(path: Path, body: Any) -> None:
         raise
 
 
-def status_body(snapshot: Snapshot) -> dict[str, Any]:
+def status_body(snapshot: Snapshot) -> Status:
     """status.json: per GPU its uuid, state, quarantined flag, epoch and findings."""
     return {
         "t": snapshot.t,
@@ -212,7 +219,7 @@ class RuntimeDir:
         self.proc = proc or ProcFs()
         self._logged: set[tuple[str, int, int, int]] = set()
         self._flooded = False
-        self._status_gpus: list[dict[str, Any]] | None = None  # what status.json says now, but for `t`
+        self._status_gpus: list[StatusGpu] | None = None  # what status.json says now, but for `t`
         self._status_t = float("-inf")
 
     def prepare(self) -> None:
@@ -263,11 +270,11 @@ class RuntimeDir:
                         log.warning("%s holds more than %d entries: reading only the first", self.trainers, seen)
                         self._flooded = True
                     break
-                match = _REPORT_NAME.match(entry.name)
-                report = self._read_entry(entry.name, int(match.group(1))) if match else None
+                pid = report_pid(entry.name)
+                report = self._read_entry(entry.name, pid) if pid is not None else None
                 if report is not None:
                     reports.append(report)
-                elif not match:  # a writer's temp file, or junk: gone once clearly abandoned
+                elif pid is None:  # a writer's temp file, or junk: gone once clearly abandoned
                     self._remove_if_old(entry.name, JUNK_KEEP_S)
         return sorted(reports, key=lambda r: r.info.pid)
 

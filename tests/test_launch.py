@@ -33,6 +33,7 @@ from gpuwatch.launch import (
     run_torchrun,
     usable,
 )
+from gpuwatch.wire import Gpu
 
 
 def gpu(index: int, state: str = "healthy", quarantined: bool = False, reason: str | None = None) -> dict[str, Any]:
@@ -113,11 +114,11 @@ class FakeDaemon:
     def __init__(self, *answers: list[dict[str, Any]] | None) -> None:
         self.answers = list(answers)
 
-    def __call__(self) -> list[dict[str, Any]]:
+    def __call__(self) -> list[Gpu]:
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         if answer is None:
             raise DaemonError("cannot reach the gpuwatch daemon at http://127.0.0.1:9835: refused")
-        return answer
+        return [Gpu.model_validate(g) for g in answer]
 
 
 def test_stop_for_resume_relaunches_on_the_gpus_left_with_resume_set() -> None:
@@ -289,9 +290,9 @@ def test_a_forwarded_signal_never_relaunches() -> None:
 
 
 def test_usable_skips_quarantined_and_unhealthy_keeps_degraded_and_sorts() -> None:
-    gpus = [gpu(3), gpu(0, "unhealthy"), gpu(2, "degraded"), gpu(1, quarantined=True)]
+    gpus = [Gpu.model_validate(g) for g in (gpu(3), gpu(0, "unhealthy"), gpu(2, "degraded"), gpu(1, quarantined=True))]
 
-    assert [g["index"] for g in usable(gpus)] == [2, 3]
+    assert [g.index for g in usable(gpus)] == [2, 3]
 
 
 def test_rendezvous_single_node_pins_the_run_id() -> None:
@@ -378,7 +379,7 @@ def test_the_cause_is_a_real_failure_over_a_75_or_a_teardown_of_the_same_second(
 @pytest.fixture
 def daemon_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
     gpus = [gpu(0), gpu(1)]
-    monkeypatch.setattr(DaemonClient, "gpus", lambda self: list(gpus))
+    monkeypatch.setattr(DaemonClient, "gpus", lambda self: [Gpu.model_validate(g) for g in gpus])
     yield gpus
 
 

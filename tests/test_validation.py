@@ -246,12 +246,13 @@ def test_cli_release_validate_exit_codes(tmp_path: Path, monkeypatch: pytest.Mon
     from gpuwatch.cli import main
     from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
+    from gpuwatch.wire import GpuChanged
 
     asked: list[float | None] = []
 
     def refuse(
         self: DaemonClient, index: int, reason: str, force: bool = False, validate_timeout_s: float | None = None
-    ) -> dict[str, object]:
+    ) -> GpuChanged:
         asked.append(validate_timeout_s)
         raise DaemonError(f"POST /v1/gpus/{index}/release: HTTP 409: GPU {index} stays quarantined: validation failed")
 
@@ -263,9 +264,11 @@ def test_cli_release_validate_exit_codes(tmp_path: Path, monkeypatch: pytest.Mon
 
     def accept(
         self: DaemonClient, index: int, reason: str, force: bool = False, validate_timeout_s: float | None = None
-    ) -> dict[str, object]:
+    ) -> GpuChanged:
         validation = {"outcome": "passed", "reason": "matmul 612 TFLOPS within reference 600"}
-        return {"index": index, "uuid": "GPU-1", "state": "healthy", "validation": validation}
+        return GpuChanged.model_validate(
+            {"index": index, "uuid": "GPU-1", "state": "healthy", "validation": validation}
+        )
 
     monkeypatch.setattr(DaemonClient, "release", accept)
     result = CliRunner().invoke(main, args)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gpuwatch import wire
 from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
 from gpuwatch.bench.report import Row, Section, target
 from gpuwatch.config import RulesConfig
@@ -89,7 +90,8 @@ def _sustained(http: Http, token: str, gpu: int, window_s: float) -> float:
 
 
 def _api_has(http: Http, gpu: int, rule: str) -> bool:
-    return any(f["rule"] == rule for f in http.get_json(f"/v1/gpus/{gpu}")["findings"])
+    path = f"/v1/gpus/{gpu}"
+    return any(f.rule == rule for f in wire.read(wire.Gpu, http.get_json(path), f"GET {path}").findings)
 
 
 def _give_up_after(start: float, limit_s: float, what: str) -> None:

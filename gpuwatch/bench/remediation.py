@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpuwatch import wire
 from gpuwatch.bench.daemon_process import child_env
 from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
@@ -28,7 +29,6 @@ from gpuwatch.bench.sampling import bench_config, open_backend
 
 RESUME_TARGET_S = 30.0
 FAULT_GPU = 1
-INCIDENT_FIGURES = ("time_to_stop_s", "time_to_resume_s", "steps_lost")
 
 
 def launch_available() -> bool:
@@ -90,15 +90,17 @@ def run(ctx: Context) -> Section:
         "steps": steps,
         "trainer_report_interval_s": report_s,
         "fault": f"XID 79 on GPU {FAULT_GPU}",
-        **{k: incident.get(k) for k in INCIDENT_FIGURES},
+        "time_to_stop_s": incident.time_to_stop_s,
+        "time_to_resume_s": incident.time_to_resume_s,
+        "steps_lost": incident.steps_lost,
         "inject_to_resume_seen_s": seen_s,
-        "incident": incident,
+        "incident": incident.model_dump(mode="json"),
         "trainer_summary": summary,
     }
     section.rows += [
-        Row("decision → trainers stopped", _number(incident.get("time_to_stop_s")), "s"),
-        target("decision → first resumed step", _number(incident.get("time_to_resume_s")), "s", RESUME_TARGET_S),
-        Row("steps lost (incident)", _number(incident.get("steps_lost")), "steps"),
+        Row("decision → trainers stopped", _number(incident.time_to_stop_s), "s"),
+        target("decision → first resumed step", _number(incident.time_to_resume_s), "s", RESUME_TARGET_S),
+        Row("steps lost (incident)", _number(incident.steps_lost), "steps"),
         Row("steps lost (the trainer's own count)", _number((summary or {}).get("lost_steps")), "steps"),
         Row("injection → resume seen by the bench", seen_s, "s"),
     ]
@@ -132,29 +134,24 @@ def _wait_for_step(ckpt: Path, step: int, launch: subprocess.Popen[bytes], log: 
     raise RuntimeError(f"the trainer did not reach step {step} within {timeout_s:g} s: {_tail(log)}")
 
 
-def _wait_for_resume(http: Http, launch: subprocess.Popen[bytes], log: Path, timeout_s: float) -> dict[str, Any]:
+def _wait_for_resume(http: Http, launch: subprocess.Popen[bytes], log: Path, timeout_s: float) -> wire.Incident:
     """The first incident whose job has resumed, from GET /v1/incidents.
 
     The daemon learns of the resume from the relaunch's reports, which stay readable for a while after
     the job ends, so a launcher that has exited gets AFTER_EXIT_S more before the bench says no.
     """
     deadline = time.monotonic() + timeout_s
-    incidents: list[Any] = []
+    incidents: list[wire.Incident] = []
     exited = False
     while time.monotonic() < deadline:
-        body = http.get_json("/v1/incidents")
-        incidents = body.get("incidents", []) if isinstance(body, dict) else body
+        incidents = wire.read(wire.Incidents, http.get_json("/v1/incidents"), "GET /v1/incidents").incidents
         for incident in incidents:
-            if isinstance(incident, dict) and incident.get("time_to_resume_s") is not None:
+            if incident.time_to_resume_s is not None:
                 return incident
         if launch.poll() is not None and not exited:
             exited, deadline = True, min(deadline, time.monotonic() + AFTER_EXIT_S)
         time.sleep(0.25)
-    seen = "; ".join(
-        f"{i.get('kind')} on GPU {i.get('gpu')} {i.get('status')}, last step {i.get('last_step')}"
-        for i in incidents
-        if isinstance(i, dict)
-    )
+    seen = "; ".join(f"{i.kind} on GPU {i.gpu} {i.status}, last step {i.last_step}" for i in incidents)
     if launch.poll() is not None:
         raise RuntimeError(
             f"gpuwatch launch exited {launch.returncode} with no resumed incident (incidents: {seen or 'none'}): "

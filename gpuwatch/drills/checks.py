@@ -7,16 +7,19 @@ with "no trainer on GPU N" when none ran there, and when the finding quarantines
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch.drills.daemon_client import gpu
+from gpuwatch.drills.daemon_client import gpu, incidents
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.spec import InjectSpec
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
 from gpuwatch.errors import DrillError
 from gpuwatch.model import Severity
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 _BAD = (Severity.DEGRADED.value, Severity.UNHEALTHY.value)
 
@@ -42,13 +45,13 @@ def finding(run: Run) -> Step:
     wanted = " or ".join(rules) or "any finding"
 
     def check() -> Outcome:
-        findings = gpu(run.api, run.gpu)["findings"]
-        hits = [f for f in findings if f["drill"] and (not rules or f["rule"] in rules)]
+        findings = gpu(run.api, run.gpu).findings
+        hits = [f for f in findings if f.drill and (not rules or f.rule in rules)]
         if hits:
             run.finding = hits[0]
             f = hits[0]
-            return f"{f['rule']} ({f['severity']}, action {f['action']}): {f['reason']}"
-        seen = ", ".join(f["rule"] + ("" if f["drill"] else " (not drill)") for f in findings)
+            return f"{f.rule} ({f.severity}, action {f.action}): {f.reason}"
+        seen = ", ".join(f.rule + ("" if f.drill else " (not drill)") for f in findings)
         return Pending(f"GPU {run.gpu} findings: {seen or 'none'}")
 
     deadline = _finding_deadline(run)
@@ -62,15 +65,15 @@ def alert_metric(run: Run) -> Step:
         f = _found(run)
         series = _series(run.api.text("/metrics"))
         labels = {"gpu": str(run.gpu), "drill": "true"}
-        shown = _show("gpuwatch_gpu_finding", {**labels, "rule": f["rule"]})
-        if _value(series, "gpuwatch_gpu_finding", {**labels, "rule": f["rule"]}) != 1:
+        shown = _show("gpuwatch_gpu_finding", {**labels, "rule": f.rule})
+        if _value(series, "gpuwatch_gpu_finding", {**labels, "rule": f.rule}) != 1:
             return Pending(f"/metrics lacks {shown} 1")
-        if f["severity"] not in _BAD:
+        if f.severity not in _BAD:
             return f"{shown} 1"
-        for state in _BAD[_BAD.index(f["severity"]) :]:
+        for state in _BAD[_BAD.index(f.severity) :]:
             if _value(series, "gpuwatch_gpu_health_state", {**labels, "state": state}) == 1:
                 return f"{shown} 1 and {_show('gpuwatch_gpu_health_state', {**labels, 'state': state})} 1"
-        return Pending(f"/metrics lacks {_show('gpuwatch_gpu_health_state', {**labels, 'state': f['severity']})} 1")
+        return Pending(f"/metrics lacks {_show('gpuwatch_gpu_health_state', {**labels, 'state': f.severity})} 1")
 
     deadline = run.config.drills.detect_timeout_s
     plan = f'check /metrics for gpuwatch_gpu_finding{{gpu="{run.gpu}",drill="true"}} and the health state'
@@ -84,14 +87,14 @@ def quarantined(run: Run) -> Step:
         if why_not is not None:
             return Skip(why_not)
         g = gpu(run.api, run.gpu)
-        if g["quarantined"]:
-            return f"quarantined (epoch {g['epoch']}): {g['quarantine_reason']}"
+        if g.quarantined:
+            return f"quarantined (epoch {g.epoch}): {g.quarantine_reason}"
         return Pending(
-            f"GPU {run.gpu} is {g['state']} and not quarantined (circuit breaker? see gpuwatch_breaker_tripped)"
+            f"GPU {run.gpu} is {g.state} and not quarantined (circuit breaker? see gpuwatch_breaker_tripped)"
         )
 
     def deadline() -> float:
-        degraded = run.finding is not None and run.finding["severity"] == Severity.DEGRADED.value
+        degraded = run.finding is not None and run.finding.severity == Severity.DEGRADED.value
         wait = run.config.policy.quarantine_degraded_after_s if degraded else 0.0
         return wait + run.config.drills.detect_timeout_s
 
@@ -104,7 +107,7 @@ def trainer_steps(run: Run) -> list[Step]:
     """Stop requested, checkpoint written, job resumed: each from the incident the remediation records."""
     drills, n = run.config.drills, run.gpu
 
-    def look() -> Skip | dict[str, Any] | None:
+    def look() -> Skip | wire.Incident | None:
         if not run.trainers:
             return Skip(f"no trainer on GPU {n}")
         if not run.quarantine_expected:
@@ -117,20 +120,21 @@ def trainer_steps(run: Run) -> list[Step]:
             return found
         if found is None:
             return Pending(f"no incident for GPU {n} since the drill started")
-        return f"incident for job {found.get('job')} (ranks {found.get('ranks')}): {found.get('cause')}"
+        ranks = [r.model_dump() for r in found.ranks]
+        return f"incident for job {found.job} (ranks {ranks}): {found.cause}"
 
     def checkpoint() -> Outcome:
         found = look()
         if isinstance(found, Skip):
             return found
-        took = found.get("time_to_stop_s") if found else None
+        took = found.time_to_stop_s if found else None
         if found is None or took is None:
             return Pending("the ranks have not stopped yet")
-        asked = found.get("stop_signal")
+        asked = found.stop_signal
         # Remediation records how each rank ended: "exited" on its own after the stop signal, or forced.
-        forced = [r for r in found.get("ranks", []) if r.get("ended") in ("SIGTERM", "SIGKILL")]
+        forced = [r for r in found.ranks if r.ended in ("SIGTERM", "SIGKILL")]
         if forced:
-            how = ", ".join(f"rank {r.get('rank')} by {r.get('ended')}" for r in forced)
+            how = ", ".join(f"rank {r.rank} by {r.ended}" for r in forced)
             raise DrillError(f"not every rank left on {asked} with a checkpoint: stopped {how}")
         return f"the ranks checkpointed and exited on {asked or 'the stop request'}, {took:.1f} s after the quarantine"
 
@@ -138,12 +142,12 @@ def trainer_steps(run: Run) -> list[Step]:
         found = look()
         if isinstance(found, Skip):
             return found
-        if found is not None and found.get("status") == "not_resumed":
-            raise DrillError(f"the job did not resume (incident status not_resumed, job {found.get('job')})")
-        took = found.get("time_to_resume_s") if found else None
+        if found is not None and found.status == "not_resumed":
+            raise DrillError(f"the job did not resume (incident status not_resumed, job {found.job})")
+        took = found.time_to_resume_s if found else None
         if found is None or took is None:
             return Pending("the job has not resumed yet")
-        return f"the job resumed {took:.1f} s after the quarantine, {found.get('steps_lost')} step(s) lost"
+        return f"the job resumed {took:.1f} s after the quarantine, {found.steps_lost} step(s) lost"
 
     grace = run.config.trainer.grace_period_s + drills.detect_timeout_s
     return [
@@ -163,9 +167,9 @@ def released(run: Run) -> Step:
         if not run.quarantine_expected:
             return Skip("the GPU was not quarantined")
         g = gpu(run.api, run.gpu)
-        if not g["quarantined"]:
-            return f"released; GPU {run.gpu} is {g['state']}"
-        return Pending(f"GPU {run.gpu} is still quarantined ({g['state']})")
+        if not g.quarantined:
+            return f"released; GPU {run.gpu} is {g.state}"
+        return Pending(f"GPU {run.gpu} is still quarantined ({g.state})")
 
     deadline = _lasts(run) + policy.recovery_s + policy.burn_in_s + drills.burn_in_timeout_s
     return Step("released_after_burn_in", "wait for the daemon's burn-in to release the GPU", check, deadline)
@@ -176,7 +180,7 @@ def _lasts(run: Run) -> float:
     return run.spec.duration_s if isinstance(run.spec, InjectSpec) and run.spec.fields else 0.0
 
 
-def _found(run: Run) -> dict[str, Any]:
+def _found(run: Run) -> wire.Finding:
     assert run.finding is not None, "the finding step runs first"
     return run.finding
 
@@ -184,9 +188,9 @@ def _found(run: Run) -> dict[str, Any]:
 def _no_quarantine(run: Run) -> str | None:
     """Why no quarantine follows this finding, or None when one must."""
     f, policy = _found(run), run.config.policy
-    if f["severity"] not in _BAD:
-        return f"{f['rule']} is a {f['severity']} finding: nothing is quarantined for it"
-    if f["severity"] == Severity.UNHEALTHY.value:
+    if f.severity not in _BAD:
+        return f"{f.rule} is a {f.severity} finding: nothing is quarantined for it"
+    if f.severity == Severity.UNHEALTHY.value:
         return None if policy.quarantine_on_unhealthy else "policy.quarantine_on_unhealthy is off"
     lasts = _lasts(run)
     if lasts >= run.expect.lag_s + policy.quarantine_degraded_after_s:
@@ -197,13 +201,11 @@ def _no_quarantine(run: Run) -> str | None:
     )
 
 
-def _incident(run: Run) -> dict[str, Any] | None:
-    body = run.api.get("/v1/incidents")
-    items = body.get("incidents", []) if isinstance(body, dict) else body
-    for incident in items:
-        same_gpu = incident.get("gpu") == run.gpu or (run.uuid and incident.get("uuid") == run.uuid)
-        if same_gpu and float(incident.get("t", 0.0)) >= run.started - 1.0:
-            return dict(incident)
+def _incident(run: Run) -> wire.Incident | None:
+    for incident in incidents(run.api):
+        same_gpu = incident.gpu == run.gpu or (run.uuid and incident.uuid == run.uuid)
+        if same_gpu and incident.t >= run.started - 1.0:
+            return incident
     return None
 
 

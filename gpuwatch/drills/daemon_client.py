@@ -2,17 +2,23 @@
 
 A drill proves the chain a fault goes through (finding, /metrics, quarantine, incident), so it
 reads what the outside world reads. Tests plug an in-process client in behind `DrillApi`.
+
+The answers a drill reads come back as the API's models (gpuwatch.wire), imported at the first
+call: the daemon imports the drills at start, and pydantic only with its API's first request.
 """
 
 from __future__ import annotations
 
 import urllib.error
 import urllib.request
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuwatch.client import DaemonClient
 from gpuwatch.config import Config
 from gpuwatch.errors import DaemonError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read (see above)
+    from gpuwatch import wire
 
 
 class DrillApi(Protocol):
@@ -50,19 +56,65 @@ class HttpApi(DaemonClient):
             raise DaemonError(f"GET {path}: {getattr(exc, 'reason', exc)}") from None
 
 
-def gpus(api: DrillApi) -> list[dict[str, Any]]:
-    return list(api.get("/v1/gpus")["gpus"])
+def node(api: DrillApi) -> wire.GpuList:
+    from gpuwatch import wire
+
+    return wire.read(wire.GpuList, api.get("/v1/gpus"), "GET /v1/gpus")
 
 
-def gpu(api: DrillApi, index: int) -> dict[str, Any]:
-    return dict(api.get(f"/v1/gpus/{index}"))
+def gpus(api: DrillApi) -> list[wire.Gpu]:
+    return node(api).gpus
 
 
-def pids(g: dict[str, Any]) -> list[int]:
+def gpu(api: DrillApi, index: int) -> wire.Gpu:
+    from gpuwatch import wire
+
+    path = f"/v1/gpus/{index}"
+    return wire.read(wire.Gpu, api.get(path), f"GET {path}")
+
+
+def incidents(api: DrillApi, limit: int | None = None) -> list[wire.Incident]:
+    """The daemon's incidents, newest first (its default number of them without `limit`)."""
+    from gpuwatch import wire
+
+    path = "/v1/incidents" if limit is None else f"/v1/incidents?limit={limit}"
+    return wire.read(wire.Incidents, api.get(path), f"GET {path}").incidents
+
+
+def inject(api: DrillApi, index: int, body: dict[str, Any]) -> wire.Injection:
+    from gpuwatch import wire
+
+    path = f"/v1/gpus/{index}/inject"
+    return wire.read(wire.Injection, api.post(path, body), f"POST {path}")
+
+
+def release(api: DrillApi, index: int, body: dict[str, Any]) -> wire.GpuChanged:
+    from gpuwatch import wire
+
+    path = f"/v1/gpus/{index}/release"
+    return wire.read(wire.GpuChanged, api.post(path, body), f"POST {path}")
+
+
+def release_backend(api: DrillApi, duration_s: float) -> wire.BackendReleased:
+    """Ask the daemon to let go of its NVML/DCGM handles; findings read as the drill's for `duration_s`."""
+    from gpuwatch import wire
+
+    path = "/v1/backend/release"
+    return wire.read(wire.BackendReleased, api.post(path, {"duration_s": duration_s}), f"POST {path}")
+
+
+def reacquire_backend(api: DrillApi) -> wire.BackendReacquired:
+    from gpuwatch import wire
+
+    path = "/v1/backend/reacquire"
+    return wire.read(wire.BackendReacquired, api.post(path, {}), f"POST {path}")
+
+
+def pids(g: wire.Gpu) -> list[int]:
     """Every process NVML last listed on the GPU and every trainer that reports from it."""
-    listed = (g.get("sample") or {}).get("pids") or []
-    return sorted({*listed, *(t["pid"] for t in g.get("trainers", []))})
+    listed = g.sample.pids if g.sample else []
+    return sorted({*listed, *(t.pid for t in g.trainers)})
 
 
-def describe_trainers(g: dict[str, Any]) -> str:
-    return ", ".join(f"rank {t.get('rank')} (pid {t['pid']})" for t in g.get("trainers", [])) or "none"
+def describe_trainers(g: wire.Gpu) -> str:
+    return ", ".join(f"rank {t.rank} (pid {t.pid})" for t in g.trainers) or "none"

@@ -10,7 +10,7 @@ release the quarantine the drill took.
 from __future__ import annotations
 
 from gpuwatch.drills import injectors
-from gpuwatch.drills.daemon_client import describe_trainers, gpu, pids
+from gpuwatch.drills.daemon_client import describe_trainers, gpu, pids, reacquire_backend, release_backend
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Skip, Step
 
@@ -29,7 +29,7 @@ def hands_off(run: Run) -> list[Step]:
         if not run.trainers:
             return Skip(f"no trainer on GPU {n}")
         g = gpu(run.api, n)
-        if not g["trainers"]:
+        if not g.trainers:
             return f"the trainers left GPU {n} ({describe_trainers(run.before)})"
         return Pending(f"still on GPU {n}: {describe_trainers(g)}")
 
@@ -40,9 +40,9 @@ def hands_off(run: Run) -> list[Step]:
         return Pending(f"processes {busy} are on GPU {n}; it stays quarantined (`gpuwatch release {n}`)")
 
     def release_handles() -> Outcome:
-        body = run.api.post("/v1/backend/release", {"duration_s": DRILL_WINDOW_S})
-        run.handles_released = bool(body["released"])
-        return str(body["detail"])
+        answer = release_backend(run.api, DRILL_WINDOW_S)
+        run.handles_released = answer.released
+        return answer.detail
 
     grace = config.trainer.grace_period_s + drills.detect_timeout_s
     return [
@@ -72,7 +72,7 @@ def reset(run: Run) -> list[Step]:
 
 
 def pcie(run: Run) -> list[Step]:
-    device, rescan = injectors.pci_paths(run.config.tools.sysfs_root, str(run.before.get("pci_bus_id", "")))
+    device, rescan = injectors.pci_paths(run.config.tools.sysfs_root, run.before.pci_bus_id)
 
     def do_rescan() -> Outcome:
         done = injectors.write_one(rescan)
@@ -96,9 +96,9 @@ def reacquire(run: Run) -> Step:
     def check() -> Outcome:
         if not run.handles_released:
             return Skip("the daemon's handles were not released")
-        body = run.api.post("/v1/backend/reacquire", {})
+        answer = reacquire_backend(run.api)
         run.handles_released = False
-        return str(body["detail"])
+        return answer.detail
 
     return Step("reacquire", "ask the daemon to open NVML again (POST /v1/backend/reacquire)", check, always=True)
 
@@ -108,17 +108,17 @@ def come_back(run: Run) -> list[Step]:
 
     def gpu_back() -> Outcome:
         g = gpu(run.api, n)
-        sample = g.get("sample") or {}
-        if g["error"] is None and sample.get("t", 0.0) >= run.back_since:
-            return f"GPU {n} reads again: {g['state']}, SM {sample.get('sm_clock_mhz')} MHz"
-        return Pending(f"GPU {n}: read error {g['error']}, last sample {g['sample_age_s']} s old")
+        sampled_t, clock_mhz = (g.sample.t, g.sample.sm_clock_mhz) if g.sample else (0.0, None)
+        if g.error is None and sampled_t >= run.back_since:
+            return f"GPU {n} reads again: {g.state}, SM {clock_mhz} MHz"
+        return Pending(f"GPU {n}: read error {g.error}, last sample {g.sample_age_s} s old")
 
     def burn_in() -> Outcome:
         g, now = gpu(run.api, n), run.clock.now()
-        clean = g["state"] == "healthy" and g["error"] is None
+        clean = g.state == "healthy" and g.error is None
         run.clean_since = (run.clean_since or now) if clean else None
         if run.clean_since is None:
-            return Pending(f"GPU {n} is {g['state']}")
+            return Pending(f"GPU {n} is {g.state}")
         if now - run.clean_since < drills.burn_in_s:
             return Pending(f"GPU {n} clean for {now - run.clean_since:.0f} of {drills.burn_in_s:g} s")
         reason = f"drill {run.kind.name}: burn-in passed, {drills.burn_in_s:g} s clean"

@@ -15,15 +15,18 @@ has exited, the wait fails at once instead of running out its deadline.
 from __future__ import annotations
 
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from gpuwatch.drills import injectors
-from gpuwatch.drills.daemon_client import gpus
+from gpuwatch.drills.daemon_client import gpus, incidents
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Step
 from gpuwatch.errors import DrillError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 FAULT_SIGNAL = signal.SIGUSR2  # what TrainerLink(allow_drills=True) answers with a real XID 31
 SUDDEN = ("rank_died", "gpu_fault")
@@ -51,7 +54,7 @@ def hang_rank(run: Run) -> list[Step]:
         if incident is None:
             victim.check_supervisor()
             return Pending(f"no trainer_hang incident for job {victim.job} yet")
-        return f"hang found and job stopped: {incident.get('reason')}"
+        return f"hang found and job stopped: {incident.reason}"
 
     def thaw() -> Outcome:
         if injectors.running(victim.pid):
@@ -79,12 +82,11 @@ def fault_rank(run: Run) -> list[Step]:
 class _Victim:
     """The rank a drill hits, and the process that would relaunch its job."""
 
-    def __init__(self, run: Run, info: dict[str, Any]) -> None:
+    def __init__(self, run: Run, info: wire.Trainer) -> None:
         self.info = info
-        self.pid = int(str(info.get("pid", 0)))
-        self.rank, self.job = info.get("rank"), info.get("job_id")
-        reported = info.get("updated_t")
-        self.reported = float(str(reported)) if reported is not None else None
+        self.pid = info.pid
+        self.rank, self.job = info.rank, info.job_id
+        self.reported = info.updated_t
         self.who = f"rank {self.rank} (pid {self.pid}, job {self.job})"
         self.supervisor = supervisor(self.pid)
 
@@ -134,34 +136,34 @@ def _exited(run: Run, victim: _Victim) -> Step:
 
 def _gone(run: Run, victim: _Victim) -> Step:
     def check() -> Outcome:
-        holders = [g["index"] for g in gpus(run.api) if victim.pid in {t["pid"] for t in g["trainers"]}]
+        holders = [g.index for g in gpus(run.api) if victim.pid in {t.pid for t in g.trainers}]
         return Pending(f"GPU {holders} still lists pid {victim.pid}") if holders else f"no GPU lists pid {victim.pid}"
 
     within = run.config.interval_s + run.config.drills.detect_timeout_s
     return Step("rank_gone", "wait for the daemon to drop the rank from /v1/gpus", check, within)
 
 
-def _incident(run: Run, victim: _Victim, kinds: tuple[str, ...]) -> dict[str, Any] | None:
+def _incident(run: Run, victim: _Victim, kinds: tuple[str, ...]) -> wire.Incident | None:
     """The daemon's newest incident of the victim's job, of one of `kinds`, since the drill started."""
-    for incident in run.api.get("/v1/incidents?limit=20")["incidents"]:
-        jobs = str(incident.get("job") or "").split(",")
-        if incident.get("kind") in kinds and victim.job in jobs and float(incident.get("t", 0)) >= run.started - 1:
-            return dict(incident)
+    for incident in incidents(run.api, limit=20):
+        jobs = (incident.job or "").split(",")
+        if incident.kind in kinds and victim.job in jobs and incident.t >= run.started - 1:
+            return incident
     return None
 
 
 def _resumed(run: Run, victim: _Victim, kinds: tuple[str, ...]) -> Step:
     def check() -> Outcome:
         incident = _incident(run, victim, kinds)
-        if incident is not None and incident.get("status") == "resumed":
+        if incident is not None and incident.status == "resumed":
             return (
-                f"job {victim.job} resumed at step {incident.get('resumed_step')}, "
-                f"{incident.get('time_to_resume_s')} s after the fault, {incident.get('steps_lost')} step(s) lost"
+                f"job {victim.job} resumed at step {incident.resumed_step}, "
+                f"{incident.time_to_resume_s} s after the fault, {incident.steps_lost} step(s) lost"
             )
-        if incident is not None and incident.get("status") == "not_resumed":
+        if incident is not None and incident.status == "not_resumed":
             raise DrillError(f"the daemon gave up waiting for job {victim.job} to resume")
         victim.check_supervisor()
-        seen = f"incident {incident.get('id')} is {incident.get('status')}" if incident else "no incident yet"
+        seen = f"incident {incident.id} is {incident.status}" if incident else "no incident yet"
         return Pending(f"job {victim.job} has not come back ({seen})")
 
     plan = f"wait for job {victim.job} to run again (the daemon's incident: resumed, steps lost)"

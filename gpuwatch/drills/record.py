@@ -10,12 +10,15 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuwatch.drills.steps import FAIL, PASS
 from gpuwatch.store import Store
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 log = logging.getLogger("gpuwatch.drills")
 _RECALLED_RUNS = 1000
@@ -52,12 +55,18 @@ class DrillRecord:
             self._version += 1
         log.warning("scheduled drill %s skipped (%s): %s", drill, reason, detail)
 
-    def runs(self, limit: int) -> list[dict[str, Any]]:
-        return self._store.drill_runs(limit=limit)
+    def runs(self, limit: int) -> list[wire.DrillRun]:
+        """The newest `limit` verdicts, for GET /v1/drills."""
+        from gpuwatch import wire
 
-    def skipped(self) -> list[dict[str, Any]]:
+        return [wire.DrillRun.model_validate(run) for run in self._store.drill_runs(limit=limit)]
+
+    def skipped(self) -> list[wire.DrillSkip]:
+        """The skips by drill and reason, for GET /v1/drills."""
+        from gpuwatch import wire
+
         with self._lock:
-            return [{"drill": d, "reason": r, "count": n} for (d, r), n in sorted(self._skipped.items())]
+            return [wire.DrillSkip(drill=d, reason=r, count=n) for (d, r), n in sorted(self._skipped.items())]
 
     def key(self) -> object:
         """Changes whenever the metrics would: the /metrics render cache keys on it."""

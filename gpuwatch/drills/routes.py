@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from gpuwatch import wire
 from gpuwatch.backends.base import Releasable
 from gpuwatch.config import DrillSchedule
 from gpuwatch.drills.record import DrillRecord
@@ -79,17 +80,6 @@ class RunBody(BaseModel):
     yes: bool = False
 
 
-class WindowBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    gpu: int = Field(ge=0)
-    duration_s: float = Field(gt=0, le=86400)
-
-
-class ReleaseBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    duration_s: float = Field(default=600.0, gt=0, le=86400)
-
-
 def add_routes(
     app: FastAPI,
     require_token: Callable[..., None],
@@ -100,22 +90,23 @@ def add_routes(
 ) -> None:
     token = [Depends(require_token)]
 
-    @app.get("/v1/drills")
-    def list_drills(limit: int = 100) -> dict[str, Any]:
-        return {
-            "runs": book.runs(max(1, min(limit, 1000))),
-            "skipped": book.skipped(),
-            "schedule": drills.schedule_view(datetime.fromtimestamp(monitor.clock(), tz=timezone.utc)),
-            "running": drills.busy,
-        }
+    # A run is shown as stored: the keys of an older version's verdict are neither added nor dropped.
+    @app.get("/v1/drills", response_model_exclude_unset=True)
+    def list_drills(limit: int = 100) -> wire.Drills:
+        return wire.Drills(
+            runs=book.runs(max(1, min(limit, 1000))),
+            skipped=book.skipped(),
+            schedule=drills.schedule_view(datetime.fromtimestamp(monitor.clock(), tz=timezone.utc)),
+            running=drills.busy,
+        )
 
     @app.post("/v1/drills", dependencies=token)
-    def store_verdict(body: VerdictBody) -> dict[str, Any]:
+    def store_verdict(body: VerdictBody) -> wire.VerdictStored:
         book.record(body.model_dump())
-        return {"stored": True, "drill": body.drill, "result": body.result}
+        return wire.VerdictStored(stored=True, drill=body.drill, result=body.result)
 
     @app.post("/v1/drills/run", dependencies=token, status_code=202)
-    def run_drill(body: RunBody) -> dict[str, Any]:
+    def run_drill(body: RunBody) -> wire.DrillAccepted:
         schedule = DrillSchedule(
             cron="",
             drill=body.drill,
@@ -134,39 +125,48 @@ def add_routes(
         if drills.busy:
             raise HTTPException(status_code=409, detail="a drill is running; see GET /v1/drills")
         submit(schedule)
-        return {"accepted": True, "drill": body.drill, "gpu": body.gpu}
+        return wire.DrillAccepted(accepted=True, drill=body.drill, gpu=body.gpu)
 
     @app.post("/v1/drills/window", dependencies=token)
-    def window(body: WindowBody) -> dict[str, Any]:
+    def window(body: wire.WindowBody) -> wire.DrillWindow:
         if body.gpu not in monitor.statics:
             raise HTTPException(status_code=404, detail=f"no GPU with index {body.gpu}")
         injection = monitor.inject(body.gpu, {}, body.duration_s)
-        return {"gpu": body.gpu, "until": injection.until}
+        return wire.DrillWindow(gpu=body.gpu, until=injection.until)
 
     @app.post("/v1/backend/release", dependencies=token)
-    def release(body: ReleaseBody) -> dict[str, Any]:
+    def release(body: wire.BackendReleaseBody) -> wire.BackendReleased:
         backend = monitor.backend
         if not isinstance(backend, Releasable):
-            return {"released": False, "detail": f"the {backend.name} backend holds no handles"}
+            return wire.BackendReleased(released=False, detail=f"the {backend.name} backend holds no handles")
         for index in monitor.statics:
             monitor.inject(index, {}, body.duration_s)
         backend.release_handles()
-        return {
-            "released": True,
-            "detail": f"{backend.name} released; every GPU reads as a drill for {body.duration_s:g} s",
-        }
+        return wire.BackendReleased(
+            released=True, detail=f"{backend.name} released; every GPU reads as a drill for {body.duration_s:g} s"
+        )
 
-    @app.post("/v1/backend/reacquire", dependencies=token)
+    @app.post(
+        "/v1/backend/reacquire",
+        dependencies=token,
+        response_model=wire.BackendReacquired,
+        responses={503: {"model": wire.BackendReacquired, "description": "the library could not be opened again"}},
+    )
     def reacquire() -> JSONResponse:
         backend = monitor.backend
         if not isinstance(backend, Releasable):
-            return JSONResponse({"reacquired": False, "detail": f"the {backend.name} backend holds no handles"})
+            return _reacquired(False, f"the {backend.name} backend holds no handles")
         try:
             statics = backend.reacquire()
         except BackendError as exc:
-            return JSONResponse({"reacquired": False, "detail": str(exc)}, status_code=503)
+            return _reacquired(False, str(exc), status_code=503)
         moved = [s.index for s in statics if s.index in monitor.statics and monitor.statics[s.index].uuid != s.uuid]
         detail = f"{backend.name} open again with {len(statics)} GPU(s)"
         if moved:
             detail += f"; GPU(s) {moved} now have another UUID: restart gpuwatch"
-        return JSONResponse({"reacquired": True, "detail": detail})
+        return _reacquired(True, detail)
+
+
+def _reacquired(reacquired: bool, detail: str, status_code: int = 200) -> JSONResponse:
+    body = wire.BackendReacquired(reacquired=reacquired, detail=detail)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status_code)

@@ -7,12 +7,15 @@ decides whether a quarantine must follow), which keeps each step a small pure-is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuwatch.config import Config
 from gpuwatch.drills.daemon_client import DrillApi
 from gpuwatch.drills.spec import DcgmSpec, Expectation, InjectSpec, Kind
 from gpuwatch.drills.steps import Clock
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 
 @dataclass
@@ -24,27 +27,27 @@ class Run:
     api: DrillApi
     config: Config
     clock: Clock
+    before: wire.Gpu  # the target GPU as the daemon showed it when the drill was asked for
     spec: InjectSpec | DcgmSpec | None = None
     spec_text: str = ""
     rank: int | None = None
     await_release: bool = False
     trigger: str = "cli"
-    before: dict[str, Any] = field(default_factory=dict)
     expect: Expectation = field(default_factory=Expectation)
     started: float = 0.0
-    finding: dict[str, Any] | None = None
+    finding: wire.Finding | None = None
     quarantine_expected: bool = False
     handles_released: bool = False
     back_since: float = 0.0
     clean_since: float | None = None
-    victim: dict[str, Any] | None = None
+    victim: wire.Trainer | None = None
     fault_report: dict[str, Any] = field(default_factory=dict)
 
     @property
     def uuid(self) -> str:
-        return str(self.before.get("uuid", ""))
+        return self.before.uuid
 
     @property
-    def trainers(self) -> list[dict[str, Any]]:
+    def trainers(self) -> list[wire.Trainer]:
         """The trainers on the GPU when the drill started."""
-        return list(self.before.get("trainers", []))
+        return self.before.trainers

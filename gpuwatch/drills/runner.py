@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpuwatch.config import Config
 from gpuwatch.drills import checks, destructive_steps, injectors, rank_faults, validate
-from gpuwatch.drills.daemon_client import DrillApi, describe_trainers, gpu, pids
+from gpuwatch.drills.daemon_client import DrillApi, describe_trainers, gpu, inject, node, pids
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.spec import KINDS, DcgmSpec, InjectSpec, expectation, parse_dcgm, parse_inject, xid_expectation
 from gpuwatch.drills.steps import Clock, Outcome, Pending, Progress, Skip, Step, Verdict, deadline_of, execute
 from gpuwatch.errors import DaemonError, DrillError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 XID_FAULT = 31
 RANK_DRILLS: dict[str, Callable[[Run], list[Step]]] = {
@@ -63,8 +67,20 @@ def prepare(request: Request, api: DrillApi, config: Config, clock: Clock) -> Ru
         spec = parse_dcgm(request.spec, need_gpu=request.gpu is None)
     index = request.gpu if request.gpu is not None else spec.gpu if spec is not None else None
     assert index is not None, "a request names its GPU or its spec does"
-    run = Run(kind, index, api, config, clock, spec, request.spec, request.rank, request.await_release, request.trigger)
-    run.before = _target(api, index)
+    before = _target(api, index)
+    run = Run(
+        kind,
+        index,
+        api,
+        config,
+        clock,
+        before,
+        spec,
+        request.spec,
+        request.rank,
+        request.await_release,
+        request.trigger,
+    )
     if spec is not None:
         run.expect = expectation(spec, config)
     elif kind.name == "xid_fault":
@@ -106,7 +122,7 @@ def run_drill(run: Run, progress: Progress | None = None) -> Verdict:
     return Verdict(run.kind.name, run.gpu, run.uuid, run.spec_text, run.trigger, run.started, run.clock.now(), results)
 
 
-def _target(api: DrillApi, index: int) -> dict[str, object]:
+def _target(api: DrillApi, index: int) -> wire.Gpu:
     try:
         return gpu(api, index)
     except DaemonError as exc:
@@ -118,11 +134,11 @@ def _target(api: DrillApi, index: int) -> dict[str, object]:
 def _guard(run: Run) -> None:
     """Refuse a target where the drill would prove nothing or hurt something."""
     g, n = run.before, run.gpu
-    if g["quarantined"]:
-        raise DrillRefused("target_quarantined", f"GPU {n} is quarantined ({g['quarantine_reason']})")
-    if g["state"] != "healthy":
-        raise DrillRefused("target_unhealthy", f"GPU {n} is {g['state']}: a drill on it would prove nothing")
-    present = [f["rule"] for f in g["findings"] if f["rule"] in run.expect.rules]
+    if g.quarantined:
+        raise DrillRefused("target_quarantined", f"GPU {n} is quarantined ({g.quarantine_reason})")
+    if g.state != "healthy":
+        raise DrillRefused("target_unhealthy", f"GPU {n} is {g.state}: a drill on it would prove nothing")
+    present = [f.rule for f in g.findings if f.rule in run.expect.rules]
     if present:
         raise DrillRefused("target_has_finding", f"GPU {n} already has {', '.join(present)}")
     kind_guard = _KIND_GUARDS.get(run.kind.name)
@@ -141,14 +157,14 @@ def _no_process(run: Run) -> None:
 
 def _only_trainers(run: Run) -> None:
     """reset_gpu, pcie_remove: trainers will be stopped; any other process makes the GPU off limits."""
-    trainer_pids = {t["pid"] for t in run.trainers}
+    trainer_pids = {t.pid for t in run.trainers}
     listed = injectors.compute_pids(run.config.tools.nvidia_smi, run.uuid)
     others = sorted({*pids(run.before), *listed} - trainer_pids)
     if others:
         raise DrillRefused("target_busy", f"GPU {run.gpu} has processes that are not trainers on it ({others})")
     if run.kind.name == "pcie_remove":
         try:
-            injectors.pci_paths(run.config.tools.sysfs_root, str(run.before.get("pci_bus_id", "")))
+            injectors.pci_paths(run.config.tools.sysfs_root, run.before.pci_bus_id)
         except DrillError as exc:
             raise DrillRefused("not_supported", str(exc)) from None
 
@@ -160,14 +176,14 @@ def _pick_victim(run: Run) -> None:
 def _opted_in_victim(run: Run) -> None:
     """fault_rank: only a rank that said it accepts drills (TrainerLink(allow_drills=True)) is faulted."""
     victim = _victim(run)
-    if victim.get("allow_drills") is not True:
-        who = f"rank {victim.get('rank')} (pid {victim.get('pid')})"
+    if victim.allow_drills is not True:
+        who = f"rank {victim.rank} (pid {victim.pid})"
         raise DrillRefused("not_opted_in", f"{who} did not opt in to drills: TrainerLink(allow_drills=True)")
     run.victim = victim
 
 
 def _dcgm_backend(run: Run) -> None:
-    backend = run.api.get("/v1/gpus")["backend"]
+    backend = node(run.api).backend
     if backend != "dcgm":
         raise DrillRefused("not_supported", f"the daemon reads {backend}, so it never sees DCGM's cache")
 
@@ -190,15 +206,15 @@ _KIND_GUARDS: dict[str, Callable[[Run], None]] = {
 }
 
 
-def _victim(run: Run) -> dict[str, object]:
-    ranks = sorted(run.trainers, key=lambda t: (t.get("rank") is None, t.get("rank") or 0))
+def _victim(run: Run) -> wire.Trainer:
+    ranks = sorted(run.trainers, key=lambda t: (t.rank is None, t.rank or 0))
     if run.rank is not None:
-        ranks = [t for t in ranks if t.get("rank") == run.rank]
+        ranks = [t for t in ranks if t.rank == run.rank]
     if not ranks:
         on = describe_trainers(run.before)
         wanted = f"rank {run.rank}" if run.rank is not None else "trainer"
         raise DrillRefused("no_trainer", f"no {wanted} on GPU {run.gpu} (trainers: {on})")
-    return dict(ranks[0])
+    return ranks[0]
 
 
 def _mark(run: Run) -> None:
@@ -211,8 +227,8 @@ def _inject(run: Run) -> Step:
     assert spec is not None and not isinstance(spec, DcgmSpec)
 
     def check() -> Outcome:
-        body = run.api.post(f"/v1/gpus/{run.gpu}/inject", spec.body())
-        return f"injection {body['id']} on GPU {run.gpu} for {spec.duration_s:g} s: {spec.body()}"
+        injection = inject(run.api, run.gpu, spec.body())
+        return f"injection {injection.id} on GPU {run.gpu} for {spec.duration_s:g} s: {spec.body()}"
 
     return Step("inject", f"POST /v1/gpus/{run.gpu}/inject {spec.body()}", check)
 

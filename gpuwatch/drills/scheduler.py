@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import TYPE_CHECKING
 
 from apscheduler.schedulers.base import BaseScheduler
 from apscheduler.triggers.cron import CronTrigger
@@ -27,6 +27,9 @@ from gpuwatch.drills.runner import DrillRefused, Request, prepare, run_drill
 from gpuwatch.drills.spec import KINDS, parse_dcgm, parse_inject
 from gpuwatch.drills.steps import Clock, Verdict
 from gpuwatch.errors import ConfigError, GpuwatchError
+
+if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
+    from gpuwatch import wire
 
 log = logging.getLogger("gpuwatch.drills")
 
@@ -100,13 +103,13 @@ def next_runs(entry: Entry, after: datetime, count: int = 3) -> list[datetime]:
     return times
 
 
-def pick_target(schedule: DrillSchedule, node: list[dict[str, Any]]) -> int:
+def pick_target(schedule: DrillSchedule, node: list[wire.Gpu]) -> int:
     """The GPU this run drills, after the node-level guards.
 
     Raises:
         DrillRefused: the node or the target is not in a state the drill allows.
     """
-    fit = [g for g in node if g["state"] == "healthy" and not g["quarantined"]]
+    fit = [g for g in node if g.state == "healthy" and not g.quarantined]
     if len(fit) < schedule.require_healthy_share * len(node) - 1e-9:
         raise DrillRefused(
             "node_unhealthy",
@@ -117,18 +120,18 @@ def pick_target(schedule: DrillSchedule, node: list[dict[str, Any]]) -> int:
         idle = [g for g in fit if not pids(g)]
         if not idle:
             raise DrillRefused("no_idle_gpu", "no healthy, unquarantined GPU without processes")
-        return int(idle[0]["index"])
+        return idle[0].index
     if schedule.gpu == TRAINER:
-        busy = [g for g in fit if g["trainers"]]
+        busy = [g for g in fit if g.trainers]
         if not busy:
             raise DrillRefused("no_trainer", "no healthy, unquarantined GPU with a trainer")
-        return int(busy[0]["index"])
-    target = next((g for g in node if g["index"] == int(schedule.gpu)), None)
+        return busy[0].index
+    target = next((g for g in node if g.index == int(schedule.gpu)), None)
     if target is None:
         raise DrillRefused("no_such_gpu", f"the daemon has no GPU {schedule.gpu}")
-    if schedule.skip_if_trainers and schedule.drill not in RANK_KINDS and target["trainers"]:
+    if schedule.skip_if_trainers and schedule.drill not in RANK_KINDS and target.trainers:
         raise DrillRefused("target_busy", f"GPU {schedule.gpu} has trainers and skip_if_trainers is set")
-    return int(target["index"])
+    return target.index
 
 
 class DrillScheduler:
@@ -166,15 +169,18 @@ class DrillScheduler:
         """Run one drill now, in the scheduler's threads (POST /v1/drills/run)."""
         scheduler.add_job(self.run, args=[Entry(-1, schedule, None)], name=f"drill {schedule.drill} (on demand)")
 
-    def schedule_view(self, now: datetime) -> list[dict[str, Any]]:
+    def schedule_view(self, now: datetime) -> list[wire.ScheduleEntry]:
+        """Each scheduled entry with its next runs, for GET /v1/drills."""
+        from gpuwatch import wire
+
         return [
-            {
-                "entry": e.number,
-                "cron": e.schedule.cron,
-                "drill": e.schedule.drill,
-                "gpu": e.schedule.gpu,
-                "next_runs": [t.isoformat() for t in next_runs(e, now)],
-            }
+            wire.ScheduleEntry(
+                entry=e.number,
+                cron=e.schedule.cron,
+                drill=e.schedule.drill,
+                gpu=e.schedule.gpu,
+                next_runs=[t.isoformat() for t in next_runs(e, now)],
+            )
             for e in self.entries
         ]
 

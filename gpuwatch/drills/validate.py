@@ -6,9 +6,10 @@ before a job finds out it does not. The target must be idle: no process and no t
 
 from __future__ import annotations
 
-from gpuwatch.drills.daemon_client import gpu, pids
+from gpuwatch.drills.daemon_client import gpu, pids, release
 from gpuwatch.drills.run_state import Run
 from gpuwatch.drills.steps import Outcome, Pending, Step
+from gpuwatch.errors import DaemonError
 
 
 def steps(run: Run) -> list[Step]:
@@ -24,10 +25,11 @@ def steps(run: Run) -> list[Step]:
 
     def validate() -> Outcome:
         # 409 (the test failed: the GPU stays quarantined with a validation_failed finding) fails this step.
-        body = run.api.post(
-            f"/v1/gpus/{n}/release", {"reason": "drill validate: the GPU test passed", "validate": True}
-        )
-        return f"GPU test passed and GPU {n} is back in service: {body['validation']['reason']}"
+        body = {"reason": "drill validate: the GPU test passed", "validate": True}
+        validation = release(run.api, n, body).validation
+        if validation is None:
+            raise DaemonError(f"POST /v1/gpus/{n}/release: the answer says nothing of the GPU test")
+        return f"GPU test passed and GPU {n} is back in service: {validation.reason}"
 
     return [
         Step("quarantine", f"quarantine GPU {n} through the API (reason 'drill validate')", quarantine),

@@ -54,6 +54,9 @@ from gpuwatch.trainer.contract import (
     RUNTIME_DIR_ENV,
     STATUS_FILE,
     TRAINERS_DIR,
+    AllocatorFigures,
+    TrainerReport,
+    quarantined_in,
     report_name,
 )
 
@@ -66,13 +69,6 @@ _STEP_TIME_WINDOW = 20
 _GRAD_NORM_WINDOW = 100
 _PENDING_STOP_POLL_S = 0.1  # with a stop pending, how often the thread looks for a rescue() block to time
 _WAKE = 0  # the byte step() and close() write to the pipe; signal numbers are never 0
-_MEMORY_STAT_KEYS = {
-    "reserved_bytes": "reserved_bytes.all.current",
-    "allocated_bytes": "allocated_bytes.all.current",
-    "inactive_split_bytes": "inactive_split_bytes.all.current",
-    "num_alloc_retries": "num_alloc_retries",
-    "num_ooms": "num_ooms",
-}
 _COLLECTIVE_ERROR_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "process group", "processgroup")
 _CUDA_FAULT_WORDS = ("cuda error", "illegal memory access", "cublas_status", "cudnn_status", "ecc error", "xid")
 
@@ -508,16 +504,14 @@ class TrainerLink:
         except (OSError, ValueError) as exc:
             log.debug("could not read %s: %s", path, exc)
             return
-        for gpu in status.get("gpus", ()) if isinstance(status, dict) else ():
-            if isinstance(gpu, dict) and gpu.get("uuid") == self.gpu_uuid and gpu.get("quarantined") is True:
-                self.request_stop(f"gpuwatch quarantined {self.gpu_uuid}")
-                return
+        if quarantined_in(status, self.gpu_uuid):
+            self.request_stop(f"gpuwatch quarantined {self.gpu_uuid}")
 
-    def report(self) -> dict[str, Any]:
-        """The `trainers/<pid>.json` payload as of now (the contract's flat fields)."""
+    def report(self) -> TrainerReport:
+        """The `trainers/<pid>.json` payload as of now."""
         step_times = self._step_times.copy()  # deque.copy is one C call: atomic under the GIL
         grad_norms = [g for g in self._grad_norms.copy() if math.isfinite(g)]
-        payload: dict[str, Any] = {
+        return {
             "t": time.time(),
             "pid": self.pid,
             "rank": self.rank,
@@ -531,14 +525,13 @@ class TrainerLink:
             "step_time_s": statistics.fmean(step_times) if step_times else None,
             "grad_norm": _finite(self._grad_norms[-1]) if self._grad_norms else None,
             "grad_norm_var": statistics.pvariance(grad_norms) if grad_norms else None,
+            **self._memory_stats(),
+            "stop_requested": self._stop_requested,
+            "allow_drills": self.allow_drills,
+            "ended": self._ended,
         }
-        payload.update(self._memory_stats())
-        payload["stop_requested"] = self._stop_requested
-        payload["allow_drills"] = self.allow_drills
-        payload["ended"] = self._ended
-        return payload
 
-    def _memory_stats(self) -> dict[str, int | None]:
+    def _memory_stats(self) -> AllocatorFigures:
         """The caching allocator's counters for our device; all null without torch or before CUDA is up."""
         torch = sys.modules.get("torch")
         stats: dict[str, Any] = {}
@@ -547,7 +540,13 @@ class TrainerLink:
                 stats = torch.cuda.memory_stats(self._cuda_device)
             except RuntimeError as exc:
                 log.debug("torch.cuda.memory_stats failed: %s", exc)
-        return {field: stats.get(key) if stats else None for field, key in _MEMORY_STAT_KEYS.items()}
+        return {
+            "reserved_bytes": stats.get("reserved_bytes.all.current"),
+            "allocated_bytes": stats.get("allocated_bytes.all.current"),
+            "inactive_split_bytes": stats.get("inactive_split_bytes.all.current"),
+            "num_alloc_retries": stats.get("num_alloc_retries"),
+            "num_ooms": stats.get("num_ooms"),
+        }
 
     def _write_report(self) -> None:
         """Write the report safely in the world-writable sticky trainers/: a random temp name, then rename."""

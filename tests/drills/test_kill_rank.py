@@ -24,7 +24,7 @@ def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, job:
             restarted.append(job.rank(gpu=1, rank=1, step=11))
 
     run = prepare(Request("kill_rank", 1), ClientApi(node), node.daemon.config, sim_clock(node, hook=torchrun))
-    assert run.victim is not None and run.victim["pid"] == victim
+    assert run.victim is not None and run.victim.pid == victim
     verdict = run_drill(run)
     assert verdict.result == "pass", verdict.as_dict()
     assert [(s.name, s.result) for s in verdict.steps] == [
@@ -52,7 +52,7 @@ def test_kill_rank_picks_the_rank_asked_for_and_refuses_a_gpu_without_one(node: 
     second = job.rank(gpu=3, rank=5)
     node.run_for(5)
     api, config, clock = ClientApi(node), node.daemon.config, sim_clock(node)
-    assert prepare(Request("kill_rank", 3, rank=5), api, config, clock).victim["pid"] == second  # type: ignore[index]
+    assert prepare(Request("kill_rank", 3, rank=5), api, config, clock).victim.pid == second  # type: ignore[union-attr]
     with pytest.raises(DrillRefused, match=r"no rank 9 on GPU 3 \(trainers: rank 4 \(pid \d+\), rank 5"):
         prepare(Request("kill_rank", 3, rank=9), api, config, clock)
     with pytest.raises(DrillRefused, match=r"no trainer on GPU 0 \(trainers: none\)") as refused:

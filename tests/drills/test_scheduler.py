@@ -17,6 +17,7 @@ from gpuwatch.drills.scheduler import DrillScheduler, entries, next_runs, pick_t
 from gpuwatch.drills.steps import Clock
 from gpuwatch.errors import ConfigError
 from gpuwatch.store import Store
+from gpuwatch.wire import Gpu
 from tests.drills.conftest import FakeDaemon, drill_service, fake_gpu, start_drill_node
 from tests.helpers import metric_samples
 
@@ -134,10 +135,13 @@ def test_guards_skip_and_count(tmp_path: Path) -> None:
 def test_pick_target() -> None:
     trainer = {"pid": 7, "rank": 0, "job_id": "j"}
     node = [
-        fake_gpu(0, sample={"t": 0.0, "pids": [7]}, trainers=[trainer]),
-        fake_gpu(1, sample={"t": 0.0, "pids": [99]}),
-        fake_gpu(2),
-        fake_gpu(3, state="degraded"),
+        Gpu.model_validate(g)
+        for g in (
+            fake_gpu(0, sample={"t": 0.0, "pids": [7]}, trainers=[trainer]),
+            fake_gpu(1, sample={"t": 0.0, "pids": [99]}),
+            fake_gpu(2),
+            fake_gpu(3, state="degraded"),
+        )
     ]
     share = DrillSchedule(cron="", drill="inject", require_healthy_share=0.75)
     assert pick_target(share, node) == 2, "idle: no process, no trainer"

@@ -1,0 +1,55 @@
+"""The runtime directory's contract (gpuwatch.trainer.contract) is the one spelling both sides follow."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from gpuwatch.model import GpuStatic, GpuStatus, Health, Snapshot, TrainerInfo
+from gpuwatch.runtime import _FIELDS, status_body
+from gpuwatch.trainer.contract import Status, StatusGpu, TrainerReport, quarantined_in, report_name, report_pid
+
+
+def keys(typed: type) -> set[str]:
+    return set(typed.__required_keys__ | typed.__optional_keys__)  # type: ignore[attr-defined]
+
+
+def test_the_daemon_checks_every_field_a_rank_reports() -> None:
+    assert set(_FIELDS) == keys(TrainerReport) - {"t", "pid"}
+
+
+def test_a_report_reads_into_a_trainer_info_field_by_field() -> None:
+    """The daemon's TrainerInfo holds each report field under its own name; `t` becomes `updated_t`."""
+    assert keys(TrainerReport) - {"t"} == {f.name for f in dataclasses.fields(TrainerInfo)} - {"updated_t"}
+
+
+def test_status_json_writes_the_contracts_keys() -> None:
+    gpu = GpuStatus(GpuStatic(0, "GPU-0"), Health.HEALTHY)
+    body = status_body(Snapshot(5.0, "sim", (gpu,)))
+    assert set(body) == keys(Status)
+    assert set(body["gpus"][0]) == keys(StatusGpu)
+
+
+@pytest.mark.parametrize("pid", [1, 42, 4_194_304])
+def test_report_pid_reads_back_report_name(pid: int) -> None:
+    assert report_pid(report_name(pid)) == pid
+
+
+@pytest.mark.parametrize("name", ["0.json", "012.json", "12345678.json", "12.json.tmp", ".12-x.tmp", "x.json", "12"])
+def test_report_pid_is_none_for_any_other_entry(name: str) -> None:
+    assert report_pid(name) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "quarantined"),
+    [
+        ({"gpus": [{"uuid": "GPU-1", "quarantined": True}]}, True),
+        ({"gpus": [{"uuid": "GPU-2", "quarantined": True}, {"uuid": "GPU-1", "quarantined": False}]}, False),
+        ({"gpus": [{"uuid": "GPU-1", "quarantined": "yes"}]}, False),
+        ({"gpus": "GPU-1"}, False),
+        ([], False),
+    ],
+)
+def test_quarantined_in_reads_status_json_as_the_daemon_writes_it(status: object, quarantined: bool) -> None:
+    assert quarantined_in(status, "GPU-1") is quarantined
