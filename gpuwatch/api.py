@@ -1,4 +1,4 @@
-"""The local HTTP API (FastAPI): /metrics, /healthz, /v1/* and the status page.
+"""The local HTTP API (FastAPI): /healthz, /v1/* and the status page (/metrics is served before it: httpserver.front).
 
 Every handler reads the Snapshot the monitor last published; nothing here touches NVML.
 POST endpoints change state and need the bearer token from `<state_dir>/token`.
@@ -19,8 +19,6 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from gpuwatch import __version__, statuspage, wire
 from gpuwatch.errors import ConfigError
-from gpuwatch.httpserver import ASGIApp, front
-from gpuwatch.metrics import MetricsRenderer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
@@ -72,25 +70,6 @@ def gpu_json(g: GpuStatus, now: float, body: type[B], **extra: Any) -> B:
         static=g.static,
         **extra,
     )
-
-
-def create_app(
-    monitor: Monitor,
-    renderer: MetricsRenderer,
-    token: str,
-    *,
-    clock: Callable[[], float],
-    route_sets: Sequence[RouteSet] = (),
-    gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
-    docs: bool = False,
-    max_body_bytes: int = 65536,
-) -> ASGIApp:
-    """The whole app: body limit, then /metrics straight from ASGI, everything else through FastAPI.
-
-    `max_body_bytes` is enforced before any route or token check runs; the rest as create_api.
-    """
-    api = create_api(monitor, token, clock=clock, route_sets=route_sets, gpu_views=gpu_views, docs=docs)
-    return front(api, renderer.render, max_body_bytes)
 
 
 def create_api(

@@ -21,7 +21,7 @@ MAX_INCIDENTS = 1000
 
 
 def route_set(remediation: Remediation, store: Store) -> Callable[[FastAPI, Callable[..., None]], None]:
-    """The routes for create_app: both are read-only, so the token check goes unused."""
+    """The routes for create_api: both are read-only, so the token check goes unused."""
     return lambda app, _require_token: add_routes(app, remediation, store)
 
 
