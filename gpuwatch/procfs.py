@@ -19,7 +19,7 @@ class ProcFs:
 
     def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
         self.root = Path(root)
-        self._environ: dict[tuple[int, int | None], dict[str, str] | None] = {}
+        self._environ: dict[tuple[int, int | None], dict[str, str]] = {}
         self._boot_time: float | None = None
 
     def start_time(self, pid: int) -> int | None:
@@ -66,19 +66,27 @@ class ProcFs:
             return None
 
     def environ(self, pid: int) -> dict[str, str] | None:
-        """The trainer variables of PID's environment at exec; None when unreadable (gone, other user)."""
-        key = (pid, self.start_time(pid))
-        if key not in self._environ:
-            if len(self._environ) > _ENVIRON_CACHE_MAX:
-                self._environ.clear()
-            self._environ[key] = self._read_environ(pid)
-        return self._environ[key]
+        """The trainer variables of PID's environment at exec; None when unreadable (gone, other user).
 
-    def _read_environ(self, pid: int) -> dict[str, str] | None:
+        An empty read is not cached: the kernel shows an empty environ while exec sets up the new
+        stack, and the process keeps its PID and start time across that exec.
+        """
+        key = (pid, self.start_time(pid))
+        if key in self._environ:
+            return self._environ[key]
         try:
             raw = (self.root / str(pid) / "environ").read_bytes()
         except OSError:
             return None
+        env = self._trainer_variables(raw)
+        if raw:
+            if len(self._environ) > _ENVIRON_CACHE_MAX:
+                self._environ.clear()
+            self._environ[key] = env
+        return env
+
+    @staticmethod
+    def _trainer_variables(raw: bytes) -> dict[str, str]:
         env = {}
         for entry in raw.split(b"\0"):
             name, sep, value = entry.partition(b"=")

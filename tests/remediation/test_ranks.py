@@ -31,17 +31,20 @@ def gpus(pids: dict[int, tuple[int, ...]] | None = None) -> list[GpuStatus]:
     ]
 
 
-Spawn = Callable[..., "subprocess.Popen[bytes]"]
+Spawn = Callable[..., "subprocess.Popen[str]"]
 
 
 @pytest.fixture
 def spawn() -> Iterator[Spawn]:
-    children: list[subprocess.Popen[bytes]] = []
+    children: list[subprocess.Popen[str]] = []
 
-    def start(**env: str) -> subprocess.Popen[bytes]:
+    def start(**env: str) -> subprocess.Popen[str]:
         base = {k: v for k, v in os.environ.items() if k not in {"CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK"}}
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env={**base, **env})
+        code = "import time; print('ready', flush=True); time.sleep(30)"
+        child = subprocess.Popen([sys.executable, "-c", code], env={**base, **env}, stdout=subprocess.PIPE, text=True)
         children.append(child)
+        # A rank is mapped once it reports or opens CUDA, long after exec: wait until the child runs.
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
         return child
 
     yield start
@@ -136,6 +139,21 @@ def test_a_zombie_is_not_alive() -> None:
         assert not proc.alive(child.pid, start)
     finally:
         child.wait()
+
+
+def test_an_empty_environ_read_is_read_again(tmp_path: Path) -> None:
+    # The kernel shows an empty environ while exec builds the new stack; PID and start time stay.
+    pid_dir = tmp_path / "42"
+    pid_dir.mkdir()
+    (pid_dir / "stat").write_text("42 (python) S " + " ".join(["0"] * 18) + " 777 0\n")
+    (pid_dir / "environ").write_bytes(b"")
+    proc = ProcFs(tmp_path)
+
+    assert proc.environ(42) == {}
+    (pid_dir / "environ").write_bytes(b"PATH=/bin\0RANK=3\0LOCAL_RANK=1\0")
+    assert proc.environ(42) == {"RANK": "3", "LOCAL_RANK": "1"}
+    (pid_dir / "environ").write_bytes(b"RANK=9\0")  # a full read is the environment at exec: cached
+    assert proc.environ(42) == {"RANK": "3", "LOCAL_RANK": "1"}
 
 
 @pytest.mark.parametrize(
