@@ -1,4 +1,4 @@
-"""The local HTTP API (FastAPI): /healthz, /v1/* and the status page (/metrics is served before it: httpserver.front).
+"""The local HTTP API (FastAPI): /v1/*, the status page and /healthz's schema (httpserver.front serves /metrics and /healthz).
 
 Every handler reads the Snapshot the monitor last published; nothing here touches NVML.
 POST endpoints change state and need the bearer token from `<state_dir>/token`.
@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from gpuwatch import __version__, statuspage, wire
+from gpuwatch import __version__, liveness, statuspage, wire
 from gpuwatch.errors import ConfigError
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot
 from gpuwatch.monitor import Monitor
@@ -138,18 +138,9 @@ def create_api(
         responses={503: {"model": wire.Healthz, "description": "samples are stale or the state store cannot write"}},
     )
     def healthz() -> JSONResponse:
-        snap = snapshot()
-        age = clock() - snap.t
-        stale = snap.samples_total == 0 or age > 3 * monitor.config.interval_s
-        status = "stale" if stale else "store_degraded" if snap.store_error else "ok"
-        body = wire.Healthz(
-            status=status,
-            last_sample_age_s=round(age, 3),
-            gpus=len(snap.gpus),
-            store_error=snap.store_error or None,
-            store_unsaved_changes=snap.store_unsaved if snap.store_error else None,
-        )
-        return JSONResponse(body.model_dump(mode="json"), status_code=200 if status == "ok" else 503)
+        """Answered by httpserver.front in the daemon, before this app is built; here for its schema."""
+        status, body = liveness.healthz(snapshot(), clock(), monitor.config.interval_s)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/v1/gpus")
     def gpus() -> wire.GpuList:

@@ -24,7 +24,7 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client.registry import Collector
 
-from gpuwatch import __version__, systemd, validation
+from gpuwatch import __version__, liveness, systemd, validation
 from gpuwatch.api_token import ensure_token
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend, Scripted
@@ -238,8 +238,11 @@ class Daemon:
                 log.warning("cannot prune old findings: %s", exc)
 
     def app(self) -> ASGIApp:
-        """The body limit and /metrics at once; the API behind them from its first request (lazy_app)."""
-        return front(lazy_app(self.api), self.renderer.render, self.config.api.max_body_bytes)
+        """The body limit, /metrics and /healthz at once; the API behind them from its first request (lazy_app)."""
+        return front(lazy_app(self.api), self.renderer.render, self.healthz, self.config.api.max_body_bytes)
+
+    def healthz(self) -> tuple[int, bytes]:
+        return liveness.healthz_json(self.monitor.snapshot, self.clock(), self.config.interval_s)
 
     def api(self) -> ASGIApp:
         """The FastAPI app with every part's routes. Its imports (about 16 MiB) happen here, not at start."""

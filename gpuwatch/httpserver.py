@@ -16,7 +16,7 @@ closes those gaps at the protocol level:
 * a request body over `max_body_bytes` is answered 413 by ASGI middleware (`body_limit`) before
   routing and the token check read any of it.
 
-`front` puts those ASGI layers before the app, and serves /metrics itself; `lazy_app` lets the daemon
+`front` puts those ASGI layers before the app, and serves /metrics and /healthz itself; `lazy_app` lets the daemon
 build its FastAPI app (FastAPI, starlette and pydantic: about 16 MiB) at the first request that needs it.
 """
 
@@ -282,27 +282,31 @@ def body_limit(app: ASGIApp, max_bytes: int) -> ASGIApp:
     return asgi
 
 
-def metrics_fast_path(app: ASGIApp, render: Callable[[], bytes]) -> ASGIApp:
-    """Answer GET /metrics before FastAPI's routing, request and response objects.
+Answer = Callable[[], tuple[int, bytes, bytes]]  # () -> (status, content type, body)
+
+
+def fast_paths(app: ASGIApp, answers: dict[str, Answer]) -> ASGIApp:
+    """Answer GET and HEAD of the paths in `answers` before FastAPI's routing, request and response objects.
 
     A scrape is the hot path (every Prometheus server, every 15 s, often several at once) and its
     body is cached bytes, so the framework's per-request work is most of its cost: serving the
-    bytes straight from ASGI roughly halves the latency under concurrent scrapes.
+    bytes straight from ASGI roughly halves the latency under concurrent scrapes. A liveness probe
+    is as frequent, and answered here it never loads the framework at all.
     """
-    headers = [(b"content-type", CONTENT_TYPE_LATEST.encode())]
     not_allowed = [(b"allow", b"GET, HEAD"), (b"content-length", b"0")]
 
     async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http" or scope["path"] != "/metrics":
+        answer = answers.get(scope["path"]) if scope["type"] == "http" else None
+        if answer is None:
             await app(scope, receive, send)
             return
         if scope["method"] not in {"GET", "HEAD"}:
             await send({"type": "http.response.start", "status": 405, "headers": not_allowed})
             await send({"type": "http.response.body", "body": b""})
             return
-        body = render()
-        length = [(b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers + length})
+        status, content_type, body = answer()
+        headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
 
     return asgi
@@ -324,6 +328,17 @@ def lazy_app(build: Callable[[], ASGIApp]) -> ASGIApp:
     return asgi
 
 
-def front(app: ASGIApp, render_metrics: Callable[[], bytes], max_body_bytes: int) -> ASGIApp:
-    """What every request meets before `app`: the body limit, then /metrics answered from `render_metrics`."""
-    return body_limit(metrics_fast_path(app, render_metrics), max_body_bytes)
+def front(
+    app: ASGIApp, render_metrics: Callable[[], bytes], healthz: Callable[[], tuple[int, bytes]], max_body_bytes: int
+) -> ASGIApp:
+    """What every request meets before `app`: the body limit, then /metrics and /healthz answered at once."""
+    metrics_type = CONTENT_TYPE_LATEST.encode()
+
+    def metrics() -> tuple[int, bytes, bytes]:
+        return 200, metrics_type, render_metrics()
+
+    def health() -> tuple[int, bytes, bytes]:
+        status, body = healthz()
+        return status, b"application/json", body
+
+    return body_limit(fast_paths(app, {"/metrics": metrics, "/healthz": health}), max_body_bytes)

@@ -100,6 +100,22 @@ def test_healthz_and_status_page(node: SimNode) -> None:
     assert page.status_code == 200 and "<table>" in page.text and 'http-equiv="refresh"' in page.text
 
 
+def test_healthz_says_stale_once_sampling_stops_and_answers_only_get_and_head(node: SimNode) -> None:
+    interval = node.daemon.config.interval_s
+    node.clock.t += 3 * interval  # three intervals without a sample: still within the limit
+    assert node.client.get("/healthz").status_code == 200
+    node.clock.t += 0.5
+    stale = node.client.get("/healthz")
+    assert (stale.status_code, stale.json()["status"], stale.headers["content-type"]) == (
+        503,
+        "stale",
+        "application/json",
+    )
+    assert stale.json()["last_sample_age_s"] == 3 * interval + 0.5
+    assert node.client.head("/healthz").content == b""
+    assert node.client.post("/healthz").status_code == 405
+
+
 def test_an_empty_token_file_is_replaced(tmp_path: Path) -> None:
     from gpuwatch.api_token import ensure_token
 

@@ -1,4 +1,4 @@
-"""A node that is only scraped never loads the API framework; the first API request builds it.
+"""A node that is only scraped and probed never loads the API framework; the first API request builds it.
 
 Run in a fresh interpreter: this test process has long imported FastAPI for its TestClients.
 """
@@ -38,17 +38,18 @@ app = daemon.app()
 status, body = call(app, "/metrics")
 after_scrape = sorted(m for m in ("fastapi", "starlette", "pydantic") if m in sys.modules)
 health, health_body = call(app, "/healthz")
+after_probe = sorted(m for m in ("fastapi", "starlette", "pydantic") if m in sys.modules)
 gpus, gpus_body = call(app, "/v1/gpus")
 print(json.dumps({
     "metrics": status, "has_gpus_metric": b"gpuwatch_gpus 2.0" in body, "after_scrape": after_scrape,
-    "healthz": health, "gpus": [g["index"] for g in json.loads(gpus_body)["gpus"]],
+    "healthz": health, "health": {k: v for k, v in json.loads(health_body).items() if k != "last_sample_age_s"}, "after_probe": after_probe, "gpus": [g["index"] for g in json.loads(gpus_body)["gpus"]],
     "after_api": "fastapi" in sys.modules,
 }))
 daemon.stop()
 """
 
 
-def test_scrapes_leave_fastapi_unloaded_and_the_first_api_call_builds_it(tmp_path: Path) -> None:
+def test_scrapes_and_probes_leave_fastapi_unloaded_and_the_first_api_call_builds_it(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-c", PROBE, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120
@@ -60,6 +61,8 @@ def test_scrapes_leave_fastapi_unloaded_and_the_first_api_call_builds_it(tmp_pat
         "has_gpus_metric": True,
         "after_scrape": [],
         "healthz": 200,
+        "health": {"status": "ok", "gpus": 2},
+        "after_probe": [],
         "gpus": [0, 1],
         "after_api": True,
     }
