@@ -1,4 +1,6 @@
-"""The local HTTP API (FastAPI): /v1/*, the status page and /healthz's schema (httpserver.front serves /metrics and /healthz).
+"""The local HTTP API (FastAPI): /v1/*, the status page and /healthz's schema.
+
+httpserver.front answers /metrics and /healthz before this app, which it builds at the first other request.
 
 Every handler reads the Snapshot the monitor last published; nothing here touches NVML.
 POST endpoints change state and need the bearer token from `<state_dir>/token`.

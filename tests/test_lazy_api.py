@@ -38,11 +38,13 @@ app = daemon.app()
 status, body = call(app, "/metrics")
 after_scrape = sorted(m for m in ("fastapi", "starlette", "pydantic") if m in sys.modules)
 health, health_body = call(app, "/healthz")
+health_fields = {k: v for k, v in json.loads(health_body).items() if k != "last_sample_age_s"}
 after_probe = sorted(m for m in ("fastapi", "starlette", "pydantic") if m in sys.modules)
 gpus, gpus_body = call(app, "/v1/gpus")
 print(json.dumps({
     "metrics": status, "has_gpus_metric": b"gpuwatch_gpus 2.0" in body, "after_scrape": after_scrape,
-    "healthz": health, "health": {k: v for k, v in json.loads(health_body).items() if k != "last_sample_age_s"}, "after_probe": after_probe, "gpus": [g["index"] for g in json.loads(gpus_body)["gpus"]],
+    "healthz": health, "health": health_fields, "after_probe": after_probe,
+    "gpus": [g["index"] for g in json.loads(gpus_body)["gpus"]],
     "after_api": "fastapi" in sys.modules,
 }))
 daemon.stop()
