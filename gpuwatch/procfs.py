@@ -19,7 +19,7 @@ class ProcFs:
 
     def __init__(self, root: str | os.PathLike[str] = "/proc") -> None:
         self.root = Path(root)
-        self._environ: dict[tuple[int, int | None], dict[str, str]] = {}
+        self._environ: dict[tuple[int, int | None], dict[str, str] | None] = {}
         self._boot_time: float | None = None
 
     def start_time(self, pid: int) -> int | None:
@@ -75,11 +75,11 @@ class ProcFs:
         if key in self._environ:
             return self._environ[key]
         try:
-            raw = (self.root / str(pid) / "environ").read_bytes()
+            raw: bytes | None = (self.root / str(pid) / "environ").read_bytes()
         except OSError:
-            return None
-        env = self._trainer_variables(raw)
-        if raw:
+            raw = None
+        env = None if raw is None else self._trainer_variables(raw)
+        if raw != b"":
             if len(self._environ) > _ENVIRON_CACHE_MAX:
                 self._environ.clear()
             self._environ[key] = env

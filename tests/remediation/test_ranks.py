@@ -156,6 +156,17 @@ def test_an_empty_environ_read_is_read_again(tmp_path: Path) -> None:
     assert proc.environ(42) == {"RANK": "3", "LOCAL_RANK": "1"}
 
 
+def test_an_unreadable_environ_is_not_read_again_every_tick(tmp_path: Path) -> None:
+    pid_dir = tmp_path / "43"
+    pid_dir.mkdir()
+    (pid_dir / "stat").write_text("43 (python) S " + " ".join(["0"] * 18) + " 777 0\n")
+    proc = ProcFs(tmp_path)  # no environ file: as for a process the daemon may not read
+
+    assert proc.environ(43) is None
+    (pid_dir / "environ").write_bytes(b"RANK=3\0")
+    assert proc.environ(43) is None
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
