@@ -7,6 +7,8 @@ importing this module never needs a driver. Every pynvml exception is mapped onc
 Costs measured on an H200 (DESIGN.md) decide which call reads what: the per-sample fields cost
 about 60 µs per GPU in all, while PCIe replays (170 µs), violation counters (0.64 ms) and energy
 (3.1 ms) are read only when the caller asks for a slow sample, and max clocks (1.5 ms) only at open.
+Of the per-sample reads, those a rule judges over a long window or that change only after a fault seen
+at once (PCIe link, ECC aggregates, row remapping, the process list) follow the read plan (nvml_plan.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatch.backends import nvml_plan
+from gpuwatch.backends.nvml_plan import ReadPlan
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendUnavailable, GpuReadError
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
@@ -33,10 +37,6 @@ _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal"
 _MAX_PSTATE = 15
 # Events already queued when a wait returns are drained without blocking, up to this many.
 _MAX_EVENTS_PER_WAIT = 64
-# nvmlDeviceGetCurrPcieLinkWidth costs about 35 µs on an H200, the other 15 reads of a sample about 60 µs
-# together. A link trained narrow is flagged after link_duty (0.5) of link_window_s (60 s) busy, so a width
-# at most 5 s old changes that verdict by at most 5 s; slow samples read it too.
-PCIE_WIDTH_EVERY_S = 5.0
 
 
 @dataclass
@@ -50,8 +50,7 @@ class _Gpu:
     unsupported: set[str] = field(default_factory=set)
     nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
     links: dict[str, Any] = field(default_factory=dict)  # link counters and states of the last slow sample
-    width: int | None = None  # PCIe lanes at the last reading (PCIE_WIDTH_EVERY_S)
-    width_t: float = float("-inf")
+    tiers: dict[str, tuple[float, Any]] = field(default_factory=dict)  # read-plan group → (time read, value)
 
 
 class NvmlBackend:
@@ -63,13 +62,15 @@ class NvmlBackend:
     Args:
         config: the daemon's configuration (NVML needs none of it; kept for the Backend contract).
         nvml: a module-shaped object with pynvml's names, for tests; None imports pynvml in open().
+        plan: how often the tiered per-sample reads are made (nvml_plan.py).
     """
 
     name = "nvml"
 
-    def __init__(self, config: Config, nvml: Any = None) -> None:
+    def __init__(self, config: Config, nvml: Any = None, plan: ReadPlan = nvml_plan.DEFAULT) -> None:
         self._config = config
         self._nvml: Any = nvml
+        self._plan = plan
         self._vendor_errors: tuple[type[BaseException], ...] = ()
         self._unsupported_codes: frozenset[int] = frozenset()
         self._field_ids: tuple[tuple[int, str], ...] = ()
@@ -159,18 +160,30 @@ class NvmlBackend:
         """
         gpu = self._gpu(index)
         nvml = self._nvml
+        plan = self._plan
         with self._mapped():
             handle = gpu.handle
             read = functools.partial(self._read, gpu)
+            tier = functools.partial(self._tiered, gpu, now=now, slow=slow)
             util = read("util", nvml.nvmlDeviceGetUtilizationRates, handle)
             memory = read("memory_used", nvml.nvmlDeviceGetMemoryInfo, handle)
             power_mw = read("power", nvml.nvmlDeviceGetPowerUsage, handle)
             pstate = read("pstate", nvml.nvmlDeviceGetPerformanceState, handle)
-            remapped = read("remapped", nvml.nvmlDeviceGetRemappedRows, handle)
-            procs = read("pids", nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+            remapped = tier(
+                "remapped", plan.remapped_s, lambda: read("remapped", nvml.nvmlDeviceGetRemappedRows, handle)
+            )
+            pids = self._pids(gpu, handle, now, slow)
             corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
             volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
             ecc = nvml.nvmlDeviceGetTotalEccErrors
+            sbe_aggregate, dbe_aggregate = tier(
+                "ecc_aggregate",
+                plan.ecc_aggregate_s,
+                lambda: (
+                    read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
+                    read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
+                ),
+            )
             values: dict[str, Any] = {
                 "sm_clock_mhz": read("sm_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
                 "mem_clock_mhz": read("mem_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
@@ -179,10 +192,18 @@ class NvmlBackend:
                 "clocks_event_reasons": read("reasons", nvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
                 "ecc_sbe_volatile": read("ecc_sbe_volatile", ecc, handle, corrected, volatile),
                 "ecc_dbe_volatile": read("ecc_dbe_volatile", ecc, handle, uncorrected, volatile),
-                "ecc_sbe_aggregate": read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
-                "ecc_dbe_aggregate": read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
-                "pcie_link_gen": read("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                "pcie_link_width": self._link_width(gpu, handle, now, slow),
+                "ecc_sbe_aggregate": sbe_aggregate,
+                "ecc_dbe_aggregate": dbe_aggregate,
+                "pcie_link_gen": tier(
+                    "pcie_gen",
+                    plan.pcie_gen_s,
+                    lambda: read("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+                ),
+                "pcie_link_width": tier(
+                    "pcie_width",
+                    plan.pcie_width_s,
+                    lambda: read("pcie_width", nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+                ),
                 **self._read_field_values(gpu, handle, self._field_ids),
             }
             if slow:
@@ -204,16 +225,38 @@ class NvmlBackend:
             util_mem_pct=None if util is None else util.memory,
             memory_used_bytes=None if memory is None else memory.used,
             pstate=pstate if pstate is not None and pstate <= _MAX_PSTATE else None,
-            pids=() if procs is None else tuple(proc.pid for proc in procs),
+            pids=() if pids is None else pids,
             **values,
         )
 
-    def _link_width(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> int | None:
-        """The PCIe width, read every PCIE_WIDTH_EVERY_S and repeated in between: a third of a sample's NVML time."""
-        if slow or now - gpu.width_t >= PCIE_WIDTH_EVERY_S or now < gpu.width_t:
-            gpu.width = self._read(gpu, "pcie_width", self._nvml.nvmlDeviceGetCurrPcieLinkWidth, handle)
-            gpu.width_t = now
-        return gpu.width
+    @staticmethod
+    def _tiered(gpu: _Gpu, group: str, period_s: float, read: Callable[[], Any], *, now: float, slow: bool) -> Any:
+        """`read()` when the plan says `group` is due, else the value it gave last time (repeated)."""
+        last = gpu.tiers.get(group)
+        if last is None or nvml_plan.due(last[0], now, period_s, slow):
+            value = read()
+            gpu.tiers[group] = (now, value)
+            return value
+        return last[1]
+
+    def _pids(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> tuple[int, ...] | None:
+        """The compute processes on the GPU; by the plan, listed only when their count changed (or it is due).
+
+        A count that cannot be read (a binding or driver without it) is remembered as unsupported, and
+        the list is then read every sample, as before the plan.
+        """
+        plan = self._plan
+        listed = gpu.tiers.get("pids")
+        if plan.pids_by_count and listed is not None and listed[1] is not None:
+            if not nvml_plan.due(listed[0], now, plan.pids_list_s, slow):
+                count = self._read(gpu, "pids_count", nvml_plan.process_count, self._nvml, handle)
+                if count == len(listed[1]):
+                    pids: tuple[int, ...] = listed[1]
+                    return pids
+        procs = self._read(gpu, "pids", self._nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+        found = None if procs is None else tuple(proc.pid for proc in procs)
+        gpu.tiers["pids"] = (now, found)
+        return found
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
         """The costly counters (DESIGN.md: PCIe 0.17 ms, violations 0.64, energy 3.1), read on slow samples only."""

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.backends import nvml_plan
 from gpuwatch.backends.base import Backend
 from gpuwatch.backends.nvml import NvmlBackend
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendUnavailable, GpuReadError
 from gpuwatch.model import GpuError, GpuEvent, GpuStatic
 from tests.fakes import fake_pynvml as fake
-from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+from tests.fakes.fake_pynvml import PROCESS_COUNT, FakeGpu, FakeNvml
 
 SLOW_CALLS = (
     "nvmlDeviceGetTotalEnergyConsumption",
@@ -46,6 +47,8 @@ def test_fake_matches_installed_pynvml() -> None:
     for name in dir(FakeNvml):
         if name.startswith("nvml"):
             assert callable(getattr(pynvml, name)), name
+    # the process count calls the C function the list calls first, through pynvml's function table
+    assert callable(pynvml._nvmlGetFunctionPointer)
 
 
 def test_is_a_backend() -> None:
@@ -119,14 +122,92 @@ def test_fast_path_makes_no_slow_call(nvml: FakeNvml, backend: NvmlBackend) -> N
         backend.sample(0, float(t))
         backend.sample(1, float(t))
     assert not {name: nvml.calls[name] for name in SLOW_CALLS if nvml.calls[name]}
-    # per sample: 8 single-field calls, 2 clocks, 4 ECC totals, the PCIe generation and 1 field-values call;
-    # the PCIe width once per GPU in these 5 s (PCIE_WIDTH_EVERY_S)
-    assert sum(nvml.calls.values()) == 10 * 16 + 2
-    assert nvml.calls["nvmlDeviceGetCurrPcieLinkWidth"] == 2
+    # per sample: 8 single-field calls, 2 clocks, 2 volatile ECC totals and 1 field-values call; the read
+    # plan's groups (PCIe link, ECC aggregates, row remapping, process list) once per GPU in these 5 s,
+    # and the process count on every later sample
+    assert sum(nvml.calls.values()) == 10 * 11 + 2 * 6 + 8
+    assert nvml.calls["nvmlDeviceGetTotalEccErrors"] == 10 * 2 + 2 * 2
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 2 and nvml.calls[PROCESS_COUNT] == 8
     assert nvml.calls["nvmlDeviceGetFieldValues"] == 10
     nvml.calls.clear()
     backend.sample(0, 9.0, slow=True)
     assert [nvml.calls[name] for name in SLOW_CALLS] == [1, 2, 1, 0]
+    tiered = ("nvmlDeviceGetRemappedRows", "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth")
+    assert [nvml.calls[name] for name in tiered] == [1, 1, 1]  # a slow sample reads every group
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 1 and nvml.calls[PROCESS_COUNT] == 0
+    assert nvml.calls["nvmlDeviceGetTotalEccErrors"] == 4
+
+
+def test_plan_before_reads_every_group_every_sample(nvml: FakeNvml) -> None:
+    """The plan of earlier releases (the bench measures a daemon with it): 16 calls a sample, the width every 5 s."""
+    backend = NvmlBackend(Config(), nvml=nvml, plan=nvml_plan.BEFORE)
+    backend.open()
+    nvml.calls.clear()
+    for t in range(5):
+        backend.sample(0, float(t))
+        backend.sample(1, float(t))
+    assert sum(nvml.calls.values()) == 10 * 16 + 2
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 10 and nvml.calls[PROCESS_COUNT] == 0
+
+
+def test_process_list_is_read_only_when_the_count_changes(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """No job changed: one count call a sample; a job appears or ends: the list is read at that sample."""
+    lists = "nvmlDeviceGetComputeRunningProcesses"
+    nvml.calls.clear()
+    assert backend.sample(0, 100.0).pids == (4242, 4243)
+    assert [backend.sample(0, t).pids for t in (101.0, 102.0)] == [(4242, 4243)] * 2
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (1, 2)
+    nvml.gpus[0].pids = (4242, 4243, 5150)  # a job starts on GPU 0
+    assert backend.sample(0, 103.0).pids == (4242, 4243, 5150)
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (2, 3)
+    nvml.gpus[0].pids = ()  # every process ends
+    assert backend.sample(0, 104.0).pids == ()
+    assert nvml.calls[lists] == 3
+    nvml.gpus[0].pids = (6000,)  # from none to one
+    assert backend.sample(0, 105.0).pids == (6000,)
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (4, 5)
+
+
+def test_process_list_is_refreshed_when_due_and_on_slow_samples(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """A process that replaced another between two samples (same count) is listed within PIDS_LIST_EVERY_S."""
+    backend.sample(0, 100.0)
+    nvml.gpus[0].pids = (4242, 7777)
+    assert backend.sample(0, 100.0 + nvml_plan.PIDS_LIST_EVERY_S - 1).pids == (4242, 4243)  # not due yet
+    assert backend.sample(0, 100.0 + nvml_plan.PIDS_LIST_EVERY_S).pids == (4242, 7777)
+    nvml.gpus[0].pids = (4242, 8888)
+    assert backend.sample(0, 131.0, slow=True).pids == (4242, 8888)
+
+
+def test_process_count_missing_falls_back_to_the_list(nvml: FakeNvml) -> None:
+    """A driver without the count: it is asked once, then the list is read every sample as before the plan."""
+    nvml.gpus[0].errors[PROCESS_COUNT] = fake.NVML_ERROR_FUNCTION_NOT_FOUND
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    for t in range(4):
+        assert backend.sample(0, float(t)).pids == (4242, 4243)
+    assert nvml.calls[PROCESS_COUNT] == 1 and nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 4
+
+
+def test_tiered_reads_repeat_the_last_value_until_due(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """ECC aggregates (60 s), row remapping (30 s) and the PCIe link (5 s) lag by at most their period;
+    the volatile ECC totals, which the ECC rules read beside the aggregates, never lag."""
+    gpu = nvml.gpus[0]
+    backend.sample(0, 1000.0)
+    sbe, dbe = fake.NVML_MEMORY_ERROR_TYPE_CORRECTED, fake.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+    gpu.ecc[(dbe, fake.NVML_VOLATILE_ECC)] += 1
+    gpu.ecc[(dbe, fake.NVML_AGGREGATE_ECC)] += 1
+    gpu.ecc[(sbe, fake.NVML_AGGREGATE_ECC)] += 5
+    gpu.remapped = (5, 7, 1, 1)
+    gpu.pcie_link = (4, 8)
+    s = backend.sample(0, 1001.0)
+    assert (s.ecc_dbe_volatile, s.ecc_dbe_aggregate, s.ecc_sbe_aggregate) == (3, 4, 3)
+    assert (s.remapped_pending, s.pcie_link_gen, s.pcie_link_width) == (0, 5, 16)
+    s = backend.sample(0, 1005.0)
+    assert (s.pcie_link_gen, s.pcie_link_width, s.remapped_pending) == (4, 8, 0)
+    s = backend.sample(0, 1030.0)
+    assert (s.remapped_pending, s.remapped_unc, s.ecc_dbe_aggregate) == (1, 7, 4)
+    s = backend.sample(0, 1060.0)
+    assert (s.ecc_dbe_aggregate, s.ecc_sbe_aggregate) == (5, 8)
 
 
 def test_not_supported_is_none_and_not_retried() -> None:

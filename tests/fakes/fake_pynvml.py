@@ -20,6 +20,7 @@ NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
@@ -55,6 +56,9 @@ NVML_FEATURE_DISABLED = 0
 NVML_FEATURE_ENABLED = 1
 NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
 NVML_GPU_FABRIC_STATE_COMPLETED = 3
+
+# The name under which `calls` counts the process count (the C call the list makes first, without a buffer).
+PROCESS_COUNT = "nvmlDeviceGetComputeRunningProcesses_v3 (count)"
 
 nvmlEventTypeSingleBitEccError = 0x1
 nvmlEventTypeDoubleBitEccError = 0x2
@@ -295,6 +299,19 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[SimpleNamespace]:
         gpu = self._device("nvmlDeviceGetComputeRunningProcesses", handle)
         return [SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in gpu.pids]
+
+    def _nvmlGetFunctionPointer(self, name: str) -> Any:
+        """pynvml's table of C functions; only the process count (the list's first call) is looked up there."""
+        if name != "nvmlDeviceGetComputeRunningProcesses_v3":
+            raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
+        return self._process_count
+
+    def _process_count(self, handle: FakeHandle, count: Any, infos: None) -> int:
+        """The C call with no buffer: SUCCESS when no process runs, else INSUFFICIENT_SIZE and the count."""
+        gpu = self._device(PROCESS_COUNT, handle)
+        assert infos is None, "the count is asked with no buffer"
+        count._obj.value = len(gpu.pids)  # ctypes.byref(...) of the caller's c_uint
+        return NVML_ERROR_INSUFFICIENT_SIZE if gpu.pids else NVML_SUCCESS
 
     def nvmlDeviceGetFieldValues(self, handle: FakeHandle, field_ids: list[int]) -> list[SimpleNamespace]:
         gpu = self._device("nvmlDeviceGetFieldValues", handle)
