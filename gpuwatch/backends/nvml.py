@@ -37,6 +37,17 @@ _VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal"
 _MAX_PSTATE = 15
 # Events already queued when a wait returns are drained without blocking, up to this many.
 _MAX_EVENTS_PER_WAIT = 64
+# The field values read in one nvmlDeviceGetFieldValues call: every sample, and on slow samples (links).
+SAMPLE_FIELDS = (
+    ("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"),
+    ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw"),
+    ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "recovery_action"),
+)
+LINK_FIELDS = (
+    ("NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS", "pcie_correctable_errors"),
+    ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
+    ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
+)
 
 
 @dataclass
@@ -459,18 +470,8 @@ class NvmlBackend:
         self._vendor_errors = (nvml.NVMLError,) if mismatch is None else (nvml.NVMLError, mismatch)
         # FUNCTION_NOT_FOUND is a driver older than the binding: as final for this field as NOT_SUPPORTED.
         self._unsupported_codes = frozenset({nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND})
-        fields = [
-            ("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"),
-            ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw"),
-            ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "recovery_action"),
-        ]
-        self._field_ids = tuple((getattr(nvml, const), name) for const, name in fields if hasattr(nvml, const))
-        slow_fields = [
-            ("NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS", "pcie_correctable_errors"),
-            ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
-            ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
-        ]
-        self._slow_field_ids = tuple((getattr(nvml, c), name) for c, name in slow_fields if hasattr(nvml, c))
+        self._field_ids = tuple((getattr(nvml, c), name) for c, name in SAMPLE_FIELDS if hasattr(nvml, c))
+        self._slow_field_ids = tuple((getattr(nvml, c), name) for c, name in LINK_FIELDS if hasattr(nvml, c))
         self._event_kinds = (
             (nvml.nvmlEventTypeXidCriticalError, "xid"),
             (nvml.nvmlEventTypeDoubleBitEccError, "ecc_dbe"),

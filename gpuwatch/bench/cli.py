@@ -26,7 +26,7 @@ from gpuwatch import __version__
 from gpuwatch.command_error import fail
 
 # In the order they run: the long footprint and the trainer job come last.
-SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation")
+SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation", "interference")
 DEFAULT_SIM_GPUS = 8
 TABLE_WIDTH = 150  # when stdout is not a terminal (a file, CI): rich would wrap at 80
 
@@ -52,8 +52,31 @@ def parse_only(value: str | None) -> list[str]:
 @click.option("--quick", is_flag=True, help="Short runs (a smoke test): fewer rounds, shorter windows, 20 s footprint.")
 @click.option("--only", help=f"Comma-separated sections to run (default all): {','.join(SECTIONS)}.")
 @click.option("--footprint-s", type=click.FloatRange(min=1.0), help="Footprint period in s (default 600, quick 20).")
+@click.option(
+    "--interference-s",
+    type=click.FloatRange(min=0.0),
+    help="Interference: seconds of interleaved rounds, both steps (default 240; fewer still runs 2 rounds each).",
+)
+@click.option(
+    "--attribute-s",
+    type=click.FloatRange(min=0.0),
+    help="Interference: seconds each NVML call kind is timed in the attribution (default 1.5, quick 0.4; 0: none).",
+)
+@click.option(
+    "--attribute-rate",
+    type=click.FloatRange(min=1.0, max=100000.0),
+    help="Interference: calls a second of the attribution's helper (default 1000).",
+)
 def bench(
-    backend: str, gpus: int | None, json_path: Path | None, quick: bool, only: str | None, footprint_s: float | None
+    backend: str,
+    gpus: int | None,
+    json_path: Path | None,
+    quick: bool,
+    only: str | None,
+    footprint_s: float | None,
+    interference_s: float | None,
+    attribute_s: float | None,
+    attribute_rate: float | None,
 ) -> None:
     """Measure gpuwatch's overhead and latency against the NVML floor and its peers; targets are informational."""
     from rich.console import Console
@@ -70,6 +93,9 @@ def bench(
             quick=quick,
             footprint_s=footprint_s or (20.0 if quick else 600.0),
             workdir=Path(workdir),
+            interference_s=interference_s,
+            attribute_s=attribute_s,
+            attribute_rate=attribute_rate,
         )
         header: dict[str, Any] = {
             "tool": "gpuwatch bench",

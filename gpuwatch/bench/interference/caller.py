@@ -1,0 +1,369 @@
+"""The attribution's helper: one kind of NVML call at a time, in a loop at a fixed rate, in a process of its own.
+
+The daemon makes each of its calls about once a second per GPU; a cost that small hides in the job's
+noise, so the helper makes one kind of call many times a second (the rate is a parameter) and the
+job's slowdown beside it, divided by the calls made, is what one call costs the job. Scaled back to
+the daemon's own rate of that call (under the read plan before and after, nvml_plan.py) it says how
+much of the daemon's cost that call is. Kinds marked unscaled are measured at their own pace: holding
+an event set, and the event thread's real 500 ms wait.
+
+Every kind is one call of what NvmlBackend.sample, its slow sample and its event thread make, plus
+the alternatives worth knowing (the process list's other variants, field-value batches instead of
+single calls). The sample kinds call NvmlBackend.sample itself, with a clock that moves one second a
+call, so its tiers and slow samples come at the daemon's 1 s ratio.
+
+Protocol (stdin → stdout, a line each): `probe KIND` → `ok` | `failed <why>`; `run KIND RATE` → `running`
+after the first call | `failed <why>`; `stop` → `stopped <calls> <seconds> <errors>`; `quit`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpuwatch.backends import nvml_plan
+from gpuwatch.backends.nvml_plan import ReadPlan
+from gpuwatch.bench.interference.child import answer, read_line
+from gpuwatch.config import Config, SimConfig
+
+Call = Callable[[], object]
+SLOW_EVERY_S = Config().slow_interval_s
+FIELD_SETS = {
+    "fields_sample": ("NVML_FI_DEV_MEMORY_TEMP", "NVML_FI_DEV_POWER_INSTANT", "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"),
+    "fields_links": (
+        "NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS",
+        "NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL",
+        "NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL",
+    ),
+    "field_one": ("NVML_FI_DEV_MEMORY_TEMP",),
+    "fields_ecc": (
+        "NVML_FI_DEV_ECC_SBE_VOL_TOTAL",
+        "NVML_FI_DEV_ECC_DBE_VOL_TOTAL",
+        "NVML_FI_DEV_ECC_SBE_AGG_TOTAL",
+        "NVML_FI_DEV_ECC_DBE_AGG_TOTAL",
+    ),
+    "fields_remap": (
+        "NVML_FI_DEV_REMAPPED_COR",
+        "NVML_FI_DEV_REMAPPED_UNC",
+        "NVML_FI_DEV_REMAPPED_PENDING",
+        "NVML_FI_DEV_REMAPPED_FAILURE",
+    ),
+}
+FIELD_SETS["fields_11"] = FIELD_SETS["fields_sample"] + FIELD_SETS["fields_ecc"] + FIELD_SETS["fields_remap"]
+
+
+def every(period_s: float) -> float:
+    """Calls a second of a group read every `period_s` at a 1 s interval (0: every sample)."""
+    return 1.0 if period_s <= 0 else 1.0 / max(period_s, 1.0)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of call: what it is, and how often the daemon makes it per GPU at 1 s under a read plan.
+
+    `per_s` None: measured at its own pace, not scaled (holding an event set, the real 500 ms wait).
+    """
+
+    name: str
+    what: str
+    per_s: Callable[[ReadPlan], float] | None = None
+
+
+def _rate(value: float) -> Callable[[ReadPlan], float]:
+    return lambda plan: value
+
+
+NVML_KINDS = (
+    Kind("clock_sm", "nvmlDeviceGetClockInfo(SM)", _rate(1)),
+    Kind("clock_mem", "nvmlDeviceGetClockInfo(MEM)", _rate(1)),
+    Kind("power", "nvmlDeviceGetPowerUsage", _rate(1)),
+    Kind("temp", "nvmlDeviceGetTemperature(GPU)", _rate(1)),
+    Kind("utilization", "nvmlDeviceGetUtilizationRates", _rate(1)),
+    Kind("memory_info", "nvmlDeviceGetMemoryInfo", _rate(1)),
+    Kind("reasons", "nvmlDeviceGetCurrentClocksEventReasons", _rate(1)),
+    Kind("pstate", "nvmlDeviceGetPerformanceState", _rate(1)),
+    Kind("ecc_volatile", "nvmlDeviceGetTotalEccErrors(volatile), one of two a sample", _rate(2)),
+    Kind("ecc_aggregate", "nvmlDeviceGetTotalEccErrors(aggregate), one of two", lambda p: 2 * every(p.ecc_aggregate_s)),
+    Kind("fields_ecc", "nvmlDeviceGetFieldValues, the 4 ECC totals in one call (alternative)", _rate(0)),
+    Kind("remapped_rows", "nvmlDeviceGetRemappedRows", lambda p: every(p.remapped_s)),
+    Kind("fields_remap", "nvmlDeviceGetFieldValues, the 4 row-remap fields (alternative)", _rate(0)),
+    Kind(
+        "procs_list",
+        "nvmlDeviceGetComputeRunningProcesses (v3: count, then list)",
+        lambda p: every(p.pids_list_s) if p.pids_by_count else 1.0,
+    ),
+    Kind("procs_count", "the v3 process count alone (one C call)", lambda p: 1.0 if p.pids_by_count else 0.0),
+    Kind("procs_graphics", "nvmlDeviceGetGraphicsRunningProcesses (alternative)", _rate(0)),
+    Kind("procs_mps", "nvmlDeviceGetMPSComputeRunningProcesses (alternative)", _rate(0)),
+    Kind("procs_detail", "nvmlDeviceGetRunningProcessDetailList(compute) (alternative)", _rate(0)),
+    Kind("fields_sample", "nvmlDeviceGetFieldValues, the sample's 3 fields", _rate(1)),
+    Kind("field_one", "nvmlDeviceGetFieldValues, 1 field (alternative)", _rate(0)),
+    Kind("fields_11", "nvmlDeviceGetFieldValues, 11 fields: the 3 + ECC + remap (alternative)", _rate(0)),
+    Kind("fields_links", "nvmlDeviceGetFieldValues, the slow sample's 3 link fields", _rate(1 / SLOW_EVERY_S)),
+    Kind("pcie_gen", "nvmlDeviceGetCurrPcieLinkGeneration", lambda p: every(p.pcie_gen_s)),
+    Kind("pcie_width", "nvmlDeviceGetCurrPcieLinkWidth", lambda p: every(p.pcie_width_s)),
+    Kind("pcie_replay", "nvmlDeviceGetPcieReplayCounter (slow sample)", _rate(1 / SLOW_EVERY_S)),
+    Kind("violation", "nvmlDeviceGetViolationStatus(power), one of two (slow sample)", _rate(2 / SLOW_EVERY_S)),
+    Kind("energy", "nvmlDeviceGetTotalEnergyConsumption (slow sample)", _rate(1 / SLOW_EVERY_S)),
+    Kind("event_set_idle", "an event set registered (XID, ECC), no wait: its presence"),
+    Kind("event_wait_500ms", "the event thread: nvmlEventSetWait_v2, 500 ms timeout, back to back"),
+    Kind("event_wait_5ms", "nvmlEventSetWait_v2, 5 ms timeout (the daemon waits twice a second)", _rate(2)),
+    Kind("sample_before", "NvmlBackend.sample, read plan before (1 virtual second a call)", _rate(1)),
+    Kind("sample_after", "NvmlBackend.sample, read plan now (1 virtual second a call)", _rate(1)),
+)
+SIM_KINDS = (Kind("sample_sim", "SimBackend.sample (no NVML: the CPU side of a sample only)", _rate(1)),)
+
+
+@dataclass
+class _Calls:
+    """What the helper process holds open for the kinds: pynvml and a handle, or the sim backend."""
+
+    backend: str
+    gpu: int
+    sim_gpus: int
+    opened: dict[str, Any] = field(default_factory=dict)
+
+    def make(self, kind: str) -> Call | None:
+        """One call of `kind` (None: the kind makes no call, only holds something open)."""
+        if self.backend == "sim":
+            return self._sample(kind)
+        nv, h = self._nvml()
+        simple: dict[str, Call] = {
+            "clock_sm": functools.partial(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+            "clock_mem": functools.partial(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
+            "power": functools.partial(nv.nvmlDeviceGetPowerUsage, h),
+            "temp": functools.partial(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+            "utilization": functools.partial(nv.nvmlDeviceGetUtilizationRates, h),
+            "memory_info": functools.partial(nv.nvmlDeviceGetMemoryInfo, h),
+            "reasons": functools.partial(nv.nvmlDeviceGetCurrentClocksEventReasons, h),
+            "pstate": functools.partial(nv.nvmlDeviceGetPerformanceState, h),
+            "ecc_volatile": functools.partial(
+                nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+            ),
+            "ecc_aggregate": functools.partial(
+                nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC
+            ),
+            "remapped_rows": functools.partial(nv.nvmlDeviceGetRemappedRows, h),
+            "procs_list": functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, h),
+            "procs_count": functools.partial(nvml_plan.process_count, nv, h),
+            "procs_graphics": functools.partial(nv.nvmlDeviceGetGraphicsRunningProcesses, h),
+            "procs_mps": functools.partial(nv.nvmlDeviceGetMPSComputeRunningProcesses, h),
+            "procs_detail": functools.partial(
+                nv.nvmlDeviceGetRunningProcessDetailList, h, nv.nvmlProcessDetailList_v1, nv.NVML_PROCESS_MODE_COMPUTE
+            ),
+            "pcie_gen": functools.partial(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
+            "pcie_width": functools.partial(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
+            "pcie_replay": functools.partial(nv.nvmlDeviceGetPcieReplayCounter, h),
+            "violation": functools.partial(nv.nvmlDeviceGetViolationStatus, h, nv.NVML_PERF_POLICY_POWER),
+            "energy": functools.partial(nv.nvmlDeviceGetTotalEnergyConsumption, h),
+        }
+        if kind in simple:
+            return simple[kind]
+        if kind in FIELD_SETS:
+            ids = [getattr(nv, name) for name in FIELD_SETS[kind]]  # AttributeError: a binding without them
+            return functools.partial(_field_values, nv, h, ids)
+        return self._backend_call(kind)
+
+    def _nvml(self) -> tuple[Any, Any]:
+        if "pynvml" not in self.opened:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.opened["pynvml"] = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(self.gpu))
+        nvml_and_handle: tuple[Any, Any] = self.opened["pynvml"]
+        return nvml_and_handle
+
+    def _backend_call(self, kind: str) -> Call | None:
+        """The kinds that go through NvmlBackend itself: its sample and its event thread's wait."""
+        from gpuwatch.backends.nvml import NvmlBackend
+
+        before = kind == "sample_before"
+        plan, key = (nvml_plan.BEFORE, "backend:before") if before else (nvml_plan.DEFAULT, "backend:now")
+        if key not in self.opened:
+            backend = NvmlBackend(Config(backend="nvml"), plan=plan)
+            backend.open()
+            self.opened[key] = backend
+        backend = self.opened[key]
+        if kind.startswith("sample_"):
+            return _VirtualSamples(backend, self.gpu).next
+        if kind == "event_set_idle":
+            backend.wait_events(0)  # creates and registers the set, as the event thread's first wait does
+            return None
+        timeouts = {"event_wait_500ms": 0.5, "event_wait_5ms": 0.005}
+        if kind in timeouts:
+            return functools.partial(backend.wait_events, timeouts[kind])
+        raise KeyError(kind)
+
+    def _sample(self, kind: str) -> Call:
+        from gpuwatch.backends.sim import SimBackend
+
+        if kind != "sample_sim":
+            raise KeyError(kind)
+        if "sim" not in self.opened:
+            backend = SimBackend(Config(backend="sim", sim=SimConfig(gpus=self.sim_gpus, scenario="healthy")))
+            backend.open()
+            self.opened["sim"] = backend
+        return _VirtualSamples(self.opened["sim"], 0).next
+
+
+class _VirtualSamples:
+    """backend.sample on a clock that moves 1 s a call, with a slow sample every slow_interval_s, as Monitor.tick."""
+
+    def __init__(self, backend: Any, index: int) -> None:
+        self.backend, self.index = backend, index
+        self.t = time.time()
+        self.last_slow = float("-inf")
+
+    def next(self) -> object:
+        self.t += 1.0
+        slow = self.t - self.last_slow >= SLOW_EVERY_S
+        if slow:
+            self.last_slow = self.t
+        return self.backend.sample(self.index, self.t, slow=slow)
+
+
+def _field_values(nvml: Any, handle: Any, ids: list[int]) -> object:
+    return nvml.nvmlDeviceGetFieldValues(handle, ids)
+
+
+def _serve(calls: _Calls) -> None:
+    """Answer the parent's commands until `quit` or the end of stdin."""
+    commands: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            commands.put(line.split())
+        commands.put(["quit"])
+
+    threading.Thread(target=read, name="commands", daemon=True).start()
+    while True:
+        command = commands.get()
+        if command[0] == "quit":
+            return
+        if command[0] not in ("probe", "run"):
+            continue  # a `stop` with nothing running
+        try:
+            call = calls.make(command[1])
+            if call is not None:
+                call()
+        except Exception as exc:  # an unsupported call, a binding without it: that kind is left out
+            answer(f"failed {type(exc).__name__}: {exc}".replace("\n", " "))
+            continue
+        if command[0] == "probe":
+            answer("ok")
+            continue
+        answer("running")
+        _loop(call, float(command[2]), commands)
+
+
+def _loop(call: Call | None, rate: float, commands: queue.SimpleQueue[list[str]]) -> None:
+    """`call` at `rate` a second (as fast as it returns when slower) until `stop`; then say how many."""
+    period = 1.0 / rate
+    calls = errors = 0
+    perf = time.perf_counter
+    started = due = perf()
+    while commands.empty():
+        if call is None:
+            time.sleep(0.01)
+            continue
+        try:
+            call()
+        except Exception:  # an NVML error now and then must not end the measurement; it is counted
+            errors += 1
+        calls += 1
+        due += period
+        wait = due - perf()
+        if wait > 0:
+            time.sleep(wait)
+        elif wait < -period:
+            due = perf()  # behind: go on at the call's own pace, without a burst to catch up
+    elapsed = perf() - started
+    command = commands.get()
+    answer(f"stopped {calls} {elapsed!r} {errors}")
+    if command[0] == "quit":
+        commands.put(command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", choices=("nvml", "sim"), required=True)
+    parser.add_argument("--gpu", type=int, default=0)
+    parser.add_argument("--sim-gpus", type=int, default=1)
+    args = parser.parse_args(argv)
+    _serve(_Calls(args.backend, args.gpu, args.sim_gpus))
+
+
+class CallerProcess:
+    """The parent's end of the helper.
+
+    Raises (from run and stop): RuntimeError when the helper exited or gave no answer.
+    """
+
+    ANSWER_TIMEOUT_S = 30.0
+
+    def __init__(self, backend: str, gpu: int, sim_gpus: int, stderr_path: Path) -> None:
+        argv = [sys.executable, "-m", "gpuwatch.bench.interference.caller", "--backend", backend]
+        argv += ["--gpu", str(gpu), "--sim-gpus", str(sim_gpus)]
+        self._stderr = stderr_path.open("wb")
+        self._process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1
+        )
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def probe(self, kind: str) -> str:
+        """ "" when the helper can make `kind`'s call here, else why not."""
+        reply = self._ask(f"probe {kind}")
+        return "" if reply == "ok" else reply.removeprefix("failed ")
+
+    def run(self, kind: str, rate: float) -> None:
+        reply = self._ask(f"run {kind} {rate!r}")
+        if reply != "running":
+            raise RuntimeError(f"the helper could not run {kind}: {reply}")
+
+    def stop(self) -> tuple[int, float, int]:
+        """Calls made, seconds, and errors since run()."""
+        reply = self._ask("stop").split()
+        if reply[0] != "stopped":
+            raise RuntimeError(f"the helper answered {' '.join(reply)!r} to stop")
+        return int(reply[1]), float(reply[2]), int(reply[3])
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            try:
+                assert self._process.stdin is not None
+                self._process.stdin.write("quit\n")
+                self._process.stdin.flush()
+                self._process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self._process.kill()
+                self._process.wait()
+        self._stderr.close()
+
+    def _ask(self, line: str) -> str:
+        stdin, stdout = self._process.stdin, self._process.stdout
+        assert stdin is not None and stdout is not None
+        try:
+            stdin.write(line + "\n")
+            stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError("the NVML helper exited") from None
+        reply = read_line(stdout, self.ANSWER_TIMEOUT_S)
+        if reply is None:
+            raise RuntimeError(f"the NVML helper gave no answer to {line.split()[0]}")
+        return reply.strip()
+
+
+if __name__ == "__main__":
+    main()

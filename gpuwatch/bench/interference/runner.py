@@ -1,0 +1,61 @@
+"""Time the job through a plan of segments, each condition thawed around its own, and sum the result up."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gpuwatch.bench.harness import progress
+from gpuwatch.bench.interference import stats
+from gpuwatch.bench.interference.beside import Beside
+from gpuwatch.bench.interference.plan import Segment
+
+ALONE_SETTLE_S = 0.1  # after a monitor is frozen or a loop stopped, before the alone segment is timed
+Timed = list[tuple[str, list[float]]]
+
+
+class Job(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> list[float]: ...
+
+
+def time_segments(job: Job, segments: Sequence[Segment], besides: Mapping[str, Beside], what: str) -> Timed:
+    """Each segment's step times, in order; a condition's Beside is resumed around its segment only."""
+    timed: Timed = []
+    next_progress = time.monotonic() + 30
+    for number, segment in enumerate(segments, 1):
+        beside = besides.get(segment.key)
+        if beside is not None:
+            beside.resume()
+        time.sleep(beside.settle_s if beside is not None else ALONE_SETTLE_S)
+        job.start()
+        time.sleep(segment.seconds)
+        steps = job.stop()
+        if beside is not None:
+            beside.pause()
+        timed.append((segment.key, steps))
+        if time.monotonic() >= next_progress:
+            next_progress += 30
+            progress(f"interference: {what}: segment {number}/{len(segments)}")
+    return timed
+
+
+def summarize(timed: Timed, labels: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Per condition: its pooled steps (ms), how many segments, and p50 and mean against alone with intervals.
+
+    Under `alone` the comparison is the placebo (alone against the alone segments two places away).
+    """
+    segments = [(key, stats.summarize_steps(steps)) for key, steps in timed]
+    pooled = stats.pooled(timed)
+    ratios = {stat: stats.paired_ratios(segments, stat) for stat in stats.STATS}
+    result: dict[str, dict[str, Any]] = {}
+    for key, steps in pooled.items():
+        entry: dict[str, Any] = {"label": labels.get(key, key), "segments": sum(k == key for k, _ in segments)}
+        entry.update(steps.as_ms())
+        for stat in stats.STATS:
+            if ratios[stat].get(key):
+                entry[f"{stat}_vs_alone"] = stats.interval(ratios[stat][key]).as_pct()
+        result[key] = entry
+    return result
