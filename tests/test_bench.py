@@ -63,6 +63,29 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
     assert figures["detection"]["sustained"]["flagged_s"] > 0
     assert figures["footprint"]["gpuwatch_1s"]["rss_mb"] > 0
     assert figures["footprint"]["gpuwatch_30s"]["cpu_s_per_hour"] >= 0
+    _check_interference(figures["interference"], sections["interference"]["notes"])
+
+
+def _check_interference(figures: dict[str, Any], notes: list[str]) -> None:
+    """The sim form: a CPU step loop beside the sim daemon at 1 s and 30 s, two rounds a step, the attribution."""
+    assert figures["device"] == "cpu" and figures["gpu_measured"] is False
+    assert any("GPU side was not measured" in note for note in notes), notes
+    for kind in ("short", "long"):
+        result = figures[kind]
+        assert result["rounds"] == 2 and result["step_ms"] > 0
+        conditions = result["conditions"]
+        assert set(conditions) == {"alone", "gpuwatch_1s", "gpuwatch_30s"}
+        for key in ("gpuwatch_1s", "gpuwatch_30s"):
+            entry = conditions[key]
+            assert entry["segments"] == 2 and entry["n"] > 0
+            assert entry["p50_ms"] <= entry["p99_ms"] <= entry["max_ms"]
+            assert entry["mean_vs_alone"]["pairs"] == 2 and entry["mean_vs_alone"]["low_pct"] is not None
+    assert figures["monitors"]["gpuwatch_1s"]["scrapes"] > 0 and figures["monitors"]["gpuwatch_1s"]["exit_code"] == 0
+    assert figures["bare"]["segments"] == 2
+    attribution = figures["attribution"]
+    assert attribution["calls"]["sample_sim"]["calls"] > 0
+    assert set(attribution["daemons"]) == {"daemon:no_nvml", "daemon:serving"}
+    assert attribution["daemons"]["daemon:serving"]["scrapes"] > attribution["daemons"]["daemon:no_nvml"]["scrapes"]
 
 
 @pytest.mark.parametrize("only", ["sampling,nope", ",", "Serving"])

@@ -67,6 +67,11 @@ def parse_only(value: str | None) -> list[str]:
     type=click.FloatRange(min=1.0, max=100000.0),
     help="Interference: calls a second of the attribution's helper (default 1000).",
 )
+@click.option(
+    "--interference-restart",
+    is_flag=True,
+    help="Interference: start and stop each monitor around its segments instead of freezing it between them.",
+)
 def bench(
     backend: str,
     gpus: int | None,
@@ -77,6 +82,7 @@ def bench(
     interference_s: float | None,
     attribute_s: float | None,
     attribute_rate: float | None,
+    interference_restart: bool,
 ) -> None:
     """Measure gpuwatch's overhead and latency against the NVML floor and its peers; targets are informational."""
     from rich.console import Console
@@ -96,6 +102,7 @@ def bench(
             interference_s=interference_s,
             attribute_s=attribute_s,
             attribute_rate=attribute_rate,
+            interference_restart=interference_restart,
         )
         header: dict[str, Any] = {
             "tool": "gpuwatch bench",

@@ -37,6 +37,7 @@ class Context:
     interference_s: float | None = None  # the interleaved rounds' time (None: the mode's default)
     attribute_s: float | None = None  # each call kind's segment in the attribution (0: no attribution)
     attribute_rate: float | None = None  # calls a second the attribution's helper makes
+    interference_restart: bool = False  # start and stop each monitor around its segments instead of freezing it
 
     def pick(self, full: float, quick: float) -> float:
         """A size or duration for this mode."""

@@ -13,7 +13,9 @@ times a second (serving, amplified).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from gpuwatch.backends import nvml_plan
@@ -28,7 +30,9 @@ from gpuwatch.bench.report import Row, Section
 SERVING_SCRAPES_PER_S = 100.0
 
 
-def run(ctx: Context, job: Job, *, attribute_s: float, daemon_s: float, rate: float, settle_s: float) -> dict[str, Any]:
+def run(
+    ctx: Context, job: Job, *, attribute_s: float, daemon_s: float, rate: float, settle_s: float, restart: bool
+) -> dict[str, Any]:
     """Time the job (already on its short step) beside each call kind and each daemon variant; the figures."""
     kinds = {kind.name: kind for kind in (NVML_KINDS if ctx.backend == "nvml" else SIM_KINDS)}
     caller = CallerProcess(ctx.backend, 0, ctx.gpus, ctx.workdir / "caller.stderr")
@@ -42,7 +46,7 @@ def run(ctx: Context, job: Job, *, attribute_s: float, daemon_s: float, rate: fl
                 skipped[name] = why
             else:
                 loops.append(CallLoop(caller, name, kind.what, rate))
-        for daemon in _daemons(ctx, settle_s):
+        for daemon in _daemons(ctx, functools.partial(Monitor, settle_s=settle_s, restart=restart)):
             try:
                 daemon.open()
             except RuntimeError as exc:
@@ -75,7 +79,7 @@ def run(ctx: Context, job: Job, *, attribute_s: float, daemon_s: float, rate: fl
     }
 
 
-def _daemons(ctx: Context, settle_s: float) -> list[Beside]:
+def _daemons(ctx: Context, monitor: Callable[..., Monitor]) -> list[Beside]:
     """The daemon at 1 s with one part of its NVML work left out; and with none (sim), scraped at 1 and 100/s."""
     found: list[Beside] = []
     if ctx.backend == "nvml":
@@ -86,13 +90,13 @@ def _daemons(ctx: Context, settle_s: float) -> list[Beside]:
             ("daemon:events_only", "gpuwatch @ 1 s, event-thread NVML only", variants.NvmlEventsOnly),
         ):
             variant = ctx if cls is None else dataclasses.replace(ctx, backend=variants.backend_name(cls))
-            found.append(Monitor(key, label, bench_daemon(variant, f"attr-{key[7:]}", 1.0), 1.0, settle_s))
+            found.append(monitor(key, label, bench_daemon(variant, f"attr-{key[7:]}", 1.0), 1.0))
     sim = dataclasses.replace(ctx, backend="sim")
     no_nvml = "gpuwatch --backend sim @ 1 s (no NVML)"
-    found.append(Monitor("daemon:no_nvml", no_nvml, bench_daemon(sim, "attr-no-nvml", 1.0), 1.0, settle_s))
+    found.append(monitor("daemon:no_nvml", no_nvml, bench_daemon(sim, "attr-no-nvml", 1.0), 1.0))
     serving = f"gpuwatch --backend sim @ 1 s, scraped {SERVING_SCRAPES_PER_S:g}/s"
     daemon = bench_daemon(sim, "attr-serving", 1.0)
-    found.append(Monitor("daemon:serving", serving, daemon, 1.0 / SERVING_SCRAPES_PER_S, settle_s))
+    found.append(monitor("daemon:serving", serving, daemon, 1.0 / SERVING_SCRAPES_PER_S))
     return found
 
 

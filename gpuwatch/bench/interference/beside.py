@@ -4,9 +4,11 @@ A monitor is started once, before the first segment, and frozen (SIGSTOP) as soo
 each of its segments it is thawed (SIGCONT) and scraped every `scrape_s` as Prometheus would scrape
 it, then frozen again. A frozen process makes no call and uses no CPU, so the alone segments between
 are the job alone, and a round costs no start-up; the bench also times the job before any monitor is
-started and after all have stopped ("bare") to show that their frozen presence costs nothing. After a
-thaw, `settle_s` passes before the job is timed: gpuwatch's sampling thread makes up the round it
-missed while frozen at once, then keeps its phase, so the timed part sees its steady rate.
+started and after all have stopped ("bare") to show whether their frozen presence (open NVML handles,
+a registered event set) costs anything; where it does, `restart` starts and stops each monitor around
+its segments instead. After a thaw, `settle_s` passes before the job is timed: gpuwatch's sampling
+thread makes up the round it missed while frozen at once, then keeps its phase, so the timed part
+sees its steady rate.
 """
 
 from __future__ import annotations
@@ -90,41 +92,66 @@ class _Scraper:
 
 
 class Monitor:
-    """A monitor process (a gpuwatch daemon, nvitop-exporter): frozen except during its segments, scraped then."""
+    """A monitor process (a gpuwatch daemon, nvitop-exporter), scraped during its segments only.
+
+    Frozen between its segments; with `restart`, started for each segment and stopped after it
+    instead (no process at all in the alone segments, at the price of a start-up per segment, and a
+    30 s daemon's ticks are then not seen in segments shorter than its interval).
+    """
 
     def __init__(
-        self, key: str, label: str, server: ServerProcess, scrape_s: float, settle_s: float = THAW_SETTLE_S
+        self,
+        key: str,
+        label: str,
+        server: ServerProcess,
+        scrape_s: float,
+        settle_s: float = THAW_SETTLE_S,
+        restart: bool = False,
     ) -> None:
         self.key, self.label = key, label
         self.settle_s = settle_s
         self.server = server
         self.scrape_s = scrape_s
+        self.restart = restart
+        self.starts = 0
         self._scraper: _Scraper | None = None
 
     def open(self) -> None:
-        self.server.start()
-        os.kill(self.server.pid, signal.SIGSTOP)
-        self._scraper = _Scraper(self.server.port, self.scrape_s)
+        if not self.restart:
+            self._start()
+            os.kill(self.server.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
-        os.kill(self.server.pid, signal.SIGCONT)
+        if self.restart:
+            self._start()
+        else:
+            os.kill(self.server.pid, signal.SIGCONT)
         assert self._scraper is not None
         self._scraper.resume()
 
     def pause(self) -> None:
         assert self._scraper is not None
         self._scraper.pause()
-        os.kill(self.server.pid, signal.SIGSTOP)
+        if self.restart:
+            self.server.stop()
+        else:
+            os.kill(self.server.pid, signal.SIGSTOP)
 
     def close(self) -> dict[str, Any]:
-        figures: dict[str, Any] = {}
+        figures: dict[str, Any] = {"starts": self.starts}
         if self._scraper is not None:
             self._scraper.close()
-            figures = {"scrapes": self._scraper.scrapes, "scrape_errors": self._scraper.errors}
-        if self.server.process.poll() is None:
+            figures.update(scrapes=self._scraper.scrapes, scrape_errors=self._scraper.errors)
+        if self.starts and self.server.process.poll() is None:
             os.kill(self.server.pid, signal.SIGCONT)  # a stopped process would hold SIGTERM until thawed
         figures["exit_code"] = self.server.stop()
         return figures
+
+    def _start(self) -> None:
+        self.server.start()
+        self.starts += 1
+        if self._scraper is None:
+            self._scraper = _Scraper(self.server.port, self.scrape_s)
 
 
 class CommandLoop:

@@ -124,13 +124,20 @@ SIM_KINDS = (Kind("sample_sim", "SimBackend.sample (no NVML: the CPU side of a s
 
 
 @dataclass
-class _Calls:
+class Calls:
     """What the helper process holds open for the kinds: pynvml and a handle, or the sim backend."""
 
     backend: str
     gpu: int
     sim_gpus: int
     opened: dict[str, Any] = field(default_factory=dict)
+    segment: Any = None  # what only the current kind holds (an event set's backend): closed by end()
+
+    def end(self) -> None:
+        """After a probe or a run: free what only that kind held, so no event set outlives its segment."""
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
     def make(self, kind: str) -> Call | None:
         """One call of `kind` (None: the kind makes no call, only holds something open)."""
@@ -183,25 +190,28 @@ class _Calls:
         return nvml_and_handle
 
     def _backend_call(self, kind: str) -> Call | None:
-        """The kinds that go through NvmlBackend itself: its sample and its event thread's wait."""
+        """The kinds that go through NvmlBackend itself: its sample, and its event thread's set and wait.
+
+        The sample kinds keep their backend open; an event kind gets one of its own for its segment only
+        (an event set registered during the alone segments would be in the baseline).
+        """
         from gpuwatch.backends.nvml import NvmlBackend
 
-        before = kind == "sample_before"
-        plan, key = (nvml_plan.BEFORE, "backend:before") if before else (nvml_plan.DEFAULT, "backend:now")
-        if key not in self.opened:
-            backend = NvmlBackend(Config(backend="nvml"), plan=plan)
-            backend.open()
-            self.opened[key] = backend
-        backend = self.opened[key]
-        if kind.startswith("sample_"):
-            return _VirtualSamples(backend, self.gpu).next
-        if kind == "event_set_idle":
-            backend.wait_events(0)  # creates and registers the set, as the event thread's first wait does
-            return None
-        timeouts = {"event_wait_500ms": 0.5, "event_wait_5ms": 0.005}
-        if kind in timeouts:
-            return functools.partial(backend.wait_events, timeouts[kind])
-        raise KeyError(kind)
+        if kind in ("sample_before", "sample_after"):
+            plan = nvml_plan.BEFORE if kind == "sample_before" else nvml_plan.DEFAULT
+            if kind not in self.opened:
+                self.opened[kind] = NvmlBackend(Config(backend="nvml"), plan=plan)
+                self.opened[kind].open()
+            return _VirtualSamples(self.opened[kind], self.gpu).next
+        timeouts = {"event_set_idle": None, "event_wait_500ms": 0.5, "event_wait_5ms": 0.005}
+        if kind not in timeouts:
+            raise KeyError(kind)
+        self.end()
+        self.segment = NvmlBackend(Config(backend="nvml"))
+        self.segment.open()
+        self.segment.wait_events(0)  # creates and registers the set, as the event thread's first wait does
+        timeout = timeouts[kind]
+        return None if timeout is None else functools.partial(self.segment.wait_events, timeout)
 
     def _sample(self, kind: str) -> Call:
         from gpuwatch.backends.sim import SimBackend
@@ -235,7 +245,7 @@ def _field_values(nvml: Any, handle: Any, ids: list[int]) -> object:
     return nvml.nvmlDeviceGetFieldValues(handle, ids)
 
 
-def _serve(calls: _Calls) -> None:
+def _serve(calls: Calls) -> None:
     """Answer the parent's commands until `quit` or the end of stdin."""
     commands: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
 
@@ -256,17 +266,21 @@ def _serve(calls: _Calls) -> None:
             if call is not None:
                 call()
         except Exception as exc:  # an unsupported call, a binding without it: that kind is left out
+            calls.end()
             answer(f"failed {type(exc).__name__}: {exc}".replace("\n", " "))
             continue
         if command[0] == "probe":
+            calls.end()
             answer("ok")
             continue
         answer("running")
-        _loop(call, float(command[2]), commands)
+        made, seconds, errors = _loop(call, float(command[2]), commands)
+        calls.end()  # before the answer: the parent times alone next
+        answer(f"stopped {made} {seconds!r} {errors}")
 
 
-def _loop(call: Call | None, rate: float, commands: queue.SimpleQueue[list[str]]) -> None:
-    """`call` at `rate` a second (as fast as it returns when slower) until `stop`; then say how many."""
+def _loop(call: Call | None, rate: float, commands: queue.SimpleQueue[list[str]]) -> tuple[int, float, int]:
+    """`call` at `rate` a second (as fast as it returns when slower) until `stop`: calls, seconds, errors."""
     period = 1.0 / rate
     calls = errors = 0
     perf = time.perf_counter
@@ -288,9 +302,9 @@ def _loop(call: Call | None, rate: float, commands: queue.SimpleQueue[list[str]]
             due = perf()  # behind: go on at the call's own pace, without a burst to catch up
     elapsed = perf() - started
     command = commands.get()
-    answer(f"stopped {calls} {elapsed!r} {errors}")
     if command[0] == "quit":
         commands.put(command)
+    return calls, elapsed, errors
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -299,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--sim-gpus", type=int, default=1)
     args = parser.parse_args(argv)
-    _serve(_Calls(args.backend, args.gpu, args.sim_gpus))
+    _serve(Calls(args.backend, args.gpu, args.sim_gpus))
 
 
 class CallerProcess:

@@ -17,6 +17,7 @@ CPU side; the GPU side is not measured. docs/performance-interference.md says ho
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import shutil
@@ -54,6 +55,7 @@ class Settings:
     attribute_s: float  # each call kind's segment (0: no attribution)
     daemon_s: float  # each daemon variant's segment in the attribution
     rate: float  # the attribution helper's calls a second
+    restart: bool = False  # monitors started and stopped around their segments, not frozen between them
     scrape_s: float = 1.0
 
     @classmethod
@@ -67,6 +69,7 @@ class Settings:
             attribute_s=attribute_s,
             daemon_s=2 * attribute_s,
             rate=ctx.attribute_rate or ctx.pick(1000.0, 200.0),
+            restart=ctx.interference_restart,
         )
 
 
@@ -123,10 +126,12 @@ def _placement_text(placement: cpus.Placement) -> str:
 
 def _monitors(ctx: Context, settings: Settings, notes: list[str]) -> list[Beside]:
     """The conditions beside the job: gpuwatch at 1 s and 30 s, and the peers where they are installed."""
-    scrape, settle = settings.scrape_s, settings.settle_s
+    monitor = functools.partial(
+        Monitor, scrape_s=settings.scrape_s, settle_s=settings.settle_s, restart=settings.restart
+    )
     found: list[Beside] = [
-        Monitor(OURS, "gpuwatch @ 1 s", bench_daemon(ctx, "interference-1s", 1.0), scrape, settle),
-        Monitor(OURS_30S, "gpuwatch @ 30 s", bench_daemon(ctx, "interference-30s", 30.0), scrape, settle),
+        monitor(OURS, "gpuwatch @ 1 s", bench_daemon(ctx, "interference-1s", 1.0)),
+        monitor(OURS_30S, "gpuwatch @ 30 s", bench_daemon(ctx, "interference-30s", 30.0)),
     ]
     if ctx.backend != "nvml":
         notes.append("nvitop-exporter and nvidia-smi read a GPU: not measured on the sim backend")
@@ -135,7 +140,7 @@ def _monitors(ctx: Context, settings: Settings, notes: list[str]) -> list[Beside
     if exporter is None:
         notes.append("nvitop-exporter is not installed: not measured (pip install nvitop-exporter)")
     else:
-        found.append(Monitor(NVITOP, "nvitop-exporter @ 1 s", exporter, scrape, settle))
+        found.append(monitor(NVITOP, "nvitop-exporter @ 1 s", exporter))
     smi = shutil.which("nvidia-smi")
     if smi is None:
         notes.append("nvidia-smi is not on PATH: not measured")
@@ -182,6 +187,7 @@ def _measure(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]
             daemon_s=settings.daemon_s,
             rate=settings.rate,
             settle_s=settings.settle_s,
+            restart=settings.restart,
         )
     return figures
 

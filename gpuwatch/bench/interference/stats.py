@@ -95,17 +95,18 @@ def paired_ratios(segments: Sequence[tuple[str, Steps]], stat: str) -> dict[str,
     """Per condition, each of its segments' `stat` over the mean of the nearest alone segment on each side.
 
     Alone segments themselves are compared with the nearest other alone segment on each side, under
-    ALONE: the placebo. A segment with no alone segment on either side is left out.
+    ALONE: the placebo. A segment without an alone segment on both sides (the first and last alone
+    ones) is left out: one side alone would not cancel a drift.
     """
     alone_at = [i for i, (key, _) in enumerate(segments) if key == ALONE]
     ratios: dict[str, list[float]] = {}
     for i, (key, steps) in enumerate(segments):
         before = [j for j in alone_at if j < i]
         after = [j for j in alone_at if j > i]
-        references = [segments[side[k]][1].stat(stat) for side, k in ((before, -1), (after, 0)) if side]
-        if not references:
+        if not before or not after:
             continue
-        ratios.setdefault(key, []).append(steps.stat(stat) / statistics.fmean(references))
+        reference = (segments[before[-1]][1].stat(stat) + segments[after[0]][1].stat(stat)) / 2
+        ratios.setdefault(key, []).append(steps.stat(stat) / reference)
     return ratios
 
 
