@@ -217,6 +217,17 @@ def test_every_call_kind_names_real_pynvml_functions() -> None:
             real = getattr(pynvml, name)  # AttributeError: no such name in the binding
             return (lambda *args: name) if callable(real) else real
 
+    class Old(Checked):
+        def __getattr__(self, name: str) -> object:
+            if name == "nvmlDeviceGetRunningProcessDetailList":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    old = Calls("nvml", 0, 1)
+    old.opened["pynvml"] = (Old(), object())
+    with pytest.raises(AttributeError):
+        old.make("procs_detail")
+    assert old.make("energy") is not None  # a binding without one call loses that kind only
     calls = Calls("nvml", 0, 1)
     calls.opened["pynvml"] = (Checked(), object())
     through_backend = {"sample_before", "sample_after", "event_set_idle", "event_wait_500ms", "event_wait_5ms"}

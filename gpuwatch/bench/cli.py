@@ -55,7 +55,7 @@ def parse_only(value: str | None) -> list[str]:
 @click.option(
     "--interference-s",
     type=click.FloatRange(min=0.0),
-    help="Interference: seconds of interleaved rounds, both steps (default 240; fewer still runs 2 rounds each).",
+    help="Interference: seconds of interleaved rounds, both steps (default 200; fewer still runs 2 rounds each).",
 )
 @click.option(
     "--attribute-s",

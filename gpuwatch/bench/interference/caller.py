@@ -59,6 +59,32 @@ FIELD_SETS = {
     ),
 }
 FIELD_SETS["fields_11"] = FIELD_SETS["fields_sample"] + FIELD_SETS["fields_ecc"] + FIELD_SETS["fields_remap"]
+# kind → the pynvml function it calls and the names of the pynvml constants it passes after the handle
+DIRECT: dict[str, tuple[str, tuple[str, ...]]] = {
+    "clock_sm": ("nvmlDeviceGetClockInfo", ("NVML_CLOCK_SM",)),
+    "clock_mem": ("nvmlDeviceGetClockInfo", ("NVML_CLOCK_MEM",)),
+    "power": ("nvmlDeviceGetPowerUsage", ()),
+    "temp": ("nvmlDeviceGetTemperature", ("NVML_TEMPERATURE_GPU",)),
+    "utilization": ("nvmlDeviceGetUtilizationRates", ()),
+    "memory_info": ("nvmlDeviceGetMemoryInfo", ()),
+    "reasons": ("nvmlDeviceGetCurrentClocksEventReasons", ()),
+    "pstate": ("nvmlDeviceGetPerformanceState", ()),
+    "ecc_volatile": ("nvmlDeviceGetTotalEccErrors", ("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_VOLATILE_ECC")),
+    "ecc_aggregate": ("nvmlDeviceGetTotalEccErrors", ("NVML_MEMORY_ERROR_TYPE_UNCORRECTED", "NVML_AGGREGATE_ECC")),
+    "remapped_rows": ("nvmlDeviceGetRemappedRows", ()),
+    "procs_list": ("nvmlDeviceGetComputeRunningProcesses", ()),
+    "procs_graphics": ("nvmlDeviceGetGraphicsRunningProcesses", ()),
+    "procs_mps": ("nvmlDeviceGetMPSComputeRunningProcesses", ()),
+    "procs_detail": (
+        "nvmlDeviceGetRunningProcessDetailList",
+        ("nvmlProcessDetailList_v1", "NVML_PROCESS_MODE_COMPUTE"),
+    ),
+    "pcie_gen": ("nvmlDeviceGetCurrPcieLinkGeneration", ()),
+    "pcie_width": ("nvmlDeviceGetCurrPcieLinkWidth", ()),
+    "pcie_replay": ("nvmlDeviceGetPcieReplayCounter", ()),
+    "violation": ("nvmlDeviceGetViolationStatus", ("NVML_PERF_POLICY_POWER",)),
+    "energy": ("nvmlDeviceGetTotalEnergyConsumption", ()),
+}
 
 
 def every(period_s: float) -> float:
@@ -144,37 +170,12 @@ class Calls:
         if self.backend == "sim":
             return self._sample(kind)
         nv, h = self._nvml()
-        simple: dict[str, Call] = {
-            "clock_sm": functools.partial(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
-            "clock_mem": functools.partial(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
-            "power": functools.partial(nv.nvmlDeviceGetPowerUsage, h),
-            "temp": functools.partial(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
-            "utilization": functools.partial(nv.nvmlDeviceGetUtilizationRates, h),
-            "memory_info": functools.partial(nv.nvmlDeviceGetMemoryInfo, h),
-            "reasons": functools.partial(nv.nvmlDeviceGetCurrentClocksEventReasons, h),
-            "pstate": functools.partial(nv.nvmlDeviceGetPerformanceState, h),
-            "ecc_volatile": functools.partial(
-                nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
-            ),
-            "ecc_aggregate": functools.partial(
-                nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC
-            ),
-            "remapped_rows": functools.partial(nv.nvmlDeviceGetRemappedRows, h),
-            "procs_list": functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, h),
-            "procs_count": functools.partial(nvml_plan.process_count, nv, h),
-            "procs_graphics": functools.partial(nv.nvmlDeviceGetGraphicsRunningProcesses, h),
-            "procs_mps": functools.partial(nv.nvmlDeviceGetMPSComputeRunningProcesses, h),
-            "procs_detail": functools.partial(
-                nv.nvmlDeviceGetRunningProcessDetailList, h, nv.nvmlProcessDetailList_v1, nv.NVML_PROCESS_MODE_COMPUTE
-            ),
-            "pcie_gen": functools.partial(nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
-            "pcie_width": functools.partial(nv.nvmlDeviceGetCurrPcieLinkWidth, h),
-            "pcie_replay": functools.partial(nv.nvmlDeviceGetPcieReplayCounter, h),
-            "violation": functools.partial(nv.nvmlDeviceGetViolationStatus, h, nv.NVML_PERF_POLICY_POWER),
-            "energy": functools.partial(nv.nvmlDeviceGetTotalEnergyConsumption, h),
-        }
-        if kind in simple:
-            return simple[kind]
+        if kind == "procs_count":
+            return functools.partial(nvml_plan.process_count, nv, h)
+        if kind in DIRECT:
+            # AttributeError: a binding without that function or constant; the kind is then left out
+            function, constants = DIRECT[kind]
+            return functools.partial(getattr(nv, function), h, *(getattr(nv, name) for name in constants))
         if kind in FIELD_SETS:
             ids = [getattr(nv, name) for name in FIELD_SETS[kind]]  # AttributeError: a binding without them
             return functools.partial(_field_values, nv, h, ids)

@@ -50,7 +50,8 @@ class Settings:
 
     budget_s: float  # the interleaved rounds of both steps together (each gets at least 2 rounds)
     segment_s: dict[str, float]  # one timed segment, per step kind
-    warm_up_s: float
+    first_warm_up_s: float  # the card from idle to its steady clocks under the job's load
+    warm_up_s: float  # after a switch of step
     settle_s: float  # after a monitor is thawed, before the job is timed
     attribute_s: float  # each call kind's segment (0: no attribution)
     daemon_s: float  # each daemon variant's segment in the attribution
@@ -62,8 +63,9 @@ class Settings:
     def of(cls, ctx: Context) -> Settings:
         attribute_s = ctx.attribute_s if ctx.attribute_s is not None else ctx.pick(1.5, 0.4)
         return cls(
-            budget_s=ctx.interference_s if ctx.interference_s is not None else ctx.pick(240.0, 0.0),
-            segment_s={"short": ctx.pick(3.0, 0.4), "long": ctx.pick(6.0, 0.4)},
+            budget_s=ctx.interference_s if ctx.interference_s is not None else ctx.pick(200.0, 0.0),
+            segment_s={"short": ctx.pick(3.0, 0.4), "long": ctx.pick(5.0, 0.4)},
+            first_warm_up_s=ctx.pick(10.0, 0.3),
             warm_up_s=ctx.pick(3.0, 0.3),
             settle_s=ctx.pick(THAW_SETTLE_S, 0.3),
             attribute_s=attribute_s,
@@ -153,7 +155,7 @@ def _monitors(ctx: Context, settings: Settings, notes: list[str]) -> list[Beside
 def _measure(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     short_s = settings.segment_s["short"]
-    step_s = {"short": job.use("short", settings.warm_up_s)}
+    step_s = {"short": job.use("short", settings.first_warm_up_s)}
     bare = [_time_alone(job, short_s)]  # before any monitor is started
     besides = _open(_monitors(ctx, settings, notes), notes)
     _say_how_long(settings, len(besides))
