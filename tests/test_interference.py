@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from gpuwatch.backends import nvml_plan
 from gpuwatch.bench.interference import cpus, stats, variants
+from gpuwatch.bench.interference.beside import CommandLoop
 from gpuwatch.bench.interference.caller import NVML_KINDS, CallerProcess, Calls
 from gpuwatch.bench.interference.plan import interleave, round_seconds, rounds_within
 from gpuwatch.bench.interference.runner import summarize
@@ -235,3 +237,16 @@ def test_every_call_kind_names_real_pynvml_functions() -> None:
     assert len(made) == len(NVML_KINDS) - len(through_backend)
     assert all(callable(call) for call in made.values())
     assert made["energy"]() == "nvmlDeviceGetTotalEnergyConsumption"  # type: ignore[misc]
+
+
+def test_command_loop_runs_only_between_resume_and_pause() -> None:
+    """nvidia-smi's stand-in: a command every `every_s` while its condition is timed, none after."""
+    loop = CommandLoop("cmd", "a command", [sys.executable, "-c", "pass"], 0.05)
+    loop.open()
+    loop.resume()
+    time.sleep(0.5)
+    loop.pause()
+    figures = loop.close()
+    time.sleep(0.2)
+    assert figures["calls"] > 0 and figures["failures"] == 0 and figures["call_p50_ms"] > 0
+    assert loop.close()["calls"] == figures["calls"]  # nothing ran after the pause
