@@ -66,7 +66,8 @@ def run(
     labels = {b.key: b.label for b in besides}
     summary = summarize(timed, labels)
     noise = _noise_pct(timed)
-    calls = {loop.kind: _call(kinds[loop.kind], loop, summary[loop.key], noise) for loop in loops}
+    skipped.update({loop.kind: loop.failed for loop in loops if loop.failed})
+    calls = {loop.kind: _call(kinds[loop.kind], loop, summary[loop.key], noise) for loop in loops if not loop.failed}
     return {
         "segment_s": attribute_s,
         "daemon_segment_s": daemon_s,
@@ -116,13 +117,17 @@ def _call(kind: Kind, loop: CallLoop, entry: dict[str, Any], noise: float | None
     if kind.per_s is None:  # at its own pace: the slowdown is the daemon's
         result.update(scaled=False, projected_now_pct=cost, projected_before_pct=cost, noise_projected_pct=noise)
         return result
-    result["job_us_per_call"] = cost / 100 / per_s * 1e6 if per_s else None
+
+    def per_call_us(pct: float | None) -> float | None:
+        return None if pct is None or not per_s else pct / 100 / per_s * 1e6
+
+    result.update(scaled=True, job_us_per_call=per_call_us(cost), noise_us_per_call=per_call_us(noise))
     for plan_name, plan in (("now", nvml_plan.DEFAULT), ("before", nvml_plan.BEFORE)):
         daemon_per_s = kind.per_s(plan)
         result[f"daemon_per_s_{plan_name}"] = daemon_per_s
         result[f"projected_{plan_name}_pct"] = cost * daemon_per_s / per_s if per_s else None
-    scale = kind.per_s(nvml_plan.BEFORE) / per_s if per_s else None
-    result.update(scaled=True, noise_projected_pct=None if noise is None or scale is None else noise * scale)
+        noise_pct = None if noise is None or not per_s else noise * daemon_per_s / per_s
+        result[f"noise_projected_{plan_name}_pct"] = noise_pct
     return result
 
 
@@ -155,28 +160,22 @@ def rows(section: Section, figures: dict[str, Any] | None) -> None:
     section.rows.append(Row("attribution: one pair's noise (alone vs alone), 1 σ", noise, "%"))
     ordered = sorted(figures["calls"].items(), key=lambda item: -(item[1]["projected_before_pct"] or 0.0))
     for name, call in ordered:
-        per_call = call.get("job_us_per_call")
-        detail = f"{call['mean_pct']:+.3f} % at {call['calls_per_s'] or 0:.0f}/s"
-        if per_call is not None:
-            detail += f", {per_call:.3g} µs of job a call"
-        value = f"{_pct(call['projected_now_pct'])} now / {_pct(call['projected_before_pct'])} before"
-        section.rows.append(Row(f"call {name} ({detail}): cost at 1 s", value, "%"))
+        detail = f"slowdown {call['mean_pct']:+.3f} % at {call['calls_per_s'] or 0:.0f}/s"
+        if call.get("job_us_per_call") is not None:
+            detail += f", {call['job_us_per_call']:.3g} µs a call (noise {call['noise_us_per_call'] or 0:.2g})"
+        value = f"{_pct(call['projected_now_pct'])} / {_pct(call['projected_before_pct'])}"
+        section.rows.append(Row(f"call {name}: cost at 1 s, plan now / before", value, f"% ({detail})"))
     sums = figures["projected_sum_pct"]
-    section.rows.append(
-        Row(
-            "calls a daemon makes, summed: cost at 1 s, now / before",
-            f"{_pct(sums['now'])} / {_pct(sums['before'])}",
-            "%",
-        )
-    )
+    value = f"{_pct(sums['now'])} / {_pct(sums['before'])}"
+    section.rows.append(Row("the daemon's calls summed: cost at 1 s, plan now / before", value, "%"))
     for daemon in figures["daemons"].values():
-        value = f"{daemon['mean_pct']:+.3f} mean / {daemon['p50_pct']:+.3f} p50"
-        section.rows.append(Row(f"thread split: {daemon['label']}", value, "%"))
+        value = f"{daemon['mean_pct']:+.3f} / {daemon['p50_pct']:+.3f}"
+        section.rows.append(Row(f"thread split · {daemon['label']}: mean / p50 vs alone", value, "%"))
     for name, why in figures["skipped"].items():
         section.notes.append(f"attribution: {name} not measured: {why}")
     section.notes.append(
-        "attribution: 'cost at 1 s' = slowdown beside the call × (the daemon's calls of it a second per GPU at 1 s ÷ "
-        "the helper's); one pair each, compare with the noise × that same scale (in the JSON)"
+        "attribution: cost at 1 s = slowdown beside the helper × the daemon's calls a second (per GPU, at a 1 s "
+        "interval) ÷ the helper's; one pair per kind: compare a call's µs with its noise in µs"
     )
 
 

@@ -196,7 +196,11 @@ class CommandLoop:
 
 
 class CallLoop:
-    """One kind of NVML call in the helper process at `rate` a second during the segment (the attribution)."""
+    """One kind of NVML call in the helper process at `rate` a second during the segment (the attribution).
+
+    A kind that probed well but fails to start is recorded in `failed` and its segment is timed as an
+    idle one; the attribution leaves it out rather than lose the run.
+    """
 
     def __init__(self, caller: CallerProcess, kind: str, label: str, rate: float) -> None:
         self.key, self.label = f"call:{kind}", label
@@ -206,14 +210,24 @@ class CallLoop:
         self.rate = rate
         self.calls = self.errors = 0
         self.seconds = 0.0
+        self.failed = ""
+        self._running = False
 
     def open(self) -> None:
         """The helper is one process for every kind, opened by the attribution."""
 
     def resume(self) -> None:
-        self.caller.run(self.kind, self.rate)
+        try:
+            self.caller.run(self.kind, self.rate)
+        except RuntimeError as exc:
+            self.failed = str(exc)
+            return
+        self._running = True
 
     def pause(self) -> None:
+        if not self._running:
+            return
+        self._running = False
         calls, seconds, errors = self.caller.stop()
         self.calls += calls
         self.seconds += seconds

@@ -109,7 +109,8 @@ def run(ctx: Context) -> Section:
         **figures,
     }
     _rows(section, on_gpu)
-    attribution.rows(section, section.figures.get("attribution"))
+    if "attribution_error" not in figures:
+        attribution.rows(section, section.figures.get("attribution"))
     return section
 
 
@@ -181,7 +182,9 @@ def _measure(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]
     job.use("short", settings.warm_up_s)
     bare.append(_time_alone(job, short_s))  # after every monitor has stopped
     figures["bare"] = _bare(bare, figures["short"]["conditions"][ALONE])
-    if settings.attribute_s > 0:
+    if settings.attribute_s <= 0:
+        return figures
+    try:
         figures["attribution"] = attribution.run(
             ctx,
             job,
@@ -191,6 +194,9 @@ def _measure(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]
             settle_s=settings.settle_s,
             restart=settings.restart,
         )
+    except (RuntimeError, OSError, ValueError) as exc:  # the rounds' figures stand without it
+        figures["attribution_error"] = f"{type(exc).__name__}: {exc}"
+        notes.append(f"attribution failed: {figures['attribution_error']}")
     return figures
 
 
