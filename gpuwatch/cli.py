@@ -20,7 +20,7 @@ from rich.table import Table
 
 from gpuwatch import __version__
 from gpuwatch.bench.cli import bench
-from gpuwatch.command_error import fail
+from gpuwatch.command_error import FiniteFloatRange, OneLineGroup, fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
@@ -81,10 +81,17 @@ def build_config(config_path: str | None, **flags: Any) -> Config:
         "seed": "sim.seed",
     }
     overrides = {keys.get(name, name): value for name, value in flags.items()}
-    return load(config_path, overrides=overrides)
+    return load(config_path, overrides=overrides, known_rules=_rule_names())
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _rule_names() -> frozenset[str]:
+    """The names `rules.disabled` may use: a rule id or module gpuwatch does not have is a typo, refused."""
+    from gpuwatch.health.engine import known_names
+
+    return known_names()
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuwatch")
 def main() -> None:
     """gpuwatch: GPU health daemon for PyTorch training fleets."""
@@ -176,7 +183,7 @@ def _fmt(value: Any, pattern: str = "{}") -> str:
 @click.option(
     "--duration",
     "duration_s",
-    type=click.FloatRange(0, 3600),
+    type=FiniteFloatRange(0, 3600),
     help="Seconds to sample, one sample a second. On the sim backend time is simulated and passes at once; "
     "the default there is the scenario's time to show its fault.",
 )
@@ -256,8 +263,8 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
 @config_options
 @backend_options
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0.1), required=True, help="Seconds to record.")
-@click.option("--interval", "interval_s", type=float, help="Seconds between samples (default 1).")
+@click.option("--duration", "duration_s", type=FiniteFloatRange(min=0.1), required=True, help="Seconds to record.")
+@click.option("--interval", "interval_s", type=FiniteFloatRange(min=0.1), help="Seconds between samples (default 1).")
 @one_line_errors
 def record(config_path: str | None, out_path: str, duration_s: float, **flags: Any) -> None:
     """Record a trace from any backend (JSON lines; the format: docs/trace-format.md in the repository)."""
@@ -284,7 +291,7 @@ def replay(trace_path: str, config_path: str | None, as_json: bool) -> None:
     from gpuwatch.trace import read_trace
 
     started = time.perf_counter()
-    results = run_replay(read_trace(Path(trace_path)), load(config_path))
+    results = run_replay(read_trace(Path(trace_path)), load(config_path, known_rules=_rule_names()))
     if as_json:
         click.echo(json.dumps({"gpus": [r.as_dict() for r in results]}, indent=2))
         return

@@ -61,7 +61,7 @@ def judge_quarantine(view: FleetView, config: FleetConfig) -> str | None:
     """None allows an automatic quarantine; otherwise the refusal, one line."""
     if view.error:
         return _unreachable(view, config)
-    if view.quarantined_share >= config.max_quarantined_share:
+    if not view.quarantined_share < config.max_quarantined_share:  # a nan limit (unvalidated Config) refuses
         return (
             f"{view.quarantined_share:.1%} of the fleet's GPUs are quarantined, at or above "
             f"fleet.max_quarantined_share {config.max_quarantined_share:.1%}"
@@ -73,7 +73,7 @@ def judge_drain(view: FleetView, config: FleetConfig) -> str | None:
     """None allows a Slurm drain; otherwise the refusal, one line."""
     if view.error:
         return _unreachable(view, config)
-    if view.drained_nodes >= config.max_drained_nodes:
+    if not view.drained_nodes < config.max_drained_nodes:
         return (
             f"{view.drained_nodes} node(s) drained by gpuwatch in the last {config.window_s:g} s, at or above "
             f"fleet.max_drained_nodes {config.max_drained_nodes}"

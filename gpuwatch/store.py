@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -97,6 +99,7 @@ class Store:
                 aside,
                 len(salvaged),
             )
+        self._make_private()
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -110,6 +113,24 @@ class Store:
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
         self._lock = threading.Lock()
+
+    def _make_private(self) -> None:
+        """Create the database 0600 whatever the umask, and make one found wider 0600 (SQLite gives its -wal
+        and -shm files the database's mode): quarantine reasons and incidents are root's business."""
+        try:
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            for suffix in ("", "-wal", "-shm"):
+                path = Path(f"{self.path}{suffix}")
+                if path.is_symlink() or not path.is_file():
+                    continue
+                info = path.stat()
+                mode = stat.S_IMODE(info.st_mode)
+                if mode & 0o077:
+                    os.chmod(path, 0o600)
+                    if not suffix and info.st_size:  # an empty file showed nobody anything
+                        log.warning("%s was mode %04o: made it 0600 (quarantines, incidents)", path, mode)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot create the state database: {exc.strerror or exc}") from None
 
     def _integrity_problem(self) -> str:
         """'' when the file is absent or passes PRAGMA quick_check, else what is wrong in a few words."""
@@ -144,6 +165,7 @@ class Store:
             source = Path(f"{self.path}{suffix}")
             if source.exists():
                 try:
+                    os.chmod(source, 0o600)  # kept for a post-mortem, by root only
                     source.rename(f"{aside}{suffix}")
                 except OSError as exc:
                     raise StoreError(f"{source}: corrupt, and cannot be moved aside: {exc.strerror or exc}") from None

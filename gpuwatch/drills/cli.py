@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
-from gpuwatch.command_error import fail
+from gpuwatch.command_error import OneLineCommand, fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 
 
-@click.command("drill", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("drill", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--inject", "inject_spec", metavar="SPEC", help="e.g. 'gpu=1,sm_clock_mhz=500,for=600' or 'gpu=0,preset=xid79'."
 )
