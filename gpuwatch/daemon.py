@@ -52,7 +52,7 @@ from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.statelock import StateDirLock
-from gpuwatch.store import Store
+from gpuwatch.store import JOURNAL_NAME, Store
 
 log = logging.getLogger("gpuwatch.daemon")
 
@@ -147,12 +147,14 @@ class Daemon:
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
         first_start = not config.db_path.exists()
-        self.store = Store(config.db_path)
         self.runtime = RuntimeDir(config.runtime_dir)
         try:
             self.runtime.prepare()
         except OSError as exc:
             raise ConfigError(f"runtime_dir {config.runtime_dir}: cannot prepare it: {exc.strerror or exc}") from None
+        # The journal of quarantine changes the database could not take also goes to the runtime dir: another
+        # file system than a full state disk, and kept across restarts (RuntimeDirectoryPreserve=yes).
+        self.store = Store(config.db_path, journal_copies=[self.runtime.path / JOURNAL_NAME])
         self.token = ensure_token(config.token_path, first_start=first_start)
         self.monitor = Monitor(
             self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
@@ -332,7 +334,10 @@ class Daemon:
         unsaved = self.monitor.flush_store()
         if unsaved:
             log.error(
-                "%d quarantine change(s) could not be written to %s and are lost at exit", unsaved, self.store.path
+                "%d quarantine change(s) could not be written to %s: kept in its %s, applied at the next start",
+                unsaved,
+                self.store.path,
+                JOURNAL_NAME,
             )
         self.store.close()
         self.state_lock.release()
