@@ -249,7 +249,7 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
     from gpuwatch import slurm
     from gpuwatch.fleet import FleetBreaker
 
-    gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None
+    gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None  # asks, within timeout_s
     scontrol = slurm.Scontrol(config.slurm.scontrol, config.slurm.timeout_s)
     name = slurm.node_name(config.slurm)
     want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm)

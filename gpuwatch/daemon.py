@@ -261,7 +261,13 @@ class Daemon:
         )
 
     def start(self) -> None:
-        """First sample (so READY=1 means real data), then the sampling and event threads, READY=1."""
+        """First sample (so READY=1 means real data), then the sampling and event threads, READY=1.
+
+        The fleet breaker asks Prometheus first (at most fleet.timeout_s), so that the first automatic
+        quarantines (XIDs the kernel log replays after a fleet-wide driver roll-out) are judged on an answer.
+        """
+        if self.fleet is not None:
+            self.fleet.start()
         self.monitor.tick()
         self._sample_thread.start()
         self.scheduler.start()
@@ -331,6 +337,8 @@ class Daemon:
             self.kernel_log.close()
         if self.drainer is not None:
             self.drainer.stop()
+        if self.fleet is not None:
+            self.fleet.stop()
         unsaved = self.monitor.flush_store()
         if unsaved:
             log.error(

@@ -86,6 +86,8 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
             lambda: [float(r["value"][1]) for r in query("fleet:gpuwatch_gpus_quarantined:ratio")] == [0.25],
         )
 
+        # A quarantine is judged on the breaker's last reading (never waited for): let C read the share first.
+        wait_until("C's breaker reads 25 %", lambda: _metric(c, "gpuwatch_fleet_quarantined_ratio") == 0.25)
         _inject_xid79(c, 1)
         wait_until("C refuses", lambda: "fleet breaker refused the quarantine" in _log(c))
         assert "25.0% of the fleet's GPUs are quarantined, at or above fleet.max_quarantined_share 20.0%" in _log(c)
