@@ -53,7 +53,10 @@ def config_options(func: F) -> F:
         [
             click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file."),
             click.option("--listen", help="HOST:PORT of the API (default 127.0.0.1:9835)."),
-            click.option("--state-dir", help="Where the database and token live (default /var/lib/gpuwatch)."),
+            click.option(
+                "--state-dir",
+                help="The daemon's state dir, where its control socket lives (default /var/lib/gpuwatch).",
+            ),
         ]
     ):
         func = option(func)
@@ -126,7 +129,10 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
     """Show the GPUs of the running daemon: a table on a terminal wide enough for it, else one GPU per line."""
     from gpuwatch.client import DaemonClient
 
-    gpus = DaemonClient(build_config(config_path, **flags), config_path=config_path).gpus()
+    client = DaemonClient(build_config(config_path, **flags), config_path=config_path, over_tcp=True)
+    gpus = client.gpus()
+    if client.answered_over_tcp:
+        click.echo(f"gpuwatch: no control socket at {client.socket_path}: shown as {client.base} answered", err=True)
     if as_json:
         click.echo(json.dumps({"gpus": [g.model_dump(mode="json") for g in gpus]}, indent=2))
         return

@@ -172,6 +172,9 @@ class ApiConfig:
     header_timeout_s: float = 10.0  # a request's line and headers must arrive within this (slowloris)
     max_header_bytes: int = 16384  # request line and headers; more is 431
     max_body_bytes: int = 65536  # request body; more is 413
+    socket: str = ""  # the control socket (the CLI's way in); "": <state_dir>/api.sock
+    admin_group: str = ""  # besides root, members of this group may change state over the control socket
+    allowed_hosts: tuple[str, ...] = ()  # Host names the TCP listener answers besides loopback, IPs and this host's
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,10 @@ class Config:
     @property
     def db_path(self) -> Path:
         return Path(self.state_dir) / "gpuwatch.db"
+
+    @property
+    def control_socket(self) -> Path:
+        return Path(self.api.socket) if self.api.socket else Path(self.state_dir) / "api.sock"
 
 
 def load(
@@ -375,6 +382,7 @@ def validate(config: Config, known_rules: Collection[str] | None = None) -> None
     _check_range("api.max_connections", config.api.max_connections, 16, 1_000_000)
     _check_range("api.max_header_bytes", config.api.max_header_bytes, 1024, 1 << 20)
     _check_range("api.max_body_bytes", config.api.max_body_bytes, 1024, 1 << 30)
+    _check_api_names(config.api)
     for number, entry in enumerate(config.drills.schedule, start=1):
         _check_range(f"drills.schedule[{number}].require_healthy_share", entry.require_healthy_share, 0.0, 1.0)
 
@@ -428,6 +436,15 @@ def _check_shares(config: Config) -> None:
             _check_range(key, value, 0, 100)
         elif key.endswith("_duty"):
             _check_range(key, value, 0.0, 1.0, low_open=True)
+
+
+def _check_api_names(api: ApiConfig) -> None:
+    """A group name as useradd takes it; Host names as they appear in a Host header (or "*")."""
+    if api.admin_group and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}", api.admin_group):
+        raise ConfigError(f"api.admin_group: {api.admin_group!r} is not a group name")
+    for name in api.allowed_hosts:
+        if name != "*" and not re.fullmatch(r"[A-Za-z0-9_.\-]{1,253}", name):
+            raise ConfigError(f'api.allowed_hosts: {name!r} is not a host name (or "*" for any)')
 
 
 def _check_stop_signal(name: str) -> None:
