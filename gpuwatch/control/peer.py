@@ -10,7 +10,7 @@ from dataclasses import dataclass
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 # Not in Python's socket module. Linux >= 4.13; 59 on the asm-generic architectures (x86, arm, riscv...).
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-MAX_GROUPS = 65536
+MAX_GROUPS = 256  # Python's getsockopt reads at most 1024 bytes; a peer in more groups counts by its primary gid
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ def of(sock: socket.socket) -> PeerCred:
 
 
 def _groups(sock: socket.socket) -> tuple[int, ...]:
-    """The peer's supplementary groups; () where the kernel cannot say (older than 4.13)."""
+    """The peer's supplementary groups; () where the kernel cannot say (older than 4.13, or over MAX_GROUPS)."""
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * MAX_GROUPS)
     except OSError:
