@@ -125,6 +125,7 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
         wait_until("C's node breaker refuses GPU 2", lambda: "circuit breaker refused the quarantine" in _log(c))
         assert not c.get("/v1/gpus/2")["quarantined"]
 
+        wait_until("B's breaker has noticed", lambda: _metric(b, "gpuwatch_fleet_prometheus_up") == 0)
         _inject_xid79(b, 1)
         wait_until("B (closed) refuses", lambda: "fleet.on_unreachable is closed" in _log(b))
         assert not b.get("/v1/gpus/1")["quarantined"]
