@@ -73,7 +73,8 @@ class SlotFile:
         return best
 
     def write(self, seq: int, payload: bytes) -> None:
-        """Put `payload` in slot `seq % 2` and sync it.
+        """Put `payload` in slot `seq % 2` (in the page cache: it survives the process, `sync` makes it survive
+        a power cut).
 
         Raises:
             ValueError: `payload` does not fit a slot.
@@ -83,6 +84,8 @@ class SlotFile:
             raise ValueError(f"{len(payload)} bytes do not fit a slot of {self.capacity}")
         record = HEADER.pack(MAGIC, seq, len(payload), _crc(seq, payload)) + payload
         os.pwrite(self._fd, record, (seq % 2) * self.slot_bytes)
+
+    def sync(self) -> None:
         os.fdatasync(self._fd)
 
     def close(self) -> None:
@@ -128,6 +131,14 @@ class Mirrored:
             written += 1
         self.payload = payload
         return written > 0
+
+    def sync(self) -> None:
+        """Make the last write survive a power cut (each copy that can)."""
+        for copy in self.copies:
+            try:
+                copy.sync()
+            except OSError as exc:
+                log.error("%s: cannot sync %s: %s", copy.path, self.what, exc.strerror or exc)
 
     def close(self) -> None:
         for copy in self.copies:

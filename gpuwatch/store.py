@@ -83,7 +83,9 @@ class PendingQuarantines(MutableMapping[str, QuarantineRecord | None]):
     """uuid → the quarantine (or None: its release) in force but not yet in the database, oldest first.
 
     Every change is written to the journal at once, before the database is tried, so nothing
-    decided waits in memory alone. A record whose database write succeeds is deleted from it.
+    decided waits in memory alone. A record whose database write succeeds is deleted from it. The
+    journal is synced (fdatasync) only when the database refuses a write: on a healthy disk a record
+    lives there for a moment, and the database's own commit is what makes it durable.
     """
 
     def __init__(self, journal: Mirrored) -> None:
@@ -113,6 +115,9 @@ class PendingQuarantines(MutableMapping[str, QuarantineRecord | None]):
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def sync(self) -> None:
+        self._journal.sync()
 
     def close(self) -> None:
         self._journal.close()
@@ -249,6 +254,8 @@ class Store:
                         self._db.execute("ROLLBACK")
                     except sqlite3.Error:
                         pass  # a full disk can fail the rollback too; the error below is what matters
+                if self.pending:
+                    self.pending.sync()  # the database refused: what it owes must survive a power cut too
                 raise StoreError(f"{self.path}: {exc}") from None
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

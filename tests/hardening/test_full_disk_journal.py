@@ -23,7 +23,7 @@ import pytest
 from gpuwatch.bench.daemon_process import DaemonProcess, wait_until
 from gpuwatch.errors import StoreError
 from gpuwatch.model import GpuEvent
-from gpuwatch.slotfile import SlotFile
+from gpuwatch.slotfile import Mirrored, SlotFile
 from gpuwatch.store import JOURNAL_NAME, JOURNAL_SLOT_BYTES, Store
 from tests.hardening.conftest import tmpfs
 from tests.helpers import start_sim_node
@@ -164,3 +164,22 @@ def test_a_real_daemon_restarted_on_a_full_state_disk_keeps_the_quarantine(tmp_p
         finally:
             recovered.stop()
         assert _journaled(state / JOURNAL_NAME) == _journaled(root / "run" / JOURNAL_NAME) == [], "nothing owed"
+
+
+def test_a_torn_write_falls_back_to_the_other_slot_and_the_newest_copy_wins(tmp_path: Path) -> None:
+    journal = SlotFile(tmp_path / "a", 4096)
+    for seq, payload in ((1, b"one"), (2, b"two"), (3, b"three")):
+        journal.write(seq, payload)
+    assert journal.read() == (3, b"three")
+    with (tmp_path / "a").open("r+b") as raw:  # slot 1 (seq 3) torn halfway through its payload
+        raw.seek(4096 + 21)
+        raw.write(b"\0\0")
+    assert journal.read() == (2, b"two")
+    journal.close()
+    Mirrored([tmp_path / "b"], 4096, "b").write(b"newer")  # seq 1 in b
+    stale = SlotFile(tmp_path / "b", 4096)
+    assert stale.read() == (1, b"newer")
+    stale.close()
+    both = Mirrored([tmp_path / "a", tmp_path / "b"], 4096, "both")
+    assert (both.seq, both.payload) == (2, b"two"), "a's seq 2 is newer than b's seq 1"
+    assert both.write(b"four") and [SlotFile(tmp_path / n, 4096).read() for n in "ab"] == [(3, b"four")] * 2

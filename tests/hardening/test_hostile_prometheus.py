@@ -116,6 +116,6 @@ def test_a_bad_prometheus_never_holds_sampling_or_a_quarantine(
                 "GPU 2 quarantined by the node breaker alone", lambda: daemon.get("/v1/gpus/2")["quarantined"], 3
             )
             time.sleep(2 * INTERVAL_S)
-        assert watch.worst_age_s <= 2 * INTERVAL_S + 0.3, f"{mode}: a sample {watch.worst_age_s:.2f} s old"
+        assert watch.worst_age_s <= 2 * INTERVAL_S + 0.5, f"{mode}: a sample {watch.worst_age_s:.2f} s old"
         assert watch.peak_rss - rss_before < 64 << 20, f"{mode}: RSS grew by {(watch.peak_rss - rss_before) >> 20} MiB"
         assert "cannot ask Prometheus" in daemon.log_text() and "Traceback" not in daemon.log_text()
