@@ -3,7 +3,9 @@
 httpserver.front answers /metrics and /healthz before this app, which it builds at the first other request.
 
 Every handler reads the Snapshot the monitor last published; nothing here touches NVML.
-POST endpoints change state and need the bearer token from `<state_dir>/token`.
+POST endpoints change state. On the control socket they are authorized by who calls, as the kernel
+says (control.access: root, the daemon's user, api.admin_group); anywhere else, and for any other
+caller, they need the bearer token from `<state_dir>/token`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from gpuwatch import __version__, liveness, statuspage, wire
+from gpuwatch.control.access import Access
 from gpuwatch.errors import ConfigError
+from gpuwatch.httpserver import peer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot
 from gpuwatch.monitor import Monitor
 from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
@@ -37,7 +41,11 @@ def _error(description: str) -> dict[str, Any]:
 Responses = dict[int | str, dict[str, Any]]
 NOT_FOUND: Responses = {404: _error("no GPU with that index")}
 # What every route behind the token may answer besides its own result.
-GUARDED: Responses = {401: _error("missing or wrong bearer token"), **NOT_FOUND}
+GUARDED: Responses = {
+    401: _error("missing or wrong bearer token"),
+    403: _error("on the control socket: the caller may not change state, and gave no valid token"),
+    **NOT_FOUND,
+}
 NOT_DURABLE: Responses = {503: _error("in force, but the state store cannot write it yet (it retries)")}
 STILL_FAULTY: Responses = {409: _error("the GPU is still degraded or unhealthy: release it with force")}
 
@@ -82,8 +90,11 @@ def create_api(
     route_sets: Sequence[RouteSet] = (),
     gpu_views: Sequence[Callable[[int], dict[str, Any]]] = (),
     docs: bool = False,
+    access: Access | None = None,
 ) -> FastAPI:
     """The FastAPI app: /healthz, /v1/*, the status page, and `docs` serves /openapi.json.
+
+    `access`: who may change state over the control socket without the token (None: this process's user).
 
     Each of `route_sets` adds one part's routes (`route_set(app, require_token)`: incidents, drills); each of
     `gpu_views` adds fields to a GPU's JSON (remediation adds its ranks).
@@ -96,7 +107,9 @@ def create_api(
         openapi_url="/openapi.json" if docs else None,
         responses={
             **NOT_FOUND,
+            400: _error("over TCP: no Host header"),
             413: _error("request body over api.max_body_bytes"),
+            421: _error("over TCP: a Host the daemon does not answer to (DNS rebinding; api.allowed_hosts)"),
             422: {"model": wire.UnprocessableBody, "description": "invalid input; nothing changed"},
         },
     )
@@ -112,11 +125,21 @@ def create_api(
         ]
         return JSONResponse(wire.UnprocessableBody(detail=detail).model_dump(mode="json"), status_code=422)
 
+    allowed = access or Access.for_daemon("")
+
     def require_token(request: Request) -> None:
+        """Who may change state: a caller on the control socket that `allowed` names, else a valid bearer token."""
+        caller = peer(request.scope)
+        if caller is not None and allowed.may_change_state(caller):
+            return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token (see <state_dir>/token)")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+            return
+        if caller is not None:
+            detail = f"uid {caller.uid} may not change state: {allowed.who()} may (or a caller with the token)"
+            raise HTTPException(status_code=403, detail=detail)
+        raise HTTPException(status_code=401, detail="missing or wrong bearer token (see <state_dir>/token)")
 
     def snapshot() -> Snapshot:
         return monitor.snapshot

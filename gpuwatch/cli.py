@@ -20,7 +20,7 @@ from rich.table import Table
 
 from gpuwatch import __version__
 from gpuwatch.bench.cli import bench
-from gpuwatch.command_error import fail
+from gpuwatch.command_error import FiniteFloatRange, OneLineGroup, fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
@@ -53,7 +53,10 @@ def config_options(func: F) -> F:
         [
             click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file."),
             click.option("--listen", help="HOST:PORT of the API (default 127.0.0.1:9835)."),
-            click.option("--state-dir", help="Where the database and token live (default /var/lib/gpuwatch)."),
+            click.option(
+                "--state-dir",
+                help="The daemon's state dir, where its control socket lives (default /var/lib/gpuwatch).",
+            ),
         ]
     ):
         func = option(func)
@@ -81,10 +84,17 @@ def build_config(config_path: str | None, **flags: Any) -> Config:
         "seed": "sim.seed",
     }
     overrides = {keys.get(name, name): value for name, value in flags.items()}
-    return load(config_path, overrides=overrides)
+    return load(config_path, overrides=overrides, known_rules=_rule_names())
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _rule_names() -> frozenset[str]:
+    """The names `rules.disabled` may use: a rule id or module gpuwatch does not have is a typo, refused."""
+    from gpuwatch.health.engine import known_names
+
+    return known_names()
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuwatch")
 def main() -> None:
     """gpuwatch: GPU health daemon for PyTorch training fleets."""
@@ -119,7 +129,10 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
     """Show the GPUs of the running daemon: a table on a terminal wide enough for it, else one GPU per line."""
     from gpuwatch.client import DaemonClient
 
-    gpus = DaemonClient(build_config(config_path, **flags), config_path=config_path).gpus()
+    client = DaemonClient(build_config(config_path, **flags), config_path=config_path, over_tcp=True)
+    gpus = client.gpus()
+    if client.answered_over_tcp:
+        click.echo(f"gpuwatch: no control socket at {client.socket_path}: shown as {client.base} answered", err=True)
     if as_json:
         click.echo(json.dumps({"gpus": [g.model_dump(mode="json") for g in gpus]}, indent=2))
         return
@@ -176,7 +189,7 @@ def _fmt(value: Any, pattern: str = "{}") -> str:
 @click.option(
     "--duration",
     "duration_s",
-    type=click.FloatRange(0, 3600),
+    type=FiniteFloatRange(0, 3600),
     help="Seconds to sample, one sample a second. On the sim backend time is simulated and passes at once; "
     "the default there is the scenario's time to show its fault.",
 )
@@ -242,7 +255,7 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
     from gpuwatch import slurm
     from gpuwatch.fleet import FleetBreaker
 
-    gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None
+    gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None  # asks, within timeout_s
     scontrol = slurm.Scontrol(config.slurm.scontrol, config.slurm.timeout_s)
     name = slurm.node_name(config.slurm)
     want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm)
@@ -256,8 +269,8 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
 @config_options
 @backend_options
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0.1), required=True, help="Seconds to record.")
-@click.option("--interval", "interval_s", type=float, help="Seconds between samples (default 1).")
+@click.option("--duration", "duration_s", type=FiniteFloatRange(min=0.1), required=True, help="Seconds to record.")
+@click.option("--interval", "interval_s", type=FiniteFloatRange(min=0.1), help="Seconds between samples (default 1).")
 @one_line_errors
 def record(config_path: str | None, out_path: str, duration_s: float, **flags: Any) -> None:
     """Record a trace from any backend (JSON lines; the format: docs/trace-format.md in the repository)."""
@@ -284,7 +297,7 @@ def replay(trace_path: str, config_path: str | None, as_json: bool) -> None:
     from gpuwatch.trace import read_trace
 
     started = time.perf_counter()
-    results = run_replay(read_trace(Path(trace_path)), load(config_path))
+    results = run_replay(read_trace(Path(trace_path)), load(config_path, known_rules=_rule_names()))
     if as_json:
         click.echo(json.dumps({"gpus": [r.as_dict() for r in results]}, indent=2))
         return

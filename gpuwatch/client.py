@@ -1,19 +1,30 @@
-"""A small HTTP client for the running daemon (urllib), used by the CLI, `launch` and the drills.
+"""A small HTTP client for the running daemon, used by the CLI, `launch` and the drills.
+
+It talks over the daemon's control socket (`<state_dir>/api.sock`, gpuwatch.control): before a
+byte is sent, the kernel says that root (or the caller itself) listens there, so the GPU lists
+`launch` and `check --slurm` act on are the daemon's, and a state change is authorized by who the
+caller is (root, or `api.admin_group`), never by a token a stand-in on the TCP port could keep.
+Only `gpuwatch status`, which shows and decides nothing, may fall back to the TCP listener.
 
 Answers are parsed into the API's own models (gpuwatch.wire), imported at the first answer: the
-daemon imports this client (its drills talk to it over HTTP) and must not load pydantic before its
-own API is asked something, and `gpuwatch --help` should not pay for it either.
+daemon imports this client (its drills talk to it) and must not load pydantic before its own API
+is asked something, and `gpuwatch --help` should not pay for it either.
 """
 
 from __future__ import annotations
 
+import grp
+import http.client
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.config import DEFAULT_CONFIG_PATH, Config, config_file
+from gpuwatch.control.connect import ControlConnection, connect
+from gpuwatch.control.socket_path import NoControlSocket, NotTheDaemon
 from gpuwatch.errors import DaemonError
 
 if TYPE_CHECKING:
@@ -21,52 +32,106 @@ if TYPE_CHECKING:
 
 
 class DaemonClient:
-    """Talks to the daemon at `config.listen`; reads the token from the state dir for POSTs."""
+    """Talks to the daemon over `config.control_socket`; `over_tcp`: GETs may fall back to `config.listen`."""
 
-    def __init__(self, config: Config, timeout_s: float = 10.0, config_path: str | Path | None = None) -> None:
+    def __init__(
+        self, config: Config, timeout_s: float = 10.0, config_path: str | Path | None = None, over_tcp: bool = False
+    ) -> None:
         host = config.listen_host
         if host in {"0.0.0.0", "::", "[::]"}:
             host = "127.0.0.1"
         self.base = f"http://{host}:{config.listen_port}"
-        self.token_path = Path(config.token_path)
+        self.socket_path = config.control_socket
+        self.admin_group = config.api.admin_group
         self.timeout_s = timeout_s
+        self.over_tcp = over_tcp
+        self.answered_over_tcp = False  # set when an answer came from the TCP listener, which nobody vouches for
         used = config_file(config_path)
         self.source = f"config {used}" if used else f"no config file: {DEFAULT_CONFIG_PATH} does not exist"
 
-    def _token(self) -> str:
+    def require_control(self) -> None:
+        """Raise DaemonError (saying what to do) now, before anything is done, when this caller may not change
+        the daemon's state: the daemon must answer on its control socket, and the caller be root, the daemon's
+        user or a member of api.admin_group (the daemon checks it again, on the kernel's word)."""
+        sock, server = self._connect(self.timeout_s)
+        sock.close()
+        uid = os.geteuid()
+        if uid in (0, server.uid) or self._in_admin_group():
+            return
+        group = f" or a member of api.admin_group {self.admin_group!r}" if self.admin_group else ""
+        raise DaemonError(f"uid {uid} may not change the daemon's state: run it as root{group}")
+
+    def _in_admin_group(self) -> bool:
+        if not self.admin_group:
+            return False
         try:
-            return self.token_path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise DaemonError(
-                f"cannot read the API token {self.token_path}: {exc.strerror or exc} ({self.source}); run as root "
-                "(the token is 0600), or pass --state-dir with the daemon's state dir, or --config with its config file"
-            ) from None
+            return grp.getgrnam(self.admin_group).gr_gid in os.getgroups()
+        except KeyError:
+            return False
 
-    def require_token(self) -> None:
-        """Raise DaemonError (saying what to pass) now, before anything is done, when no token can be read."""
-        self._token()
+    def _connect(self, timeout_s: float) -> Any:
+        try:
+            return connect(self.socket_path, timeout_s)
+        except (NoControlSocket, NotTheDaemon) as exc:
+            raise self._unreachable(exc) from None
 
-    def request(
+    def _unreachable(self, exc: DaemonError) -> DaemonError:
+        if isinstance(exc, NotTheDaemon):
+            return DaemonError(f"{exc} ({self.source})")
+        return DaemonError(
+            f"cannot reach the gpuwatch daemon: {exc} ({self.source}); is it running? "
+            "Pass --state-dir with the daemon's state dir, or --config with its config file"
+        )
+
+    def fetch(
         self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
-    ) -> Any:
+    ) -> bytes:
+        """The body of the daemon's answer to `method path`; DaemonError, one line, for an HTTP error or no daemon."""
         headers = {"Accept": "application/json"}
         data = None
         if method != "GET":
-            headers["Authorization"] = f"Bearer {self._token()}"
             headers["Content-Type"] = "application/json"
             data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
+        connection = ControlConnection(self.socket_path, timeout_s or self.timeout_s)
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                return json.loads(resp.read())
+            connection.request(method, path, body=data, headers=headers)
+            response = connection.getresponse()
+            raw = response.read()
+        except NoControlSocket as exc:
+            if self.over_tcp and method == "GET":
+                return self._fetch_over_tcp(path, timeout_s)
+            raise self._unreachable(exc) from None
+        except NotTheDaemon as exc:
+            raise self._unreachable(exc) from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise DaemonError(f"{method} {path}: {getattr(exc, 'strerror', None) or exc}") from None
+        finally:
+            connection.close()
+        if response.status >= 400:
+            raise DaemonError(f"{method} {path}: HTTP {response.status}: {_detail(raw)}")
+        return raw
+
+    def _fetch_over_tcp(self, path: str, timeout_s: float | None) -> bytes:
+        """GET `path` from the TCP listener: for what is only shown, when no control socket is there."""
+        request = urllib.request.Request(self.base + path, headers={"Accept": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+                raw: bytes = response.read()
         except urllib.error.HTTPError as exc:
-            raise DaemonError(f"{method} {path}: HTTP {exc.code}: {_detail(exc.read())}") from None
+            raise DaemonError(f"GET {path}: HTTP {exc.code}: {_detail(exc.read())}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise DaemonError(
                 f"cannot reach the gpuwatch daemon at {self.base}: {reason} ({self.source}); is it running? "
                 "Pass --listen HOST:PORT, or --config with the daemon's config file"
             ) from None
+        self.answered_over_tcp = True
+        return raw
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Any:
+        return json.loads(self.fetch(method, path, body, timeout_s))
 
     def gpus(self) -> list[wire.Gpu]:
         from gpuwatch import wire

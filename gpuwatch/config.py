@@ -11,10 +11,12 @@ import dataclasses
 import math
 import os
 import re
+import signal
+import stat
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,9 @@ else:  # pragma: no cover - exercised on 3.10 only
 DEFAULT_CONFIG_PATH = Path("/etc/gpuwatch/gpuwatch.toml")
 ENV_PREFIX = "GPUWATCH_"
 DEFAULT_PORT = 9835
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; /dev/zero or a stray log must not be read whole
+MAX_DURATION_S = 10 * 365.25 * 86400.0  # every `_s` setting: a longer one is a typo, not a policy
+UNCATCHABLE_SIGNALS = frozenset({"SIGKILL", "SIGSTOP"})
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,9 @@ class ApiConfig:
     header_timeout_s: float = 10.0  # a request's line and headers must arrive within this (slowloris)
     max_header_bytes: int = 16384  # request line and headers; more is 431
     max_body_bytes: int = 65536  # request body; more is 413
+    socket: str = ""  # the control socket (the CLI's way in); "": <state_dir>/api.sock
+    admin_group: str = ""  # besides root, members of this group may change state over the control socket
+    allowed_hosts: tuple[str, ...] = ()  # Host names the TCP listener answers besides loopback, IPs and this host's
 
 
 @dataclass(frozen=True)
@@ -237,11 +245,16 @@ class Config:
     def db_path(self) -> Path:
         return Path(self.state_dir) / "gpuwatch.db"
 
+    @property
+    def control_socket(self) -> Path:
+        return Path(self.api.socket) if self.api.socket else Path(self.state_dir) / "api.sock"
+
 
 def load(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    known_rules: Collection[str] | None = None,
 ) -> Config:
     """Build a validated Config from a TOML file, the environment and flag overrides.
 
@@ -250,6 +263,8 @@ def load(
             (or GPUWATCH_CONFIG when set).
         environ: variables to read GPUWATCH_* from (default: os.environ).
         overrides: dotted keys from the command line (`sim.gpus`), None values ignored.
+        known_rules: the rule ids and rule modules `rules.disabled` may name (the health layer's
+            catalog, handed in by the commands that judge GPUs); None leaves `rules.disabled` unchecked.
 
     Raises:
         ConfigError: naming the file, key or variable and what is wrong.
@@ -262,12 +277,35 @@ def load(
         data = _read_toml(file_path)
         source = str(file_path)
     config = _build(Config, data, source, "")
-    config = _apply_env(config, env)
+    given = {key: f"in {source}" for key in _dotted_keys(data)}
+    config = _apply_env(config, env, given)
     for dotted, value in (overrides or {}).items():
         if value is not None:
-            config = _set_dotted(config, dotted, value, f"option --{dotted.replace('_', '-')}")
-    validate(config)
+            where = f"option --{dotted.replace('_', '-')}"
+            config = _set_dotted(config, dotted, value, where)
+            given[dotted] = f"from {where}"
+    try:
+        validate(config, known_rules)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({_provenance(str(exc), given, source)})") from None
     return config
+
+
+def _dotted_keys(data: Mapping[str, Any]) -> list[str]:
+    """`interval_s`, `rules.disabled`, ... for every key a config file sets (one level of sections)."""
+    keys = []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            keys += [f"{key}.{sub}" for sub in value]
+        keys.append(key)
+    return keys
+
+
+def _provenance(message: str, given: Mapping[str, str], source: str) -> str:
+    """Where the setting a validation error names came from: the file, a variable or an option."""
+    named = re.match(r"[a-z_]+(?:\.[a-z_]+)?", message)
+    key = named.group(0) if named else ""
+    return given.get(key) or given.get(key.split(".")[0]) or (f"in {source}" if source != "defaults" else "the default")
 
 
 def config_file(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
@@ -280,8 +318,8 @@ def config_file(path: str | Path | None = None, environ: Mapping[str, str] | Non
     return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
 
 
-def validate(config: Config) -> None:
-    """Check values that types alone do not catch.
+def validate(config: Config, known_rules: Collection[str] | None = None) -> None:
+    """Check values that types alone do not catch; `known_rules`: what `rules.disabled` may name.
 
     Raises:
         ConfigError: naming the key and the bad value.
@@ -290,8 +328,8 @@ def validate(config: Config) -> None:
     if not 1.0 <= config.interval_s <= 3600.0:
         raise ConfigError(f"interval_s: {config.interval_s} is out of range (1 to 3600 seconds)")
     host, sep, port = config.listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"listen: {config.listen!r} is not HOST:PORT")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"listen: {config.listen!r} is not HOST:PORT (a port from 1 to 65535)")
     if config.log_level.lower() not in {"debug", "info", "warning", "error"}:
         raise ConfigError(f"log_level: {config.log_level!r} is not debug, info, warning or error")
     if config.sim.gpus < 1 or config.sim.gpus > 64:
@@ -312,6 +350,14 @@ def validate(config: Config) -> None:
         if name.endswith("_s") and value <= 0:
             raise ConfigError(f"drills.{name}: {value} must be positive")
     _check_durations(config)
+    _check_shares(config)
+    if known_rules is not None:
+        unknown = sorted(set(config.rules.disabled) - set(known_rules))
+        if unknown:
+            raise ConfigError(
+                f"rules.disabled: {', '.join(map(repr, unknown))} is not a rule id or rule module "
+                f"(known: {', '.join(sorted(known_rules))})"
+            )
     _check_range("expected_gpus", config.expected_gpus, 0, 1024)
     _check_range("slow_interval_s", config.slow_interval_s, 1.0, 86400.0)
     _check_range("findings_retention_days", config.findings_retention_days, 0.01, 36500.0)
@@ -320,11 +366,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{name}: must not be empty")
     rules = config.rules
     _check_range("rules.clock_low_ratio", rules.clock_low_ratio, 0.0, 1.0, low_open=True)
-    _check_range("rules.throttle_duty", rules.throttle_duty, 0.0, 1.0, low_open=True)
-    _check_range("rules.level_duty", rules.level_duty, 0.0, 1.0, low_open=True)
     _check_range("rules.power_unstable_drop_ratio", rules.power_unstable_drop_ratio, 0.0, 1.0, low_open=True)
-    _check_range("rules.clock_busy_util_pct", rules.clock_busy_util_pct, 0, 100)
-    _check_range("rules.power_min_util_pct", rules.power_min_util_pct, 0, 100)
     _check_range("rules.ecc_sbe_per_hour", rules.ecc_sbe_per_hour, 0.0, 1e12, low_open=True)
     _check_range("rules.xid_app_repeats", rules.xid_app_repeats, 1, 1_000_000)
     _check_range("rules.thermal_margin_c", rules.thermal_margin_c, 0, 200)
@@ -333,9 +375,14 @@ def validate(config: Config) -> None:
     _check_range("trainer.alloc_retries_per_min", trainer.alloc_retries_per_min, 0.0, 1e9, low_open=True)
     _check_range("trainer.straggler_ratio", trainer.straggler_ratio, 1.0, 1e6, low_open=True)
     _check_range("trainer.grad_var_jump", trainer.grad_var_jump, 1.0, 1e12, low_open=True)
+    _check_range("trainer.hang_step_times", trainer.hang_step_times, 0.0, 1e6, low_open=True)
+    _check_range("rules.pcie_errors_per_hour", rules.pcie_errors_per_hour, 0.0, 1e12, low_open=True)
+    _check_range("rules.nvlink_errors_per_hour", rules.nvlink_errors_per_hour, 0.0, 1e12, low_open=True)
+    _check_stop_signal(trainer.stop_signal)
     _check_range("api.max_connections", config.api.max_connections, 16, 1_000_000)
     _check_range("api.max_header_bytes", config.api.max_header_bytes, 1024, 1 << 20)
     _check_range("api.max_body_bytes", config.api.max_body_bytes, 1024, 1 << 30)
+    _check_api_names(config.api)
     for number, entry in enumerate(config.drills.schedule, start=1):
         _check_range(f"drills.schedule[{number}].require_healthy_share", entry.require_healthy_share, 0.0, 1.0)
 
@@ -378,6 +425,41 @@ def _check_durations(config: Config) -> None:
             continue
         if value < 0 or (value == 0 and key not in _ZERO_DURATION_OK):
             raise ConfigError(f"{key}: {value} must be {'0 or more' if key in _ZERO_DURATION_OK else 'positive'}")
+        if key.endswith("_s") and value > MAX_DURATION_S:
+            raise ConfigError(f"{key}: {value} is over ten years ({MAX_DURATION_S:.0f} s)")
+
+
+def _check_shares(config: Config) -> None:
+    """Every percentage (`_pct`) in [0, 100] and every duty (`_duty`, a share of a window) in (0, 1]."""
+    for key, value in _settings(config):
+        if key.endswith("_pct"):
+            _check_range(key, value, 0, 100)
+        elif key.endswith("_duty"):
+            _check_range(key, value, 0.0, 1.0, low_open=True)
+
+
+def _check_api_names(api: ApiConfig) -> None:
+    """A group name as useradd takes it; Host names as they appear in a Host header (or "*")."""
+    if api.admin_group and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}", api.admin_group):
+        raise ConfigError(f"api.admin_group: {api.admin_group!r} is not a group name")
+    for name in api.allowed_hosts:
+        if name != "*" and not re.fullmatch(r"[A-Za-z0-9_.\-]{1,253}", name):
+            raise ConfigError(f'api.allowed_hosts: {name!r} is not a host name (or "*" for any)')
+
+
+def _check_stop_signal(name: str) -> None:
+    """A signal the ranks can catch: SIGKILL or SIGSTOP would give them no chance to checkpoint."""
+    text = name.strip().upper()
+    try:
+        sig = (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else f"SIG{text}"]
+        )
+    except (KeyError, ValueError):
+        raise ConfigError(f"trainer.stop_signal: {name!r} is not a signal") from None
+    if sig.name in UNCATCHABLE_SIGNALS:
+        raise ConfigError(f"trainer.stop_signal: {sig.name} cannot be caught, so no rank could checkpoint first")
 
 
 def _check_range(key: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -418,16 +500,27 @@ def _validate_fleet(config: Config) -> None:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    """The parsed file: a regular file of at most MAX_CONFIG_BYTES, UTF-8, nested no deeper than tomllib recurses."""
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang the command
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: not a regular file: is it the right file?")
+        raw = file.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES} bytes: is it the right file?")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}): is it the right file?") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nested too deeply") from None
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -503,7 +596,8 @@ def _coerce(hint: Any, raw: Any, where: str, *, from_string: bool, prefix: str =
     raise ConfigError(f"{where}: unsupported setting type {hint!r}")  # pragma: no cover
 
 
-def _apply_env(config: Config, environ: Mapping[str, str]) -> Config:
+def _apply_env(config: Config, environ: Mapping[str, str], given: dict[str, str]) -> Config:
+    """Apply GPUWATCH_* variables; `given` (dotted key → where it was set) records each one."""
     names = {}
     section_types = sections()
     for f in dataclasses.fields(Config):
@@ -516,6 +610,7 @@ def _apply_env(config: Config, environ: Mapping[str, str]) -> Config:
     for var, dotted in names.items():
         if var in environ:
             config = _set_dotted(config, dotted, environ[var], f"environment variable {var}", from_string=True)
+            given[dotted] = f"from environment variable {var}"
     return config
 
 

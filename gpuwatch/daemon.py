@@ -30,6 +30,8 @@ from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend, Scripted
 from gpuwatch.backends.kmsg import KernelLog
 from gpuwatch.config import Config, RulesConfig
+from gpuwatch.control.access import Access
+from gpuwatch.control.hosts import HostPolicy
 from gpuwatch.drills.service import DrillService
 from gpuwatch.errors import ConfigError, StoreError
 from gpuwatch.fleet import FleetBreaker, FleetCollector
@@ -44,6 +46,7 @@ from gpuwatch.httpserver import (
     limited_protocol,
     raise_fd_limit,
 )
+from gpuwatch.listeners import open_listeners
 from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import GpuEvent, Snapshot
 from gpuwatch.monitor import Monitor
@@ -52,7 +55,7 @@ from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.statelock import StateDirLock
-from gpuwatch.store import Store
+from gpuwatch.store import JOURNAL_NAME, Store
 
 log = logging.getLogger("gpuwatch.daemon")
 
@@ -81,27 +84,6 @@ def scenario_rules(backend: Backend, rules: RulesConfig) -> RulesConfig:
         ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())),
     )
     return dataclasses.replace(rules, **overrides)
-
-
-def bind_socket(config: Config) -> socket.socket:
-    """Bind the listen address ourselves so a busy port is one clear line, not a uvicorn traceback."""
-    host, port = config.listen_host.strip("[]"), config.listen_port
-    # A host name (localhost, the node's name) binds to the first address it resolves to, v4 or v6.
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without
-    # it every keep-alive scrape after the first waits ~40 ms for a delayed ACK.
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[0]
-    except (socket.gaierror, IndexError) as exc:
-        raise ConfigError(f"listen {config.listen}: cannot resolve {host!r}: {getattr(exc, 'strerror', exc)}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"listen {config.listen}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 class _Server(uvicorn.Server):
@@ -147,13 +129,18 @@ class Daemon:
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
         first_start = not config.db_path.exists()
-        self.store = Store(config.db_path)
         self.runtime = RuntimeDir(config.runtime_dir)
         try:
             self.runtime.prepare()
         except OSError as exc:
             raise ConfigError(f"runtime_dir {config.runtime_dir}: cannot prepare it: {exc.strerror or exc}") from None
+        # The journal of quarantine changes the database could not take also goes to the runtime dir: another
+        # file system than a full state disk, and kept across restarts (RuntimeDirectoryPreserve=yes).
+        self.store = Store(config.db_path, journal_copies=[self.runtime.path / JOURNAL_NAME])
         self.token = ensure_token(config.token_path, first_start=first_start)
+        self.access = Access.for_daemon(config.api.admin_group)  # who may change state over the control socket
+        # The Host names the TCP listener answers: this host's and the listen address's besides loopback and IPs.
+        self.hosts = HostPolicy((socket.gethostname(), config.listen_host, *config.api.allowed_hosts))
         self.monitor = Monitor(
             self.backend, statics, config, store=self.store, runtime=self.runtime, rules=self.rules, clock=clock
         )
@@ -238,8 +225,10 @@ class Daemon:
                 log.warning("cannot prune old findings: %s", exc)
 
     def app(self) -> ASGIApp:
-        """The body limit, /metrics and /healthz at once; the API behind them from its first request (lazy_app)."""
-        return front(lazy_app(self.api), self.renderer.render, self.healthz, self.config.api.max_body_bytes)
+        """The Host check, the body limit, /metrics and /healthz at once; the API behind them from its first
+        request (lazy_app)."""
+        api = self.config.api
+        return front(lazy_app(self.api), self.renderer.render, self.healthz, api.max_body_bytes, self.hosts)
 
     def healthz(self) -> tuple[int, bytes]:
         return liveness.healthz_json(self.monitor.snapshot, self.clock(), self.config.interval_s)
@@ -256,10 +245,17 @@ class Daemon:
             route_sets=(remediation_api.route_set(self.remediation, self.store), self.drills.routes),
             gpu_views=(functools.partial(remediation_api.gpu_view, self.remediation),),
             docs=self.config.api.docs,
+            access=self.access,
         )
 
     def start(self) -> None:
-        """First sample (so READY=1 means real data), then the sampling and event threads, READY=1."""
+        """First sample (so READY=1 means real data), then the sampling and event threads, READY=1.
+
+        The fleet breaker asks Prometheus first (at most fleet.timeout_s), so that the first automatic
+        quarantines (XIDs the kernel log replays after a fleet-wide driver roll-out) are judged on an answer.
+        """
+        if self.fleet is not None:
+            self.fleet.start()
         self.monitor.tick()
         self._sample_thread.start()
         self.scheduler.start()
@@ -329,10 +325,15 @@ class Daemon:
             self.kernel_log.close()
         if self.drainer is not None:
             self.drainer.stop()
+        if self.fleet is not None:
+            self.fleet.stop()
         unsaved = self.monitor.flush_store()
         if unsaved:
             log.error(
-                "%d quarantine change(s) could not be written to %s and are lost at exit", unsaved, self.store.path
+                "%d quarantine change(s) could not be written to %s: kept in its %s, applied at the next start",
+                unsaved,
+                self.store.path,
+                JOURNAL_NAME,
             )
         self.store.close()
         self.state_lock.release()
@@ -340,7 +341,7 @@ class Daemon:
 
     def serve(self) -> None:
         """Run until SIGTERM/SIGINT (uvicorn handles both), then stop everything."""
-        sock = bind_socket(self.config)
+        listeners = open_listeners(self.config)
         api = self.config.api
         limits = ServerLimits(raise_fd_limit(api.max_connections), api.header_timeout_s, api.max_header_bytes)
         server = _Server(
@@ -356,8 +357,13 @@ class Daemon:
             )
         )
         self.start()
-        log.info("serving on http://%s/ (metrics at /metrics)", self.config.listen)
+        log.info(
+            "serving on http://%s/ (metrics at /metrics) and on the control socket %s",
+            self.config.listen,
+            listeners.control_path,
+        )
         try:
-            server.run(sockets=[sock])
+            server.run(sockets=listeners.sockets)
         finally:
+            listeners.close()
             self.stop()

@@ -16,6 +16,10 @@ closes those gaps at the protocol level:
 * a request body over `max_body_bytes` is answered 413 by ASGI middleware (`body_limit`) before
   routing and the token check read any of it.
 
+On the control socket (a Unix socket) each connection carries its peer's credentials as the kernel
+reports them (`peer(scope)`, from SO_PEERCRED at accept time), so the API can authorize by who is
+calling; a TCP request has none, and `host_check` answers only the Host names it may (DNS rebinding).
+
 `front` puts those ASGI layers before the app, and serves /metrics and /healthz itself; `lazy_app` lets the daemon
 build its FastAPI app (FastAPI, starlette and pydantic: about 16 MiB) at the first request that needs it.
 """
@@ -27,13 +31,18 @@ import errno
 import json
 import logging
 import resource
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gpuwatch.control import peer as peer_cred
+from gpuwatch.control.hosts import HostPolicy
+from gpuwatch.control.peer import PeerCred
 
 log = logging.getLogger("gpuwatch.http")
 
@@ -43,6 +52,13 @@ log = logging.getLogger("gpuwatch.http")
 ACCEPT_BURST = 128
 FD_RESERVE = 64 + ACCEPT_BURST
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+PEER = "gpuwatch.peer"  # the scope extension that holds a control-socket connection's PeerCred
+
+
+def peer(scope: Mapping[str, Any]) -> PeerCred | None:
+    """Who is calling, as the kernel says, for a request on the control socket; None over TCP."""
+    found = scope.get("extensions", {}).get(PEER)
+    return found if isinstance(found, PeerCred) else None
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,7 @@ def limited_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self.peer = _peer_of(transport)
             self.last_active = self.loop.time()
             self.awaiting_headers = True
             self.header_bytes = 0  # request line and headers, as the parser reports them
@@ -148,6 +165,9 @@ def limited_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            if self.peer is not None:
+                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+                extensions[PEER] = self.peer
             if not self.awaiting_headers:  # the next request on a kept-alive connection
                 self.awaiting_headers = True
                 self.header_bytes = 0
@@ -186,6 +206,17 @@ def limited_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                 self.cycle.keep_alive = False
 
     return LimitedHttpToolsProtocol
+
+
+def _peer_of(transport: asyncio.Transport) -> PeerCred | None:
+    """The credentials of a control-socket connection's peer; None for TCP (or if the kernel cannot say)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        return peer_cred.of(sock)
+    except OSError:
+        return None
 
 
 async def _headers_too_large(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -328,10 +359,42 @@ def lazy_app(build: Callable[[], ASGIApp]) -> ASGIApp:
     return asgi
 
 
+def host_check(app: ASGIApp, hosts: HostPolicy) -> ASGIApp:
+    """421 for a TCP request whose Host the daemon does not answer to (DNS rebinding), 400 without one.
+
+    A control-socket request is not checked: no browser can send one, and its caller is known.
+    """
+
+    async def refuse(send: Callable[..., Any], status: int, why: str) -> None:
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps({"detail": why}).encode()})
+
+    async def asgi(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http" or peer(scope) is not None:
+            await app(scope, receive, send)
+            return
+        given = [v for k, v in scope["headers"] if k == b"host"]
+        if len(given) != 1:
+            await refuse(send, 400, "one Host header is required")
+            return
+        if not hosts.allows(given[0].decode("latin-1")):
+            await refuse(send, 421, "this Host is not one the daemon answers to (api.allowed_hosts)")
+            return
+        await app(scope, receive, send)
+
+    return asgi
+
+
 def front(
-    app: ASGIApp, render_metrics: Callable[[], bytes], healthz: Callable[[], tuple[int, bytes]], max_body_bytes: int
+    app: ASGIApp,
+    render_metrics: Callable[[], bytes],
+    healthz: Callable[[], tuple[int, bytes]],
+    max_body_bytes: int,
+    hosts: HostPolicy | None = None,
 ) -> ASGIApp:
-    """What every request meets before `app`: the body limit, then /metrics and /healthz answered at once."""
+    """What every request meets before `app`: the Host check (TCP), the body limit, then /metrics and /healthz
+    answered at once. `hosts`: the names answered over TCP (None: loopback names and IP addresses)."""
     metrics_type = CONTENT_TYPE_LATEST.encode()
 
     def metrics() -> tuple[int, bytes, bytes]:
@@ -341,4 +404,5 @@ def front(
         status, body = healthz()
         return status, b"application/json", body
 
-    return body_limit(fast_paths(app, {"/metrics": metrics, "/healthz": health}), max_body_bytes)
+    limited = body_limit(fast_paths(app, {"/metrics": metrics, "/healthz": health}), max_body_bytes)
+    return host_check(limited, hosts or HostPolicy(()))

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpuwatch.command_error import fail
+from gpuwatch.command_error import OneLineCommand, fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR, report_pid
@@ -543,17 +543,6 @@ def _why_relaunch(
     return f"the job stopped for resume ({message or 'no reason given'}) with all its GPUs usable"
 
 
-class _OneLineUsage(click.Command):
-    """A bad flag is one line and exit 2, like every other gpuwatch error."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            click.echo(f"gpuwatch launch: error: {exc.format_message()}", err=True)
-            ctx.exit(2)
-
-
 class _Nproc(click.ParamType):
     name = "N|auto"
 
@@ -570,7 +559,7 @@ class _Nproc(click.ParamType):
 
 
 @click.command(
-    cls=_OneLineUsage, context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+    cls=OneLineCommand, context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 )
 @click.option("--nproc-per-node", "nproc", type=_Nproc(), default="auto", show_default=True, help="Ranks per launch.")
 @click.option("--min-nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Stop below this.")

@@ -79,7 +79,7 @@ class SnapshotCollector(Collector):
         )
         yield GaugeMetricFamily(
             "gpuwatch_store_degraded",
-            "1 while the state store cannot write: quarantines are in force in memory only.",
+            "1 while the state store cannot write: quarantine changes are in force, kept in its journal until it can.",
             value=int(bool(snap.store_error)),
         )
         yield GaugeMetricFamily(

@@ -16,7 +16,7 @@ import threading
 import time
 import typing
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,8 +195,8 @@ class Monitor:
         self._samples_total = 0
         self._sample_errors_total = 0
         self._sample_duration_s = 0.0
-        # Writes the store refused (full disk, read-only, I/O error): in force, retried every tick, in order.
-        self._unsaved_quarantines: dict[str, QuarantineRecord | None] = {}  # uuid → record; None: cleared
+        # Writes the store refused (full disk, read-only): in force, journaled (store.py), retried every tick, in order.
+        self._unsaved_quarantines: MutableMapping[str, QuarantineRecord | None] = store.pending if store else {}
         self._unsaved_decisions: deque[tuple[Any, ...]] = deque(maxlen=10000)
         self._store_error = ""
         self._store_write_errors = 0
@@ -634,7 +634,7 @@ class Monitor:
             self._store_write_errors += 1
             if not self._store_error:
                 log.error(
-                    "state store cannot write; %d quarantine change(s) in force in memory only, retried every tick: %s",
+                    "state store cannot write; %d quarantine change(s) in force and journaled, retried every tick: %s",
                     len(self._unsaved_quarantines),
                     exc,
                 )

@@ -2,16 +2,23 @@
 
 One connection guarded by a lock: writes are rare (state changes, not samples), so a
 single writer is simpler than a pool and never contends with scrapes (which read the Snapshot).
+
+Quarantine changes the database has not taken yet (a full or read-only disk) wait in
+PendingQuarantines, which is also a journal on disk (slotfile.Mirrored: beside the database and in
+the runtime dir, each written in place): a restart before the disk recovers finds them there,
+applies them before the first Snapshot, and writes them to the database once it can.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +26,7 @@ from typing import Any
 
 from gpuwatch.errors import StoreError
 from gpuwatch.model import Action, Finding, Severity
+from gpuwatch.slotfile import Mirrored
 
 log = logging.getLogger("gpuwatch.store")
 
@@ -66,6 +74,60 @@ class QuarantineRecord:
 
 
 _QUARANTINE_COLUMNS = "uuid, gpu, reason, since, auto, drill, epoch"
+JOURNAL_NAME = "quarantine.journal"
+JOURNAL_SLOT_BYTES = 256 * 1024  # 64 GPUs of 1,000-character reasons fit three times over
+JOURNAL_REASON_CHARS = 1000
+
+
+class PendingQuarantines(MutableMapping[str, QuarantineRecord | None]):
+    """uuid → the quarantine (or None: its release) in force but not yet in the database, oldest first.
+
+    Every change is written to the journal at once, before the database is tried, so nothing
+    decided waits in memory alone. A record whose database write succeeds is deleted from it. The
+    journal is synced (fdatasync) only when the database refuses a write: on a healthy disk a record
+    lives there for a moment, and the database's own commit is what makes it durable.
+    """
+
+    def __init__(self, journal: Mirrored) -> None:
+        self._journal = journal
+        self._items: dict[str, QuarantineRecord | None] = {}
+        try:
+            rows = json.loads(journal.payload or b"[]")
+            for uuid, row in rows:
+                self._items[str(uuid)] = None if row is None else QuarantineRecord(str(uuid), *row)
+        except (ValueError, TypeError):
+            log.error("%s: unreadable journal of unsaved quarantine changes; ignored", journal.what)
+            self._items = {}
+
+    def __getitem__(self, uuid: str) -> QuarantineRecord | None:
+        return self._items[uuid]
+
+    def __setitem__(self, uuid: str, record: QuarantineRecord | None) -> None:
+        self._items[uuid] = record
+        self._save()
+
+    def __delitem__(self, uuid: str) -> None:
+        del self._items[uuid]
+        self._save()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def sync(self) -> None:
+        self._journal.sync()
+
+    def close(self) -> None:
+        self._journal.close()
+
+    def _save(self) -> None:
+        rows = [
+            [uuid, None if r is None else [r.gpu, r.reason[:JOURNAL_REASON_CHARS], r.since, r.auto, r.drill, r.epoch]]
+            for uuid, r in self._items.items()
+        ]
+        self._journal.write(json.dumps(rows).encode())
 
 
 class Store:
@@ -77,7 +139,8 @@ class Store:
     they can still be read; it is never silently emptied.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, journal_copies: Sequence[Path] = ()) -> None:
+        """`journal_copies`: where the journal of unsaved quarantine changes is kept besides the state dir."""
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +160,7 @@ class Store:
                 aside,
                 len(salvaged),
             )
+        self._make_private()
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -110,6 +174,33 @@ class Store:
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"{self.path}: cannot open state database: {exc}") from None
         self._lock = threading.Lock()
+        journal = Mirrored([self.path.with_name(JOURNAL_NAME), *journal_copies], JOURNAL_SLOT_BYTES, JOURNAL_NAME)
+        self.pending = PendingQuarantines(journal)
+        if self.pending:
+            log.warning(
+                "%d quarantine change(s) the database could not take before the restart are in force again "
+                "from %s; written to the database when it can take them",
+                len(self.pending),
+                JOURNAL_NAME,
+            )
+
+    def _make_private(self) -> None:
+        """Create the database 0600 whatever the umask, and make one found wider 0600 (SQLite gives its -wal
+        and -shm files the database's mode): quarantine reasons and incidents are root's business."""
+        try:
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            for suffix in ("", "-wal", "-shm"):
+                path = Path(f"{self.path}{suffix}")
+                if path.is_symlink() or not path.is_file():
+                    continue
+                info = path.stat()
+                mode = stat.S_IMODE(info.st_mode)
+                if mode & 0o077:
+                    os.chmod(path, 0o600)
+                    if not suffix and info.st_size:  # an empty file showed nobody anything
+                        log.warning("%s was mode %04o: made it 0600 (quarantines, incidents)", path, mode)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot create the state database: {exc.strerror or exc}") from None
 
     def _integrity_problem(self) -> str:
         """'' when the file is absent or passes PRAGMA quick_check, else what is wrong in a few words."""
@@ -144,6 +235,7 @@ class Store:
             source = Path(f"{self.path}{suffix}")
             if source.exists():
                 try:
+                    os.chmod(source, 0o600)  # kept for a post-mortem, by root only
                     source.rename(f"{aside}{suffix}")
                 except OSError as exc:
                     raise StoreError(f"{source}: corrupt, and cannot be moved aside: {exc.strerror or exc}") from None
@@ -162,6 +254,8 @@ class Store:
                         self._db.execute("ROLLBACK")
                     except sqlite3.Error:
                         pass  # a full disk can fail the rollback too; the error below is what matters
+                if self.pending:
+                    self.pending.sync()  # the database refused: what it owes must survive a power cut too
                 raise StoreError(f"{self.path}: {exc}") from None
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -174,14 +268,24 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self.pending.close()
 
     # quarantine ---------------------------------------------------------------------------
     def quarantines(self) -> dict[str, QuarantineRecord]:
+        """The quarantines in force: the database's, with the pending changes it has not taken yet on top."""
         rows = self._query("SELECT uuid, gpu, reason, since, auto, drill, epoch FROM quarantine")
-        return {r[0]: QuarantineRecord(r[0], r[1], r[2], r[3], bool(r[4]), bool(r[5]), r[6]) for r in rows}
+        found = {r[0]: QuarantineRecord(r[0], r[1], r[2], r[3], bool(r[4]), bool(r[5]), r[6]) for r in rows}
+        for uuid, record in self.pending.items():
+            if record is None:
+                found.pop(uuid, None)
+            else:
+                found[uuid] = record
+        return found
 
     def epochs(self) -> dict[str, int]:
-        return {uuid: epoch for uuid, epoch in self._query("SELECT uuid, epoch FROM epoch")}
+        found = {uuid: epoch for uuid, epoch in self._query("SELECT uuid, epoch FROM epoch")}
+        found.update({uuid: r.epoch for uuid, r in self.pending.items() if r is not None})
+        return found
 
     def set_quarantine(self, record: QuarantineRecord) -> None:
         with self._tx() as db:

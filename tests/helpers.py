@@ -73,7 +73,7 @@ def start_sim_node(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **o
     daemon = Daemon(sim_config(tmp_path, scenario, gpus, **overrides), clock=clock)
     daemon.backend.clock = clock  # type: ignore[attr-defined]  # the sim's scripted events follow test time
     daemon.monitor.tick()
-    return SimNode(daemon, clock, TestClient(daemon.app()))
+    return SimNode(daemon, clock, TestClient(daemon.app(), base_url="http://127.0.0.1"))
 
 
 def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,10 +19,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuwatch.bench.daemon_process import free_port
+from gpuwatch.bench.daemon_process import free_port, wait_until
 from gpuwatch.clock import ManualClock
 from gpuwatch.config import FleetConfig
 from gpuwatch.fleet import (
+    MAX_ANSWER_BYTES,
     QUARANTINED_SHARE,
     FleetBreaker,
     FleetCollector,
@@ -34,6 +36,7 @@ from gpuwatch.fleet import (
     judge_quarantine,
 )
 from gpuwatch.slurm import DrainStatus, SlurmCollector
+from tests.bad_prometheus import HUGE_BYTES, BadPrometheus
 
 LIMITS = FleetConfig(prometheus_url="http://x", max_quarantined_share=0.2, max_drained_nodes=3)
 
@@ -108,41 +111,102 @@ def test_scalar_and_its_failures(prometheus: FakePrometheus) -> None:
         Prometheus(f"http://127.0.0.1:{closed_port}", 0.5).scalar("up")
 
 
-def test_breaker_caches_counts_each_refused_gpu_once_and_lets_go(prometheus: FakePrometheus) -> None:
+def test_breaker_judges_on_its_last_reading_counts_each_refused_gpu_once_and_lets_go(
+    prometheus: FakePrometheus,
+) -> None:
     clock = ManualClock(0)
     config = FleetConfig(prometheus_url=prometheus.url, max_quarantined_share=0.2, cache_s=5)
     breaker = FleetBreaker(config, clock=clock)
     prometheus.answer(QUARANTINED_SHARE, 0.25)
     prometheus.answer(drained_nodes_query(config.window_s), 1)
+    breaker.refresh()
     assert breaker.allow_quarantine(1, "xid") is not None
     assert breaker.allow_quarantine(1, "xid") is not None
     assert breaker.allow_quarantine(2, "xid") is not None
-    assert len(prometheus.queries) == 2  # one answer served all three
+    assert prometheus.queries == [QUARANTINED_SHARE]  # one reading served all three: a quarantine never asks
     assert breaker.allow_drain() is None
+    assert prometheus.queries[1:] == [drained_nodes_query(config.window_s)]  # a drain asks, on its own thread
     assert breaker.status() == FleetStatus(quarantined_share=0.25, drained_nodes=1, tripped=True, refusals_total=2)
     prometheus.answer(QUARANTINED_SHARE, 0.1)
-    clock.advance(5)
+    assert breaker.allow_quarantine(1, "xid") is not None, "still the last reading: a decision never waits"
+    breaker.refresh()
     assert breaker.allow_quarantine(1, "xid") is None
     assert breaker.allow_quarantine(2, "xid") is None
     assert breaker.status() == FleetStatus(quarantined_share=0.1, drained_nodes=1, tripped=False, refusals_total=2)
 
 
+def test_the_share_is_read_every_cache_s_from_a_thread_of_its_own(prometheus: FakePrometheus) -> None:
+    config = FleetConfig(prometheus_url=prometheus.url, max_quarantined_share=0.2, cache_s=1)
+    breaker = FleetBreaker(config)
+    prometheus.answer(QUARANTINED_SHARE, 0.25)
+    breaker.start()
+    try:
+        assert prometheus.queries == [QUARANTINED_SHARE], "read once at start, before the first decision"
+        assert breaker.allow_quarantine(0, "xid") is not None
+        prometheus.answer(QUARANTINED_SHARE, 0.0)
+        wait_until("read again and let go", lambda: breaker.allow_quarantine(0, "xid") is None, timeout_s=5)
+    finally:
+        breaker.stop()
+
+
+def test_a_reading_the_thread_stopped_renewing_counts_as_unreachable(prometheus: FakePrometheus) -> None:
+    clock = ManualClock(0)
+    config = FleetConfig(prometheus_url=prometheus.url, max_quarantined_share=0.2, on_unreachable="closed")
+    breaker = FleetBreaker(config, clock=clock)
+    prometheus.answer(QUARANTINED_SHARE, 0.0)
+    assert "not asked yet" in (breaker.allow_quarantine(0, "xid") or "")
+    breaker.refresh()
+    assert breaker.allow_quarantine(0, "xid") is None
+    clock.advance(60)
+    assert "no answer from Prometheus for 60 s" in (breaker.allow_quarantine(0, "xid") or "")
+
+
 def test_unreachable_open_and_closed(caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    clock = ManualClock(0)
-    opened = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, cache_s=0), clock=clock)
+    opened = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, cache_s=0))
+    opened.refresh()
     assert opened.allow_quarantine(0, "xid") is None
-    clock.advance(29)
-    assert opened.allow_quarantine(0, "xid") is None  # a failure is not retried at once: no timeout every round
     assert opened.status() == FleetStatus(reachable=False, query_failures_total=1)
-    clock.advance(1)
+    opened.refresh()
     assert opened.allow_quarantine(0, "xid") is None
     assert opened.status() == FleetStatus(reachable=False, query_failures_total=2)
     said = [r.getMessage() for r in caplog.records if "cannot ask Prometheus" in r.getMessage()]
     assert len(said) == 1 and said[0].endswith("the node breaker alone decides until it answers")  # once, not per ask
     closed = FleetBreaker(FleetConfig(prometheus_url=url, timeout_s=0.5, on_unreachable="closed"))
+    closed.refresh()
     assert "fleet.on_unreachable is closed" in (closed.allow_drain() or "")
     assert closed.status().tripped and closed.status().refusals_total == 1
+
+
+@pytest.mark.parametrize(
+    ("mode", "value", "said"),
+    [
+        ("ok", "NaN", "nan is not a finite, non-negative number"),
+        ("ok", "+Inf", "inf is not a finite, non-negative number"),
+        ("ok", "-Inf", "-inf is not a finite, non-negative number"),
+        ("ok", "-3", "-3.0 is not a finite, non-negative number"),
+        ("ok", "1.5", "a quarantined share of 1.5 is more than the whole fleet"),
+        ("deep", "", "JSON nested deeper than 16 levels"),
+        ("trickle", "", "no whole answer within 1 s"),
+        ("huge", "", f"an answer of {HUGE_BYTES} bytes, over the limit of {MAX_ANSWER_BYTES}"),
+        ("huge_unsized", "", f"an answer of more than {MAX_ANSWER_BYTES} bytes"),
+    ],
+)
+def test_a_bad_answer_is_unreachable_within_the_deadline_and_the_size_limit(mode: str, value: str, said: str) -> None:
+    with BadPrometheus(mode, value) as bad:
+        breaker = FleetBreaker(FleetConfig(prometheus_url=bad.url, timeout_s=1.0, on_unreachable="closed"))
+        started = time.monotonic()
+        view = breaker.refresh()
+        took = time.monotonic() - started
+        assert said in view.error, view.error
+        assert took < 1.5, f"{mode}: {took:.2f} s, over the deadline of 1 s"
+        assert bad.sent_bytes < 16 * MAX_ANSWER_BYTES, f"{mode}: the server got to send {bad.sent_bytes} bytes"
+        assert breaker.status().query_failures_total == 1 and not breaker.status().reachable
+        assert "fleet.on_unreachable is closed" in (breaker.allow_quarantine(0, "xid") or "")
+        if value != "1.5":  # a drain's ask of the drained count meets the same limits
+            started = time.monotonic()
+            assert "fleet.on_unreachable is closed" in (breaker.allow_drain() or "")
+            assert time.monotonic() - started < 1.5 and breaker.status().query_failures_total == 2
 
 
 def test_collector_exports_exact_values_on_a_fresh_registry() -> None:

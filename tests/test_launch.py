@@ -423,7 +423,9 @@ def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path) -> None:
     code, stderr = invoke("--listen", "127.0.0.1:1", "--state-dir", str(tmp_path), "--", "train.py")
 
     assert code == 2
-    assert stderr.startswith("gpuwatch launch: error: cannot reach the gpuwatch daemon at http://127.0.0.1:1")
+    assert stderr.startswith(
+        f"gpuwatch launch: error: cannot reach the gpuwatch daemon: no control socket at {tmp_path}"
+    )
     assert len(stderr.splitlines()) == 1
 
 

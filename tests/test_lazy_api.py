@@ -23,8 +23,8 @@ def call(app, path):
     async def send(message):
         sent.append(message)
     scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [], "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 1),
-             "client": ("127.0.0.1", 2), "root_path": ""}
+             "headers": [(b"host", b"127.0.0.1:9835")], "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2), "root_path": ""}
     asyncio.run(app(scope, receive, send))
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], body

@@ -7,13 +7,13 @@ import socket
 import pytest
 
 from gpuwatch.config import Config
-from gpuwatch.daemon import bind_socket
 from gpuwatch.errors import ConfigError
+from gpuwatch.listeners import bind_tcp
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
 def test_a_host_name_or_address_binds_and_answers(host: str) -> None:
-    sock = bind_socket(Config(listen=f"{host}:0"))
+    sock = bind_tcp(Config(listen=f"{host}:0"))
     try:
         sock.listen()
         with socket.create_connection(sock.getsockname()[:2], timeout=5):
@@ -28,4 +28,4 @@ def test_a_name_that_does_not_resolve_is_one_line(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(socket, "getaddrinfo", no_such_name)
     with pytest.raises(ConfigError, match=r"^listen gpu-node-7:9835: cannot resolve 'gpu-node-7': Name or service"):
-        bind_socket(Config(listen="gpu-node-7:9835"))
+        bind_tcp(Config(listen="gpu-node-7:9835"))

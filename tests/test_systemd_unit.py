@@ -22,6 +22,7 @@ else:  # pragma: no cover
 
 SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
 UNIT = SYSTEMD_DIR / "gpuwatch.service"
+SOCKET_UNIT = SYSTEMD_DIR / "gpuwatch.socket"
 DROP_IN = SYSTEMD_DIR / "pcie-drill.conf"
 EXAMPLE_CONFIG = SYSTEMD_DIR / "gpuwatch.toml"
 
@@ -95,6 +96,43 @@ def test_verify_would_catch_a_bad_directive(tmp_path: Path) -> None:
         [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
     )
     assert "gpuwatch.service" in proc.stdout + proc.stderr
+
+
+def test_systemd_analyze_verify_is_clean_for_the_socket_and_the_service(tmp_path: Path) -> None:
+    """The pair as installed: the socket unit starts the service on its sockets; verify says nothing of either."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    fake = tmp_path / "bin" / "gpuwatch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    (tmp_path / "gpuwatch.service").write_text(
+        UNIT.read_text().replace("ExecStart=/opt/gpuwatch/bin/gpuwatch ", f"ExecStart={fake} ")
+    )
+    shutil.copy(SOCKET_UNIT, tmp_path / SOCKET_UNIT.name)
+    for broken in ("", "ListenStream=/var", "SocketMode=0666"):  # as shipped, then two typos that verify must catch
+        text = SOCKET_UNIT.read_text()
+        if broken:
+            text = text.replace(broken, broken.replace("=", "X=", 1))
+        (tmp_path / SOCKET_UNIT.name).write_text(text)
+        units = [str(tmp_path / "gpuwatch.socket"), str(tmp_path / "gpuwatch.service")]
+        proc = subprocess.run([analyze, "verify", "--man=no", *units], capture_output=True, text=True, timeout=60)
+        ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "gpuwatch" in line]
+        assert (ours == []) == (broken == ""), f"{broken or 'as shipped'}: {ours}"
+
+
+def test_the_socket_unit_holds_what_the_config_and_the_unit_say() -> None:
+    """ListenStream= must be `listen` and api.socket as the shipped unit and example config make them: the
+    daemon refuses to start on sockets its config does not name."""
+    sockets = parse_unit(SOCKET_UNIT.read_text())
+    service = parse_unit(UNIT.read_text())
+    env = dict(item.split("=", 1) for value in service["Service"]["Environment"] for item in value.split())
+    loaded = config.load(EXAMPLE_CONFIG, environ=env)
+    assert sockets["Socket"]["ListenStream"] == [loaded.listen, str(loaded.control_socket)]
+    assert sockets["Socket"]["SocketMode"] == ["0666"], "any user's `gpuwatch launch` reads the GPU list over it"
+    assert sockets["Install"]["WantedBy"] == ["sockets.target"]
+    assert "gpuwatch.socket" in service["Unit"]["Wants"] and "gpuwatch.socket" in service["Unit"]["After"]
 
 
 def test_lifecycle_directives(service: dict[str, list[str]]) -> None:

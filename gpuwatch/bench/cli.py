@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from gpuwatch import __version__
-from gpuwatch.command_error import fail
+from gpuwatch.command_error import FiniteFloatRange, OneLineCommand, fail
 
 # In the order they run: the long footprint and the trainer job come last.
 SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation", "interference")
@@ -43,7 +43,7 @@ def parse_only(value: str | None) -> list[str]:
     return [name for name in SECTIONS if name in names]
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--backend", type=click.Choice(["sim", "nvml"]), default="nvml", show_default=True, help="What to sample."
 )
@@ -51,20 +51,20 @@ def parse_only(value: str | None) -> list[str]:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the figures here.")
 @click.option("--quick", is_flag=True, help="Short runs (a smoke test): fewer rounds, shorter windows, 20 s footprint.")
 @click.option("--only", help=f"Comma-separated sections to run (default all): {','.join(SECTIONS)}.")
-@click.option("--footprint-s", type=click.FloatRange(min=1.0), help="Footprint period in s (default 600, quick 20).")
+@click.option("--footprint-s", type=FiniteFloatRange(min=1.0), help="Footprint period in s (default 600, quick 20).")
 @click.option(
     "--interference-s",
-    type=click.FloatRange(min=0.0),
+    type=FiniteFloatRange(min=0.0),
     help="Interference: seconds of interleaved rounds, both steps (default 200; fewer still runs 2 rounds each).",
 )
 @click.option(
     "--attribute-s",
-    type=click.FloatRange(min=0.0),
+    type=FiniteFloatRange(min=0.0),
     help="Interference: seconds each NVML call kind is timed in the attribution (default 1.5, quick 0.4; 0: none).",
 )
 @click.option(
     "--attribute-rate",
-    type=click.FloatRange(min=1.0, max=100000.0),
+    type=FiniteFloatRange(min=1.0, max=100000.0),
     help="Interference: calls a second of the attribution's helper (default 1000).",
 )
 @click.option(

@@ -97,6 +97,7 @@ class ServerProcess:
         self.env = dict(child_env() if env is None else env)
         self.cwd = cwd
         self.tail_lines = tail_lines
+        self.pass_fds: tuple[int, ...] = ()  # descriptors it inherits (a socket unit's, in the tests)
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -119,7 +120,13 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         self._process = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
+            pass_fds=self.pass_fds,
         )
         try:
             self._wait_ready()

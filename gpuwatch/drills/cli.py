@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.console import Console
 
-from gpuwatch.command_error import fail
+from gpuwatch.command_error import OneLineCommand, fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 
 
-@click.command("drill", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("drill", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--inject", "inject_spec", metavar="SPEC", help="e.g. 'gpu=1,sm_clock_mhz=500,for=600' or 'gpu=0,preset=xid79'."
 )
@@ -64,7 +64,7 @@ _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @click.option("--listen", help="HOST:PORT of the daemon's API (default 127.0.0.1:9835).")
-@click.option("--state-dir", help="Where the daemon's token lives (default /var/lib/gpuwatch).")
+@click.option("--state-dir", help="Where the daemon's control socket lives (default /var/lib/gpuwatch).")
 def drill(
     inject_spec: str | None,
     dcgm_spec: str | None,
@@ -148,7 +148,7 @@ def _drill(config: Config, request: Request, dry_run: bool, as_json: bool, confi
         hint = "; add --yes to do it" if run.kind.needs_yes else ""
         click.echo(f"dry run: nothing was done{hint}")
         return 0
-    api.require_token()  # refused (exit 2, saying what to pass) before the drill, not a FAIL at its first step
+    api.require_control()  # refused (exit 2, saying what to do) before the drill, not a FAIL at its first step
     console = Console(stderr=True)
     with console.status(title) as status:
         verdict = run_drill(run, _progress(title, console, status.update, time.time()))

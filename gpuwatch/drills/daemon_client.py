@@ -1,4 +1,5 @@
-"""How a drill sees the daemon: the same HTTP API an operator or Alertmanager sees, nothing private.
+"""How a drill sees the daemon: the same HTTP API an operator or Alertmanager sees, nothing private,
+over the control socket an operator's commands use (gpuwatch.client).
 
 A drill proves the chain a fault goes through (finding, /metrics, quarantine, incident), so it
 reads what the outside world reads. Tests plug an in-process client in behind `DrillApi`.
@@ -9,13 +10,10 @@ call: the daemon imports the drills at start, and pydantic only with its API's f
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpuwatch.client import DaemonClient
 from gpuwatch.config import Config
-from gpuwatch.errors import DaemonError
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read (see above)
     from gpuwatch import wire
@@ -30,8 +28,8 @@ class DrillApi(Protocol):
 
     def post(self, path: str, body: dict[str, Any]) -> Any: ...
 
-    def require_token(self) -> None:
-        """Raise DaemonError, saying what to pass, when the POSTs a drill makes could not authenticate."""
+    def require_control(self) -> None:
+        """Raise DaemonError, saying what to do, when the POSTs a drill makes would be refused."""
 
 
 class HttpApi(DaemonClient):
@@ -49,11 +47,7 @@ class HttpApi(DaemonClient):
         return self.request("POST", path, body, timeout_s=self.validate_wait_s if body.get("validate") else None)
 
     def text(self, path: str) -> str:
-        try:
-            with urllib.request.urlopen(self.base + path, timeout=self.timeout_s) as resp:
-                return str(resp.read().decode())
-        except (urllib.error.URLError, OSError) as exc:
-            raise DaemonError(f"GET {path}: {getattr(exc, 'reason', exc)}") from None
+        return self.fetch("GET", path).decode(errors="replace")
 
 
 def node(api: DrillApi) -> wire.GpuList:

@@ -26,6 +26,11 @@ def module_name(module: ModuleType) -> str:
     return module.__name__.rsplit(".", 1)[-1]
 
 
+def known_names() -> frozenset[str]:
+    """What `rules.disabled` may name: every rule id and every rule module."""
+    return frozenset(ALL_RULE_IDS) | {module_name(module) for module in RULE_MODULES}
+
+
 def enabled_modules(cfg: RulesConfig) -> tuple[ModuleType, ...]:
     return _enabled(frozenset(cfg.disabled))
 

@@ -46,7 +46,7 @@ def start_drill_node(
     daemon = Daemon(config, clock=clock)
     daemon.backend.clock = clock  # type: ignore[attr-defined]
     daemon.monitor.tick()
-    return SimNode(daemon, clock, TestClient(daemon.app()))
+    return SimNode(daemon, clock, TestClient(daemon.app(), base_url="http://127.0.0.1"))
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ class ClientApi:
     def post(self, path: str, body: dict[str, Any]) -> Any:
         return self._check("POST", path, self.node.client.post(path, json=body, headers=self.node.auth)).json()
 
-    def require_token(self) -> None:
+    def require_control(self) -> None:
         """The in-process client always holds the node's token."""
 
 
@@ -133,7 +133,7 @@ class FakeDaemon:
     `react` runs after each POST and each clock step, so a test scripts how the "daemon" answers.
     """
 
-    def require_token(self) -> None:
+    def require_control(self) -> None:
         """The fake takes any caller as authorised."""
 
     def __init__(self, gpus: list[dict[str, Any]], backend: str = "nvml") -> None:

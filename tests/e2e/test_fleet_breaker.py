@@ -86,6 +86,8 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
             lambda: [float(r["value"][1]) for r in query("fleet:gpuwatch_gpus_quarantined:ratio")] == [0.25],
         )
 
+        # A quarantine is judged on the breaker's last reading (never waited for): let C read the share first.
+        wait_until("C's breaker reads 25 %", lambda: _metric(c, "gpuwatch_fleet_quarantined_ratio") == 0.25)
         _inject_xid79(c, 1)
         wait_until("C refuses", lambda: "fleet breaker refused the quarantine" in _log(c))
         assert "25.0% of the fleet's GPUs are quarantined, at or above fleet.max_quarantined_share 20.0%" in _log(c)
@@ -123,6 +125,7 @@ def test_fleet_breaker_refuses_beyond_its_share_and_falls_back_without_prometheu
         wait_until("C's node breaker refuses GPU 2", lambda: "circuit breaker refused the quarantine" in _log(c))
         assert not c.get("/v1/gpus/2")["quarantined"]
 
+        wait_until("B's breaker has noticed", lambda: _metric(b, "gpuwatch_fleet_prometheus_up") == 0)
         _inject_xid79(b, 1)
         wait_until("B (closed) refuses", lambda: "fleet.on_unreachable is closed" in _log(b))
         assert not b.get("/v1/gpus/1")["quarantined"]

@@ -1,5 +1,5 @@
 """The operator's commands against a real daemon process (sim, 4 GPUs, listening on a host name):
-what they print, what they refuse, and how they find the daemon and its token.
+what they print, what they refuse, and how they find the daemon and its control socket.
 
 One daemon for the module; each test works on its own GPU.
 """
@@ -89,7 +89,7 @@ def test_release_of_an_unhealthy_gpu_needs_force(daemon: DaemonProcess) -> None:
     assert daemon.get("/v1/gpus/0")["quarantined"] is False
 
 
-def test_commands_find_the_daemon_and_token_through_the_config_file(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_commands_find_the_daemon_through_the_config_file(daemon: DaemonProcess, tmp_path: Path) -> None:
     config = tmp_path / "gpuwatch.toml"
     config.write_text(f'listen = "localhost:{daemon.port}"\nstate_dir = "{daemon.state_dir}"\n')
     from_env = run_gpuwatch("quarantine", "2", "--reason", "by config", env={"GPUWATCH_CONFIG": str(config)})
@@ -100,12 +100,13 @@ def test_commands_find_the_daemon_and_token_through_the_config_file(daemon: Daem
     assert listed.returncode == 0 and "dry run: nothing was done" in listed.stdout, listed.stderr
 
 
-def test_without_the_token_each_command_says_what_to_pass(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_without_the_control_socket_each_command_says_what_to_pass(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """The daemon's TCP port answers, but a state change never goes there: it needs the control socket."""
     elsewhere = ["--listen", f"localhost:{daemon.port}", "--state-dir", str(tmp_path / "no-state")]
     for args in (["quarantine", "3", "--reason", "x"], ["drill", "--inject", "gpu=3,preset=xid79"]):
         line = one_line(run_gpuwatch(*args, *elsewhere))
-        assert f"cannot read the API token {tmp_path}/no-state/token" in line
-        assert "pass --state-dir with the daemon's state dir, or --config with its config file" in line
+        assert f"cannot reach the gpuwatch daemon: no control socket at {tmp_path}/no-state/api.sock" in line
+        assert "Pass --state-dir with the daemon's state dir, or --config with its config file" in line
     assert daemon.get("/v1/gpus/3")["quarantined"] is False, "the drill was refused before it injected anything"
     assert daemon.get("/v1/injections")["injections"] == []
 

@@ -88,8 +88,9 @@ def one_line_error(result: object) -> str:
 
 
 def run_args(tmp_path: Path, *extra: str) -> list[str]:
+    """`gpuwatch run` refused before it binds (port 0 is not a listen address: any port will do)."""
     return [
-        "run", "--backend", "sim", "--sim-gpus", "1", "--listen", "127.0.0.1:0",
+        "run", "--backend", "sim", "--sim-gpus", "1", "--listen", "127.0.0.1:9",
         "--state-dir", str(tmp_path / "state"), "--runtime-dir", str(tmp_path / "run"), *extra,
     ]  # fmt: skip
 

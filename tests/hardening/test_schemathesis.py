@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_api_conforms_to_its_schema(tmp_path: Path) -> None:
-    sim = start_sim_node(tmp_path, gpus=2, **{"api.docs": True})
+    sim = start_sim_node(tmp_path, gpus=2, **{"api.docs": True, "api.allowed_hosts": "testserver"})  # its client's
     headers = {"Authorization": f"Bearer {sim.daemon.token}"}
     schema = schemathesis.openapi.from_asgi("/openapi.json", sim.daemon.app())
     failures: list[str] = []

@@ -152,7 +152,7 @@ def test_accept_errors_are_one_line_and_no_spin(tmp_path: Path, monkeypatch: pyt
 
 def test_slowloris_is_closed_after_the_header_timeout(daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
-    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
     closed_after = trickle_until_closed(sock)
     sock.close()
     assert closed_after is not None and closed_after < 4.0, "header timeout 1.5 s"
@@ -188,10 +188,10 @@ def raw_request(node: DaemonProcess, data: bytes) -> bytes:
 def test_huge_headers_are_431_before_the_token_check(daemon: DaemonProcess) -> None:
     """64 MB of headers were answered 200; now anything over max_header_bytes is 431 unread."""
     big = b"X-Pad: " + b"a" * 100_000 + b"\r\n"
-    answer = raw_request(daemon, b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    answer = raw_request(daemon, b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: localhost\r\n" + big + b"\r\n")
     assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
     many = b"".join(b"X-%d: %s\r\n" % (i, b"b" * 100) for i in range(200))  # 21 KB, each header small
-    answer = raw_request(daemon, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    answer = raw_request(daemon, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n")
     assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
     scrape(daemon)
 
@@ -208,14 +208,15 @@ def test_large_bodies_are_413_before_the_token_check(daemon: DaemonProcess) -> N
     assert response.status == 413
     conn.close()
     chunked = (
-        b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
         b"Content-Type: application/json\r\n\r\n" + b"1000\r\n" + b"a" * 4096 + b"\r\n" + b"1000\r\n" + b"a" * 4096
     )
     assert raw_request(daemon, chunked).startswith(b"HTTP/1.1 413")
     small = b'{"reason": "x"}'
     unauth = raw_request(
         daemon,
-        b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        b"POST /v1/gpus/0/quarantine HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(small), small),
     )
     assert unauth.startswith(b"HTTP/1.1 401"), "a small body still reaches the token check"
@@ -234,7 +235,7 @@ def test_kept_alive_scrapes_outlive_the_header_timeout(daemon: DaemonProcess) ->
 
 def test_slowloris_after_a_kept_alive_request_is_closed_too(daemon: DaemonProcess) -> None:
     sock = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
-    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     sock.sendall(b"GET /metrics HTTP/1.1\r\n")
     closed_after = trickle_until_closed(sock)
