@@ -321,6 +321,7 @@ class Daemon:
             self.scheduler.shutdown(wait=True)
         self.backend.close()
         self.remediation.close()
+        self.runtime.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
         if self._kernel_thread is not None:

@@ -219,6 +219,7 @@ class TrainerInfo:
     gpu_uuid: str | None = None
     step: int | None = None
     first_step: int | None = None
+    step_t: float | None = None  # when the last step finished (Unix time)
     step_time_s: float | None = None
     grad_norm: float | None = None
     grad_norm_var: float | None = None

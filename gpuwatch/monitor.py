@@ -375,14 +375,10 @@ class Monitor:
         return status
 
     def _read_trainers(self, now: float) -> tuple[TrainerInfo, ...]:
-        """The running ranks' reports, not older than trainer.stale_after_s (the runtime dir is untrusted)."""
+        """The running ranks' reports, not older than trainer.stale_after_s (every report is untrusted)."""
         if self.runtime is None:
             return ()
-        try:
-            reports = self.runtime.read_reports()
-        except OSError as exc:
-            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
-            return ()
+        reports = self.runtime.read_reports()
         stale_after_s = self.config.trainer.stale_after_s
         return tuple(r.info for r in reports if r.running and now - (r.info.updated_t or 0.0) <= stale_after_s)
 

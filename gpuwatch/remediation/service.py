@@ -359,11 +359,7 @@ class Remediation:
             return None
         fast = self._stops or any(now - i.seen_mono < FAST_WATCH_S for i in self._watches.values())
         self._next_report_read = now + (REPORT_POLL_S if fast else SLOW_POLL_S)
-        try:
-            return self.runtime.read_reports()
-        except OSError as exc:
-            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
-            return []
+        return self.runtime.read_reports()
 
     def _advance_stops(self, reports: list[Report]) -> None:
         """Note the steps the stopping ranks report, escalate, and close the stops that are done."""
