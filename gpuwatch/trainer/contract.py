@@ -48,12 +48,15 @@ ENDED_VALUES = (ENDED_FINISHED, ENDED_RESUME, ENDED_ERROR)
 _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
 
 STEP_PAGE_BYTES = 64
-STEP_PAGE_MAGIC = b"GWS1"
-STEP_FIELDS = struct.Struct("<IqqdI")
-"""What follows the magic: seq, step, first_step, step_t, seq again (a reader retries when the two differ).
+STEP_PAGE_MAGIC = b"GWSTEP1\0"
+STEP_LAYOUT = struct.Struct("<8sqqd")
+"""magic, step, first_step, step_t: 8-byte aligned slots, each rewritten by one aligned store.
 
-`step` and `first_step` are -1 before the first step; `step_t` is the Unix time `step()` was called.
+`step` and `first_step` are NO_STEP before the first step; `step_t` is the Unix time `step()` was
+called. A reader may see a step with the time of the one before it (the two are stored one after
+the other), never a torn value.
 """
+STEP_SLOT, FIRST_STEP_SLOT, STEP_T_SLOT = 1, 2, 3  # indexes of the 8-byte slots
 NO_STEP = -1
 
 
@@ -78,11 +81,11 @@ def step_page_pid(name: str) -> int | None:
 
 
 def read_step_page(data: bytes) -> StepPage | None:
-    """The page's figures, or None when it is no page, is torn (written as it was read) or says nonsense."""
-    if len(data) < len(STEP_PAGE_MAGIC) + STEP_FIELDS.size or not data.startswith(STEP_PAGE_MAGIC):
+    """The page's figures, or None when it is no page or says nonsense."""
+    if len(data) < STEP_LAYOUT.size:
         return None
-    seq, step, first, step_t, seq_again = STEP_FIELDS.unpack_from(data, len(STEP_PAGE_MAGIC))
-    if seq != seq_again or step < NO_STEP or first < NO_STEP or not math.isfinite(step_t) or step_t < 0:
+    magic, step, first, step_t = STEP_LAYOUT.unpack_from(data)
+    if magic != STEP_PAGE_MAGIC or step < NO_STEP or first < NO_STEP or not math.isfinite(step_t) or step_t < 0:
         return None
     if step == NO_STEP:
         return StepPage(None, None, None)

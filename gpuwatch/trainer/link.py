@@ -52,10 +52,13 @@ from gpuwatch.trainer.contract import (
     ENDED_FINISHED,
     ENDED_RESUME,
     EXIT_RESUME,
+    FIRST_STEP_SLOT,
     LAUNCH_DIR_ENV,
     REPORT_SOCKET,
     RUNTIME_DIR_ENV,
     STATUS_FILE,
+    STEP_SLOT,
+    STEP_T_SLOT,
     AllocatorFigures,
     TrainerReport,
     quarantined_in,
@@ -138,7 +141,6 @@ class TrainerLink:
         self._step: int | None = None
         self._first_step: int | None = None
         self._step_wall_t: float | None = None
-        self._last_step_t: float | None = None
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
         self._grad_norms: deque[float] = deque(maxlen=_GRAD_NORM_WINDOW)
 
@@ -147,6 +149,7 @@ class TrainerLink:
         self._rescuing = False
 
         self._page = StepPageWriter(self.pid, os.environ.get(LAUNCH_DIR_ENV))
+        self._page_ints, self._page_floats = self._page.ints, self._page.floats
         self._sender = ReportSender(self.runtime_dir / REPORT_SOCKET, self._page.fd)
         self._status_key: tuple[int, int, int] | None = None
         self._closed = threading.Event()
@@ -185,19 +188,19 @@ class TrainerLink:
         """
         if self._terminated:
             self._end_by_term_signal()
-        now = time.perf_counter()
-        if self._last_step_t is not None:
-            self._step_times.append(now - self._last_step_t)
-        self._last_step_t = now
-        self._step_wall_t = wall = time.time()
-        self._page.write(step, wall)
+        wall = time.time()
+        if self._step_wall_t is not None:
+            self._step_times.append(max(0.0, wall - self._step_wall_t))  # a clock stepped back counts as 0
+        self._step_wall_t = wall
+        self._page_ints[STEP_SLOT] = step
+        self._page_floats[STEP_T_SLOT] = wall
         self._step = step
         if loss is not None:
             self.last_loss = loss
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
         if self._first_step is None:
-            self._first_step = step
+            self._first_step = self._page_ints[FIRST_STEP_SLOT] = step
             self._wake()
 
     @property
