@@ -36,7 +36,7 @@ MAX_RANKS_PER_UID = 256
 MAX_RANKS = 1024  # with each rank's connection and page: 3 fds each, under the unit's LimitNOFILE beside the API
 MAX_CONNECTIONS_PER_PID = 2  # a rank needs one; a reconnect may overlap the old one's close
 DEAD_KEEP_S = 30.0  # a gone process's entry is kept this long for remediation, then dropped
-_PAGE_READ_TRIES = 3  # a page read while its rank rewrote it is read again
+_GONE = -1  # the start time of a process that had ended when it connected
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,6 @@ class ReportBoard:
             if entry is not None and entry.start_time != start_time:
                 self._drop(entry)  # the pid was recycled: the old process's entry goes
                 entry = None
-            if start_time is None:
-                return self._refuse("process_gone", uid, "pid %d (uid %d) was gone when it connected", pid, uid)
             if entry is None:
                 if sum(1 for e in self._entries.values() if e.uid == uid) >= MAX_RANKS_PER_UID:
                     return self._refuse(
@@ -95,7 +93,8 @@ class ReportBoard:
                     )  # fmt: skip
                 if len(self._entries) >= MAX_RANKS:
                     return self._refuse("node_limit", uid, "%d ranks here, the most: pid %d refused", MAX_RANKS, pid)
-                entry = self._entries[pid] = _Entry(pid, uid, start_time)
+                # Gone already (a short process's last words): kept as the report of a process that ended.
+                entry = self._entries[pid] = _Entry(pid, uid, start_time if start_time is not None else _GONE)
             elif entry.connected >= MAX_CONNECTIONS_PER_PID:
                 return self._refuse("user_limit", uid, "pid %d (uid %d) is connected already", pid, uid)
             entry.connected += 1
@@ -135,7 +134,7 @@ class ReportBoard:
             entries = list(self._entries.values())
         reports = []
         for entry in entries:
-            alive = self.proc.alive(entry.pid, entry.start_time)
+            alive = self._alive(entry)
             if not alive:
                 with self._lock:
                     entry.gone_mono = entry.gone_mono if entry.gone_mono is not None else now
@@ -153,7 +152,7 @@ class ReportBoard:
             entry = self._entries.get(pid)
         if entry is None:
             return None
-        return self._report(entry, self.proc.alive(entry.pid, entry.start_time))
+        return self._report(entry, self._alive(entry))
 
     def connections(self) -> int:
         with self._lock:
@@ -165,6 +164,9 @@ class ReportBoard:
                 self._drop(entry)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _alive(self, entry: _Entry) -> bool:
+        return entry.start_time != _GONE and self.proc.alive(entry.pid, entry.start_time)
 
     def _report(self, entry: _Entry, alive: bool) -> Report | None:
         info = entry.info
@@ -179,15 +181,10 @@ class ReportBoard:
         fd = entry.page_fd
         if fd is None:
             return None
-        for _ in range(_PAGE_READ_TRIES):
-            try:
-                data = os.pread(fd, STEP_PAGE_BYTES, 0)
-            except OSError:
-                return None
-            page = read_step_page(data)
-            if page is not None:
-                return page
-        return None
+        try:
+            return read_step_page(os.pread(fd, STEP_PAGE_BYTES, 0))
+        except OSError:
+            return None
 
     def _take_page(self, entry: _Entry, fd: int) -> None:
         """Keep the first step page a process passes, if it is a small regular file (or memfd) of its user."""

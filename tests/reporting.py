@@ -1,0 +1,69 @@
+"""Rank stand-ins that report over the daemon's real report socket, as TrainerLink does.
+
+The kernel names the sender of every report (SO_PEERCRED), so a test cannot write a report "for"
+a pid: each FakeRank is a real process that sends, with its own pid, exactly what the test tells
+it, and keeps a step page the daemon reads. `behaviour` is Python run before it waits (its signal
+set-up); it ends when killed or when its stdin closes and it was told to `exit_after`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_CHILD = """
+import json, os, signal, sys, time
+from pathlib import Path
+from gpuwatch.trainer.channel import ReportSender, StepPageWriter
+from gpuwatch.trainer.contract import FIRST_STEP_SLOT, REPORT_SOCKET, STEP_SLOT, STEP_T_SLOT
+{behaviour}
+page = StepPageWriter(os.getpid(), os.environ.get("GPUWATCH_LAUNCH_DIR"))
+sender = None
+print("ready", flush=True)
+for line in sys.stdin:
+    message = json.loads(line)
+    if "page" in message:
+        figures = message["page"]
+        page.ints[STEP_SLOT] = figures["step"]
+        page.ints[FIRST_STEP_SLOT] = figures.get("first_step", figures["step"])
+        page.floats[STEP_T_SLOT] = figures.get("step_t", time.time())
+        print("sent", flush=True)
+        continue
+    if sender is None:
+        sender = ReportSender(Path(message["runtime_dir"]) / REPORT_SOCKET, page.fd)
+    body = {{"pid": os.getpid(), **message["report"]}}
+    print("sent" if sender.send(json.dumps(body).encode(), final=True) else "failed", flush=True)
+time.sleep(120)
+"""
+
+
+class FakeRank(subprocess.Popen[str]):
+    """A real process that reports what it is told (`report`) and keeps a step page (`page`)."""
+
+    def __init__(self, behaviour: str = "pass", env: dict[str, str] | None = None) -> None:
+        code = _CHILD.format(behaviour=behaviour)
+        super().__init__(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert self.stdout is not None and self.stdout.readline() == "ready\n", "the fake rank did not start"
+
+    def report(self, runtime_dir: str | Path, **fields: Any) -> None:
+        """Send one report (pid filled in unless given) and wait until the daemon's socket has it queued."""
+        self._say({"runtime_dir": str(runtime_dir), "report": fields})
+
+    def page(self, step: int, first_step: int | None = None, step_t: float | None = None) -> None:
+        """Set the step page as TrainerLink.step() would."""
+        figures: dict[str, Any] = {"step": step, "first_step": step if first_step is None else first_step}
+        if step_t is not None:
+            figures["step_t"] = step_t
+        self._say({"page": figures})
+
+    def _say(self, message: dict[str, Any]) -> None:
+        assert self.stdin is not None and self.stdout is not None
+        self.stdin.write(json.dumps(message) + "\n")
+        self.stdin.flush()
+        answer = self.stdout.readline()
+        assert answer == "sent\n", f"fake rank {self.pid}: {answer!r}"
