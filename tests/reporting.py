@@ -8,11 +8,17 @@ set-up); it ends when killed or when its stdin closes and it was told to `exit_a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from gpuwatch.runtime import RuntimeDir
+
+ServeReports = Callable[[Path], RuntimeDir]  # the `serve_reports` fixture (tests/conftest.py)
 
 _CHILD = """
 import json, os, signal, sys, time
@@ -67,3 +73,18 @@ class FakeRank(subprocess.Popen[str]):
         self.stdin.flush()
         answer = self.stdout.readline()
         assert answer == "sent\n", f"fake rank {self.pid}: {answer!r}"
+
+
+def report_fields(runtime: RuntimeDir, pid: int) -> dict[str, Any]:
+    """Process `pid`'s report as the daemon holds it, under the contract's names ({} when there is none)."""
+    report = runtime.read_report(pid)
+    if report is None:
+        return {}
+    fields = dataclasses.asdict(report.info)
+    fields["t"] = fields.pop("updated_t")
+    return fields
+
+
+def reports_by_rank(runtime: RuntimeDir) -> dict[int, dict[str, Any]]:
+    """Every report the daemon holds, by rank, under the contract's names."""
+    return {r.info.rank: report_fields(runtime, r.info.pid) for r in runtime.read_reports() if r.info.rank is not None}
