@@ -170,6 +170,7 @@ class Trainer(Body):
     gpu_uuid: Omittable[str] = None
     step: Omittable[int] = None
     first_step: Omittable[int] = None
+    step_t: Omittable[float] = None
     step_time_s: Omittable[float] = None
     grad_norm: Omittable[float] = None
     grad_norm_var: Omittable[float] = None
@@ -342,11 +343,22 @@ class Incidents(Body):
     incidents: list[Incident] = []
 
 
+class HeldReport(Trainer):
+    """A rank's latest report as the daemon holds it: the uid the kernel named, and whether its process runs."""
+
+    uid: int
+    alive: bool
+
+
 class Trainers(Body):
-    """GET /v1/trainers: every rank remediation maps, and the trainer rules' findings."""
+    """GET /v1/trainers: every rank remediation maps, the trainer rules' findings, and every report held.
+
+    `reports` includes ranks that ended or died (for DEAD_KEEP_S after their process is gone).
+    """
 
     ranks: list[Rank] = []
     findings: list[Finding] = []
+    reports: list[HeldReport] = []
 
 
 # --- drills ---------------------------------------------------------------------------------------
