@@ -41,8 +41,7 @@ def add_routes(app: FastAPI, remediation: Remediation, store: Store) -> None:
             ranks=[rank_json(r) for r in ranks],
             findings=[wire.Finding(**f.as_dict()) for f in verdict.findings],
             reports=[
-                wire.HeldReport(**dataclasses.asdict(r.info), uid=r.owner_uid, alive=r.alive)
-                for r in remediation.runtime.read_reports()
+                wire.HeldReport(**dataclasses.asdict(r.info), alive=r.alive) for r in remediation.runtime.read_reports()
             ],
         )
 

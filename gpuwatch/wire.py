@@ -170,6 +170,7 @@ class Trainer(Body):
     gpu_uuid: Omittable[str] = None
     step: Omittable[int] = None
     first_step: Omittable[int] = None
+    first_step_t: Omittable[float] = None
     step_t: Omittable[float] = None
     step_time_s: Omittable[float] = None
     grad_norm: Omittable[float] = None
@@ -181,8 +182,10 @@ class Trainer(Body):
     num_ooms: Omittable[int] = None
     stop_requested: Omittable[bool] = None
     allow_drills: Omittable[bool] = None
+    recovery: Omittable[str] = None
     ended: Omittable[str] = None
     updated_t: Omittable[float] = None
+    uid: Omittable[int] = None
 
 
 class Rank(Trainer):
@@ -344,9 +347,8 @@ class Incidents(Body):
 
 
 class HeldReport(Trainer):
-    """A rank's latest report as the daemon holds it: the uid the kernel named, and whether its process runs."""
+    """A rank's latest report as the daemon holds it (`uid`: the kernel's word), and whether its process runs."""
 
-    uid: int
     alive: bool
 
 

@@ -24,7 +24,7 @@ _CHILD = """
 import json, os, signal, sys, time
 from pathlib import Path
 from gpuwatch.trainer.channel import ReportSender, StepPageWriter
-from gpuwatch.trainer.contract import FIRST_STEP_SLOT, REPORT_SOCKET, STEP_SLOT, STEP_T_SLOT
+from gpuwatch.trainer.contract import FIRST_STEP_SLOT, FIRST_STEP_T_SLOT, REPORT_SOCKET, STEP_SLOT, STEP_T_SLOT
 {behaviour}
 page = StepPageWriter(os.getpid(), os.environ.get("GPUWATCH_LAUNCH_DIR"))
 sender = None
@@ -36,6 +36,7 @@ for line in sys.stdin:
         page.ints[STEP_SLOT] = figures["step"]
         page.ints[FIRST_STEP_SLOT] = figures.get("first_step", figures["step"])
         page.floats[STEP_T_SLOT] = figures.get("step_t", time.time())
+        page.floats[FIRST_STEP_T_SLOT] = figures.get("first_step_t", page.floats[STEP_T_SLOT])
         print("sent", flush=True)
         continue
     if sender is None:

@@ -101,7 +101,9 @@ class FakeTorchrun:
             Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(error))
         if outcome.step is not None:  # the rank's step page, as TrainerLink leaves it in the launch's directory
             page = Path(env[LAUNCH_DIR_ENV]) / step_page_name(1000 + len(self.calls))
-            page.write_bytes(STEP_LAYOUT.pack(STEP_PAGE_MAGIC, outcome.step, outcome.first_step, time.time()))
+            page.write_bytes(
+                STEP_LAYOUT.pack(STEP_PAGE_MAGIC, outcome.step, outcome.first_step, time.time(), time.time())
+            )
         return Outcome(outcome.rc, None, outcome.failures)
 
 

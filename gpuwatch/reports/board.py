@@ -174,8 +174,14 @@ class ReportBoard:
             return None
         page = self._read_page(entry)
         if page is not None and page.step is not None and (info.step is None or page.step >= info.step):
-            info = replace(info, step=page.step, first_step=page.first_step or info.first_step, step_t=page.step_t)
-        return Report(info, entry.uid, alive)
+            info = replace(
+                info,
+                step=page.step,
+                step_t=page.step_t,
+                first_step=page.first_step or info.first_step,
+                first_step_t=page.first_step_t or info.first_step_t,
+            )
+        return Report(replace(info, uid=entry.uid), entry.uid, alive)
 
     def _read_page(self, entry: _Entry) -> StepPage | None:
         fd = entry.page_fd

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from gpuwatch.model import TrainerInfo
-from gpuwatch.trainer.contract import ENDED_VALUES
+from gpuwatch.trainer.contract import ENDED_VALUES, RECOVERY_VALUES
 
 _MAX_INT = 1 << 62
 _MAX_TEXT = 256
@@ -48,10 +48,13 @@ def _flag(value: Any) -> bool:
     return value
 
 
-def _ended(value: Any) -> str:
-    if value not in ENDED_VALUES:
-        raise ReportError(f"expected one of {', '.join(ENDED_VALUES)}, got {_short(value)}")
-    return str(value)
+def _one_of(values: tuple[str, ...]) -> Any:
+    def check(value: Any) -> str:
+        if value not in values:
+            raise ReportError(f"expected one of {', '.join(values)}, got {_short(value)}")
+        return str(value)
+
+    return check
 
 
 _COUNT = _int(0, _MAX_INT)
@@ -66,6 +69,7 @@ _FIELDS: dict[str, Any] = {
     "gpu_uuid": _text,
     "step": _COUNT,
     "first_step": _COUNT,
+    "first_step_t": _number,
     "step_t": _number,
     "step_time_s": _number,
     "grad_norm": _number,
@@ -77,7 +81,8 @@ _FIELDS: dict[str, Any] = {
     "num_ooms": _COUNT,
     "stop_requested": _flag,
     "allow_drills": _flag,
-    "ended": _ended,
+    "recovery": _one_of(RECOVERY_VALUES),
+    "ended": _one_of(ENDED_VALUES),
 }
 
 

@@ -54,9 +54,9 @@ class StepPageWriter:
         if self.path is None:
             _seal(self.fd)
         self._map = mmap.mmap(self.fd, STEP_PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        STEP_LAYOUT.pack_into(self._map, 0, STEP_PAGE_MAGIC, NO_STEP, NO_STEP, 0.0)
+        STEP_LAYOUT.pack_into(self._map, 0, STEP_PAGE_MAGIC, NO_STEP, NO_STEP, 0.0, 0.0)
         self.ints = memoryview(self._map).cast("q")  # slot i is bytes 8i..8i+7: STEP_SLOT, FIRST_STEP_SLOT
-        self.floats = memoryview(self._map).cast("d")  # STEP_T_SLOT
+        self.floats = memoryview(self._map).cast("d")  # STEP_T_SLOT, FIRST_STEP_T_SLOT
 
     def close(self) -> None:
         """Close the descriptor; the mapping stays (64 bytes), so a `step()` after the link closed is harmless.

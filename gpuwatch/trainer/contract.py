@@ -45,18 +45,22 @@ ENDED_RESUME = "resume"  # exit_for_resume: checkpoint saved, relaunch and resum
 ENDED_ERROR = "error"  # the rank's code raised out of the TrainerLink context
 ENDED_VALUES = (ENDED_FINISHED, ENDED_RESUME, ENDED_ERROR)
 
+RECOVERY_RELAUNCH = "relaunch"  # a fault stops the job; it comes back through a relaunch (launch, torchrun)
+RECOVERY_IN_PLACE = "in_place"  # the surviving ranks re-form without the rank that left and keep training
+RECOVERY_VALUES = (RECOVERY_RELAUNCH, RECOVERY_IN_PLACE)
+
 _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
 
 STEP_PAGE_BYTES = 64
 STEP_PAGE_MAGIC = b"GWSTEP1\0"
-STEP_LAYOUT = struct.Struct("<8sqqd")
-"""magic, step, first_step, step_t: 8-byte aligned slots, each rewritten by one aligned store.
+STEP_LAYOUT = struct.Struct("<8sqqdd")
+"""magic, step, first_step, step_t, first_step_t: 8-byte aligned slots, each rewritten by one aligned store.
 
 `step` and `first_step` are NO_STEP before the first step; `step_t` is the Unix time `step()` was
-called. A reader may see a step with the time of the one before it (the two are stored one after
-the other), never a torn value.
+called for `step`, `first_step_t` for `first_step`. A reader may see a step with the time of the
+one before it (the two are stored one after the other), never a torn value.
 """
-STEP_SLOT, FIRST_STEP_SLOT, STEP_T_SLOT = 1, 2, 3  # indexes of the 8-byte slots
+STEP_SLOT, FIRST_STEP_SLOT, STEP_T_SLOT, FIRST_STEP_T_SLOT = 1, 2, 3, 4  # indexes of the 8-byte slots
 NO_STEP = -1
 
 
@@ -67,6 +71,7 @@ class StepPage:
     step: int | None
     first_step: int | None
     step_t: float | None
+    first_step_t: float | None = None
 
 
 def step_page_name(pid: int) -> str:
@@ -84,12 +89,14 @@ def read_step_page(data: bytes) -> StepPage | None:
     """The page's figures, or None when it is no page or says nonsense."""
     if len(data) < STEP_LAYOUT.size:
         return None
-    magic, step, first, step_t = STEP_LAYOUT.unpack_from(data)
-    if magic != STEP_PAGE_MAGIC or step < NO_STEP or first < NO_STEP or not math.isfinite(step_t) or step_t < 0:
+    magic, step, first, step_t, first_t = STEP_LAYOUT.unpack_from(data)
+    if magic != STEP_PAGE_MAGIC or step < NO_STEP or first < NO_STEP:
+        return None
+    if not all(math.isfinite(t) and t >= 0 for t in (step_t, first_t)):
         return None
     if step == NO_STEP:
         return StepPage(None, None, None)
-    return StepPage(step, first if first != NO_STEP else None, step_t)
+    return StepPage(step, first if first != NO_STEP else None, step_t, first_t or None)
 
 
 class AllocatorFigures(TypedDict):
@@ -115,12 +122,14 @@ class TrainerReport(AllocatorFigures):
     gpu_uuid: str | None
     step: int | None  # the last step finished
     first_step: int | None  # the first step this process finished: a relaunch resumed from first_step - 1
+    first_step_t: float | None  # Unix time it finished
     step_t: float | None  # Unix time the last step finished
     step_time_s: float | None
     grad_norm: float | None
     grad_norm_var: float | None
     stop_requested: bool
     allow_drills: bool  # the rank accepts the fault-rank drill
+    recovery: str  # RECOVERY_RELAUNCH, or RECOVERY_IN_PLACE: its job's survivors go on when it leaves
     ended: str | None  # null while the process runs, else how it ended (ENDED_*)
 
 

@@ -53,7 +53,9 @@ from gpuwatch.trainer.contract import (
     ENDED_RESUME,
     EXIT_RESUME,
     FIRST_STEP_SLOT,
+    FIRST_STEP_T_SLOT,
     LAUNCH_DIR_ENV,
+    RECOVERY_RELAUNCH,
     REPORT_SOCKET,
     RUNTIME_DIR_ENV,
     STATUS_FILE,
@@ -140,7 +142,9 @@ class TrainerLink:
 
         self._step: int | None = None
         self._first_step: int | None = None
+        self._first_step_t: float | None = None
         self._step_wall_t: float | None = None
+        self.recovery = RECOVERY_RELAUNCH  # an in-place engine that re-forms the job without a lost rank says so
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
         self._grad_norms: deque[float] = deque(maxlen=_GRAD_NORM_WINDOW)
 
@@ -201,6 +205,7 @@ class TrainerLink:
             self._grad_norms.append(grad_norm)
         if self._first_step is None:
             self._first_step = self._page_ints[FIRST_STEP_SLOT] = step
+            self._first_step_t = self._page_floats[FIRST_STEP_T_SLOT] = wall
             self._wake()
 
     @property
@@ -532,6 +537,7 @@ class TrainerLink:
             "gpu_uuid": self.gpu_uuid,
             "step": self._step,
             "first_step": self._first_step,
+            "first_step_t": self._first_step_t,
             "step_t": self._step_wall_t,
             "step_time_s": statistics.fmean(step_times) if step_times else None,
             "grad_norm": _finite(self._grad_norms[-1]) if self._grad_norms else None,
@@ -539,6 +545,7 @@ class TrainerLink:
             **self._memory_stats(),
             "stop_requested": self._stop_requested,
             "allow_drills": self.allow_drills,
+            "recovery": self.recovery,
             "ended": self._ended,
         }
 

@@ -32,8 +32,11 @@ def test_the_daemon_checks_every_field_a_rank_reports() -> None:
 
 
 def test_a_report_reads_into_a_trainer_info_field_by_field() -> None:
-    """The daemon's TrainerInfo holds each report field under its own name; `t` becomes `updated_t`."""
-    assert keys(TrainerReport) - {"t"} == {f.name for f in dataclasses.fields(TrainerInfo)} - {"updated_t"}
+    """The daemon's TrainerInfo holds each report field under its own name; `t` becomes `updated_t`.
+
+    `uid` is the daemon's own: the kernel names the sender's user, the report never does.
+    """
+    assert keys(TrainerReport) - {"t"} == {f.name for f in dataclasses.fields(TrainerInfo)} - {"updated_t", "uid"}
 
 
 def test_status_json_writes_the_contracts_keys() -> None:
@@ -56,16 +59,20 @@ def test_step_page_pid_is_none_for_any_other_entry(name: str) -> None:
 @pytest.mark.parametrize(
     ("fields", "page"),
     [
-        ((STEP_PAGE_MAGIC, 228, 201, 1_800_000_000.5), StepPage(228, 201, 1_800_000_000.5)),
-        ((STEP_PAGE_MAGIC, -1, -1, 0.0), StepPage(None, None, None)),
-        ((b"GWSTEP0\0", 228, 201, 1.0), None),
-        ((STEP_PAGE_MAGIC, -5, 1, 1.0), None),
-        ((STEP_PAGE_MAGIC, 5, 1, float("nan")), None),
-        ((STEP_PAGE_MAGIC, 5, 1, -1.0), None),
+        (
+            (STEP_PAGE_MAGIC, 228, 201, 1_800_000_000.5, 1_799_999_990.0),
+            StepPage(228, 201, 1_800_000_000.5, 1_799_999_990.0),
+        ),
+        ((STEP_PAGE_MAGIC, -1, -1, 0.0, 0.0), StepPage(None, None, None)),
+        ((b"GWSTEP0\0", 228, 201, 1.0, 1.0), None),
+        ((STEP_PAGE_MAGIC, -5, 1, 1.0, 1.0), None),
+        ((STEP_PAGE_MAGIC, 5, 1, float("nan"), 1.0), None),
+        ((STEP_PAGE_MAGIC, 5, 1, -1.0, 1.0), None),
+        ((STEP_PAGE_MAGIC, 5, 1, 1.0, float("inf")), None),
     ],
 )
 def test_a_step_page_reads_back_or_is_refused(fields: tuple[object, ...], page: StepPage | None) -> None:
-    assert read_step_page(STEP_LAYOUT.pack(*fields) + bytes(32)) == page
+    assert read_step_page(STEP_LAYOUT.pack(*fields) + bytes(24)) == page
 
 
 def test_a_short_step_page_is_refused() -> None:

@@ -24,6 +24,7 @@ from gpuwatch.trainer.contract import read_step_page
 
 CONTRACT_FIELDS = {
     "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step", "step_t",
+    "first_step_t", "recovery", "uid",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
     "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended",
 }  # fmt: skip
