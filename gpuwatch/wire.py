@@ -313,6 +313,7 @@ class IncidentRank(Body):
     local_rank: int | None = None
     gpu: int | None = None
     job: str | None = None
+    uid: int | None = None
     on_quarantined_gpu: bool = False
     ended: str | None = None
 
@@ -330,11 +331,17 @@ class Incident(Stored):
     auto: bool = True
     drill: bool = False
     job: str | None = None
+    uid: int | None = None
+    path: str = "relaunch"  # relaunch, or in_place (the survivors went on without the ranks that left)
     stop_signal: str = ""
     status: str = ""
     ranks: list[IncidentRank] = []
+    began_t: float | None = None  # when the fault began (Unix time); detected_t: when the daemon knew
+    detected_t: float | None = None
+    stopped_t: float | None = None
+    next_step_t: float | None = None  # when the job finished its next step
     time_to_stop_s: float | None = None
-    time_to_resume_s: float | None = None
+    time_to_resume_s: float | None = None  # next_step_t - began_t
     steps_lost: int | None = None
     last_step: int | None = None
     resumed_step: int | None = None

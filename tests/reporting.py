@@ -57,23 +57,32 @@ class FakeRank(subprocess.Popen[str]):
         )
         assert self.stdout is not None and self.stdout.readline() == "ready\n", "the fake rank did not start"
 
-    def report(self, runtime_dir: str | Path, **fields: Any) -> None:
-        """Send one report (pid filled in unless given) and wait until the daemon's socket has it queued."""
-        self._say({"runtime_dir": str(runtime_dir), "report": fields})
+    def report(self, runtime_dir: str | Path, **fields: Any) -> bool:
+        """Send one report (pid filled in unless given), queued at the daemon's socket when this returns.
 
-    def page(self, step: int, first_step: int | None = None, step_t: float | None = None) -> None:
-        """Set the step page as TrainerLink.step() would."""
+        False when the process has ended (a stop the test provoked may have ended it first).
+        """
+        return self._say({"runtime_dir": str(runtime_dir), "report": fields})
+
+    def page(self, step: int, first_step: int | None = None, step_t: float | None = None) -> bool:
+        """Set the step page as TrainerLink.step() would; False when the process has ended."""
         figures: dict[str, Any] = {"step": step, "first_step": step if first_step is None else first_step}
         if step_t is not None:
             figures["step_t"] = step_t
-        self._say({"page": figures})
+        return self._say({"page": figures})
 
-    def _say(self, message: dict[str, Any]) -> None:
+    def _say(self, message: dict[str, Any]) -> bool:
         assert self.stdin is not None and self.stdout is not None
-        self.stdin.write(json.dumps(message) + "\n")
-        self.stdin.flush()
+        try:
+            self.stdin.write(json.dumps(message) + "\n")
+            self.stdin.flush()
+        except BrokenPipeError:
+            return False
         answer = self.stdout.readline()
+        if not answer:
+            return False
         assert answer == "sent\n", f"fake rank {self.pid}: {answer!r}"
+        return True
 
 
 def report_fields(runtime: RuntimeDir, pid: int) -> dict[str, Any]:

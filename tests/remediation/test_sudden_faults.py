@@ -142,7 +142,8 @@ def test_a_hung_job_is_found_and_stopped(sim: SimNode, spawn: Spawn) -> None:
 
     incident = incident_with(sim, kind="trainer_hang", status="stopped")
     assert (
-        "no rank got past step 40" in incident["reason"] and "rank 1 of job job stopped reporting" in incident["reason"]
+        "no rank got past step 40" in incident["reason"]
+        and "rank 1 of job job is stopped (SIGSTOP)" in incident["reason"]
     )
     assert rank0.wait(5) == 75
     assert rank1.wait(5) == -signal.SIGKILL, "a stopped rank cannot checkpoint: SIGKILL once its peers are gone"
