@@ -118,6 +118,14 @@ class ProcFs:
         return start_time is None or int(fields[19]) == start_time
 
     def uid(self, pid: int) -> int | None:
+        """The process's real uid (status), else its /proc directory's owner; None when it is gone.
+
+        Not the directory's owner first: a process that changed its uids is non-dumpable, and /proc
+        then shows its files as root's.
+        """
+        identity = self.identity(pid)
+        if identity is not None and identity.uids:
+            return identity.uids[0]
         try:
             return (self.root / str(pid)).stat().st_uid
         except OSError:

@@ -19,6 +19,8 @@ from typing import Any
 from gpuwatch.runtime import RuntimeDir
 
 ServeReports = Callable[[Path], RuntimeDir]  # the `serve_reports` fixture (tests/conftest.py)
+SPIN = "import threading; threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()"
+"""A behaviour that keeps the process busy on its CPU (a rank in an evaluation pass, or spinning in NCCL)."""
 
 _CHILD = """
 import json, os, signal, sys, time
@@ -50,8 +52,11 @@ time.sleep(120)
 class FakeRank(subprocess.Popen[str]):
     """A real process that reports what it is told (`report`) and keeps a step page (`page`)."""
 
-    def __init__(self, behaviour: str = "pass", env: dict[str, str] | None = None) -> None:
-        code = _CHILD.format(behaviour=behaviour)
+    def __init__(self, behaviour: str = "pass", env: dict[str, str] | None = None, uid: int | None = None) -> None:
+        """`uid`: become that user once started (as root), as another local account's process would be:
+        the interpreter may live where only root can reach it, so it starts as root and then drops."""
+        become = f"os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})"
+        code = _CHILD.format(behaviour=f"{become}\n{behaviour}" if uid is not None else behaviour)
         super().__init__(
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
