@@ -180,16 +180,22 @@ class Remediation:
         return IDLE_WAIT_S
 
     def _handle_publish(self, publish: _Publish) -> None:
-        self._last = publish
         if len(self._accounted) > MAX_ACCOUNTED:
             self._accounted = {pid: st for pid, st in self._accounted.items() if self.proc.alive(pid, st)}
         gone = []
+        ranks = []
         for rank in publish.ranks:
+            known = self._known.get(rank.pid)
+            if known is not None and known.start_time == rank.start_time:
+                rank = dataclasses.replace(rank, exe=known.exe)  # what it ran when first seen: an exec is no rank
+            ranks.append(rank)
             if rank.pid in self._accounted and rank.start_time in (None, self._accounted[rank.pid]):
                 continue  # a rank we stopped or saw end, in a publish made before that (or as it ended)
             if rank.pid not in self._known and not self._exits.add(rank.pid, rank.start_time):
                 gone.append(rank.pid)  # it ended between the publish and now: an exit like any other
             self._known[rank.pid] = rank
+        publish = dataclasses.replace(publish, ranks=tuple(ranks))
+        self._last = publish
         news = self._faults.news(publish.snapshot)
         self._recent.extend(news)  # first: a quarantine the same fault decided is a gpu_fault
         for decision in publish.decisions:

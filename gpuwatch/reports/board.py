@@ -58,6 +58,7 @@ class _Entry:
     pid: int
     uid: int
     start_time: int
+    exe: str | None = None  # what the process ran when it connected: after an exec it is not that rank
     info: TrainerInfo | None = None
     page_fd: int | None = None
     connected: int = 0  # connections of this process now open
@@ -95,6 +96,8 @@ class ReportBoard:
                     return self._refuse("node_limit", uid, "%d ranks here, the most: pid %d refused", MAX_RANKS, pid)
                 # Gone already (a short process's last words): kept as the report of a process that ended.
                 entry = self._entries[pid] = _Entry(pid, uid, start_time if start_time is not None else _GONE)
+                identity = self.proc.identity(pid)
+                entry.exe = identity.exe if identity is not None else None
             elif entry.connected >= MAX_CONNECTIONS_PER_PID:
                 return self._refuse("user_limit", uid, "pid %d (uid %d) is connected already", pid, uid)
             entry.connected += 1
@@ -166,7 +169,13 @@ class ReportBoard:
     # -- internals ------------------------------------------------------------------------------
 
     def _alive(self, entry: _Entry) -> bool:
-        return entry.start_time != _GONE and self.proc.alive(entry.pid, entry.start_time)
+        """The process that connected still runs the program it connected with (an exec ends the rank)."""
+        if entry.start_time == _GONE or not self.proc.alive(entry.pid, entry.start_time):
+            return False
+        if entry.exe is None:
+            return True
+        identity = self.proc.identity(entry.pid)
+        return identity is None or identity.exe in (None, entry.exe)
 
     def _report(self, entry: _Entry, alive: bool) -> Report | None:
         info = entry.info
