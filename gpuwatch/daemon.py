@@ -50,6 +50,7 @@ from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.runtime_metrics import RuntimeCollector
 from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import Store
@@ -206,12 +207,14 @@ class Daemon:
         collectors: list[Collector] = [
             SnapshotCollector(lambda: self.monitor.snapshot, self.config.expected_gpus),
             RemediationCollector(self.remediation),
+            RuntimeCollector(self.runtime),
             self.drills.record,
         ]
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
         key_parts: list[Callable[[], object]] = [
             lambda: self.monitor.snapshot,
             self.remediation.version,
+            self.runtime.version,
             self.drills.record.key,
         ]
         if self.fleet is not None:

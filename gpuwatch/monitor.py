@@ -553,10 +553,7 @@ class Monitor:
         snapshot = self._build_snapshot(now)
         self.snapshot = snapshot
         if self.runtime is not None:
-            try:
-                self.runtime.write_status(snapshot)
-            except OSError as exc:
-                log.error("cannot write %s/status.json: %s", self.runtime.path, exc)
+            self.runtime.write_status(snapshot)
         for listener in self.listeners:
             try:
                 listener(snapshot, decisions)

@@ -80,6 +80,8 @@ class RuntimeDir:
         self.server = ReportServer(self.socket_path, self.board)
         self._status_gpus: list[StatusGpu] | None = None  # what status.json says now, but for `t`
         self._status_t = float("-inf")
+        self.status_write_errors = 0
+        self._status_error = ""
 
     def prepare(self) -> None:
         """Create the directory (0755) and the report socket, and start taking reports.
@@ -102,6 +104,10 @@ class RuntimeDir:
             where = exc.filename or self.socket_path
             raise ConfigError(f"runtime_dir: cannot prepare {where}: {exc.strerror or exc}") from None
         self.server.start()
+
+    def version(self) -> object:
+        """Changes whenever the runtime dir's metrics may have (the metrics render cache key)."""
+        return (sum(self.board.refused.values()), self.board.connections(), self.status_write_errors)
 
     def close(self) -> None:
         """Stop taking reports (at daemon shutdown)."""
