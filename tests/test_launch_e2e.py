@@ -261,7 +261,7 @@ def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[...
     assert summary["steps_done"] == 80 and summary["restarts"] >= 1 and summary["lost_steps"] == 0, summary
     (incident,) = [i for i in node.get("/v1/incidents")["incidents"] if i["kind"] == "trainer_hang"]
     assert (incident["status"], incident["steps_lost"]) == ("resumed", 0), incident
-    assert "stopped reporting" in incident["reason"]
+    assert "is stopped (SIGSTOP)" in incident["reason"]
 
 
 def test_a_relaunch_shorter_than_one_report_interval_is_recorded_as_resumed(

@@ -242,7 +242,7 @@ class DaemonProcess(ServerProcess):
         return json.loads(self.text(path))
 
     def text(self, path: str) -> str:
-        with urllib.request.urlopen(self.url + path, timeout=5) as response:
+        with urllib.request.urlopen(self.url + path, timeout=15) as response:  # a loaded CI machine: not 5 s
             body: bytes = response.read()
         return body.decode()
 
