@@ -53,6 +53,7 @@ from gpuwatch.monitor import Monitor
 from gpuwatch.remediation import Remediation
 from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.runtime_metrics import RuntimeCollector
 from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import JOURNAL_NAME, Store
@@ -193,12 +194,14 @@ class Daemon:
         collectors: list[Collector] = [
             SnapshotCollector(lambda: self.monitor.snapshot, self.config.expected_gpus),
             RemediationCollector(self.remediation),
+            RuntimeCollector(self.runtime),
             self.drills.record,
         ]
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
         key_parts: list[Callable[[], object]] = [
             lambda: self.monitor.snapshot,
             self.remediation.version,
+            self.runtime.version,
             self.drills.record.key,
         ]
         if self.fleet is not None:
@@ -317,6 +320,7 @@ class Daemon:
             self.scheduler.shutdown(wait=True)
         self.backend.close()
         self.remediation.close()
+        self.runtime.close()
         if self._event_thread.is_alive():
             self._event_thread.join(timeout=5)
         if self._kernel_thread is not None:

@@ -16,9 +16,10 @@ on them (CUDA_VISIBLE_DEVICES = their UUIDs, never indices), and reads how the j
   daemon's finding on that GPU. A crash that did not get past the furthest step of the previous
   crash, with no hardware finding on the launch's GPUs, is a software fault: stop (exit 3).
 
-The job's progress (furthest step, first step of a relaunch) comes from its ranks' reports in the
-runtime dir. When the daemon cannot be reached before a relaunch, that is said in one line and the
-job relaunches on the same GPUs: a daemon restart must not kill the job.
+The job's progress (furthest step, first step of a relaunch) comes from its ranks' step pages in
+a directory of the launch's own (GPUWATCH_LAUNCH_DIR), exact even for a rank killed by SIGKILL.
+When the daemon cannot be reached before a relaunch, that is said in one line and the job
+relaunches on the same GPUs: a daemon restart must not kill the job.
 
 It stops with one line and exit code 3 when fewer than --min-nproc GPUs are usable, after
 --max-restarts relaunches (stops for resume and crashes alike), or on a crash loop.
@@ -42,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,10 +54,16 @@ import click
 from gpuwatch.command_error import OneLineCommand, fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.trainer.contract import EXIT_RESUME, MAX_REPORT_BYTES, TRAINERS_DIR, report_pid
+from gpuwatch.trainer.contract import (
+    EXIT_RESUME,
+    LAUNCH_DIR_ENV,
+    STEP_PAGE_BYTES,
+    StepPage,
+    read_step_page,
+    step_page_pid,
+)
 
 if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.client)
-    from gpuwatch.model import TrainerInfo
     from gpuwatch.wire import Gpu
 
 COMMAND = "gpuwatch launch"  # the start of its error lines
@@ -264,21 +270,18 @@ def _pass_through(stream: io.BufferedReader, tail: bytearray) -> None:
 
 
 class ProgressWatch:
-    """The job's progress in one launch, from its ranks' reports (trainers/*.json of our job and user).
+    """The job's progress in one launch, from its ranks' step pages in the launch's own directory.
 
-    A light thread reads them every POLL_S while the launch runs (the daemon removes a dead rank's
-    report once it read it) and once more at the end. Only reports written after the launch began
-    count, so a relaunch never sees its predecessor's steps.
+    Each launch gets a fresh directory, private to our user (GPUWATCH_LAUNCH_DIR): every rank of
+    it rewrites its `<pid>.step` at each step, and the page stays after the rank is gone, so the
+    furthest step is exact even for a rank killed by SIGKILL. A light thread reads the pages every
+    POLL_S while the launch runs (to say when it resumed) and once more at the end.
     """
 
     POLL_S = 0.5
 
-    def __init__(
-        self, runtime_dir: str, job_id: str, since: float, on_first_step: Callable[[int], None] | None = None
-    ) -> None:
-        self.trainers = Path(runtime_dir) / TRAINERS_DIR
-        self.job_id = job_id
-        self.since = since
+    def __init__(self, launch_dir: Path, on_first_step: Callable[[int], None] | None = None) -> None:
+        self.launch_dir = launch_dir
         self.on_first_step = on_first_step
         self.furthest: int | None = None
         self.first_step: int | None = None
@@ -299,41 +302,36 @@ class ProgressWatch:
             self.read()
 
     def read(self) -> None:
-        """Fold the reports there now into `furthest` and `first_step`."""
+        """Fold the pages there now into `furthest` and `first_step`."""
         try:
-            names = [path.name for path in self.trainers.iterdir()]
+            names = [entry.name for entry in os.scandir(self.launch_dir)]
         except OSError:
             return
         for name in names:
-            pid = report_pid(name)
-            report = _read_own_report(self.trainers / name, pid) if pid is not None else None
-            if report is None or report.job_id != self.job_id or report.updated_t is None:
+            page = _read_own_page(self.launch_dir / name) if step_page_pid(name) is not None else None
+            if page is None or page.step is None:
                 continue
-            if report.updated_t < self.since:
-                continue
-            step, first = report.step, report.first_step
-            if step is not None and (self.furthest is None or step > self.furthest):
-                self.furthest = step
+            if self.furthest is None or page.step > self.furthest:
+                self.furthest = page.step
+            first = page.first_step
             if first is not None and (self.first_step is None or first < self.first_step):
                 if self.first_step is None and self.on_first_step is not None:
                     self.on_first_step(first)
                 self.first_step = first
 
 
-def _read_own_report(path: Path, pid: int) -> TrainerInfo | None:
-    """Rank `pid`'s report if our own user wrote it (trainers/ is world-writable) and it is valid; else None."""
-    from gpuwatch.runtime import ReportError, parse_report  # the daemon's reader, loaded by a launch, not by the CLI
-
+def _read_own_page(path: Path) -> StepPage | None:
+    """A step page our own user wrote (a regular file, not a link), or None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > MAX_REPORT_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return None
-        return parse_report(os.read(fd, MAX_REPORT_BYTES), pid)
-    except (OSError, ReportError):
+        return read_step_page(os.pread(fd, STEP_PAGE_BYTES, 0))
+    except OSError:
         return None
     finally:
         os.close(fd)
@@ -374,9 +372,11 @@ class Launcher:
                     f"gpuwatch launch: launch {launch + 1} ({reason}): job {self.plan.job_id}, {n} rank(s) on GPU "
                     + ",".join(str(g.index) for g in chosen)
                 )
-                env = self._env(chosen, error_file, resume=launch > 0)
+                launch_dir = Path(tmp) / f"launch-{launch}"
+                launch_dir.mkdir(mode=0o700)
+                env = self._env(chosen, error_file, launch_dir, resume=launch > 0)
                 resumed_line = self._say_resumed(launch + 1) if launch > 0 else None
-                with ProgressWatch(self.plan.runtime_dir, self.plan.job_id, time.time(), resumed_line) as progress:
+                with ProgressWatch(launch_dir, resumed_line) as progress:
                     outcome = self.runner(self._argv(n), env)
                 if outcome.rc == 0:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {launch} relaunch(es)")
@@ -487,7 +487,7 @@ class Launcher:
             *self.plan.command,
         ]
 
-    def _env(self, chosen: list[Gpu], error_file: Path, *, resume: bool) -> dict[str, str]:
+    def _env(self, chosen: list[Gpu], error_file: Path, launch_dir: Path, *, resume: bool) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             CUDA_VISIBLE_DEVICES=",".join(g.uuid for g in chosen),
@@ -495,6 +495,7 @@ class Launcher:
             GPUWATCH_JOB_ID=self.plan.job_id,
             TORCHELASTIC_ERROR_FILE=str(error_file),
         )
+        env[LAUNCH_DIR_ENV] = str(launch_dir)
         if resume:
             env["GPUWATCH_RESUME"] = "1"
         return env

@@ -164,6 +164,7 @@ class GpuEvent:
     drill: bool = False
     source: str = "nvml"  # nvml (the event set, or any backend) | kmsg (the kernel log, dated by its kernel time)
     detail: str = ""  # the kernel log line, for kmsg events
+    pid: int | None = None  # the faulting process the kernel log names (NVML's event names none)
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,8 @@ class TrainerInfo:
     gpu_uuid: str | None = None
     step: int | None = None
     first_step: int | None = None
+    first_step_t: float | None = None  # when this process finished its first step (Unix time)
+    step_t: float | None = None  # when the last step finished (Unix time)
     step_time_s: float | None = None
     grad_norm: float | None = None
     grad_norm_var: float | None = None
@@ -229,8 +232,10 @@ class TrainerInfo:
     num_ooms: int | None = None
     stop_requested: bool | None = None
     allow_drills: bool | None = None
+    recovery: str | None = None  # how the job recovers: relaunch, or in_place (its survivors go on)
     ended: str | None = None
     updated_t: float | None = None
+    uid: int | None = None  # the user the kernel (or /proc) names for the process, never the report's word
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,7 @@ class GpuStatus:
     drill_active: bool = False
     trainers: tuple[TrainerInfo, ...] = ()
     kernel_xids: tuple[GpuEvent, ...] = ()  # the newest XIDs of the kernel log, with their kernel time
+    xid_events: tuple[GpuEvent, ...] = ()  # the newest XIDs of both sources, each once (with the kernel's pid)
 
     @property
     def index(self) -> int:

@@ -246,10 +246,8 @@ class Monitor:
         with self._lock:
             readings = [r for r in readings if r.index in self.statics]
             batch = [r for r in readings if not self._duplicate(r)]
-            if not batch:
-                if readings:  # only duplicates: the kernel log's listing may still have grown
-                    self.snapshot = self._build_snapshot(self.snapshot.t)
-                return None
+            if not batch:  # only duplicates: the listing (and an XID's pid, from the kernel log) may have grown
+                return self._after_decisions([], self.snapshot.t) if readings else None
             self._trainers = trainers  # the ranks as they are now, not at the last tick: a stop needs them
             for reading in batch:
                 self._record(reading)
@@ -267,6 +265,9 @@ class Monitor:
             close = abs(other.t - reading.t) <= DEDUPE_S
             if not entry[1] and other.source != reading.source and other.xid == reading.xid and close:
                 entry[1] = True
+                entry[0] = dataclasses.replace(
+                    other, pid=other.pid or reading.pid, detail=other.detail or reading.detail
+                )
                 return True
         seen.append([reading, False])
         return False
@@ -375,14 +376,10 @@ class Monitor:
         return status
 
     def _read_trainers(self, now: float) -> tuple[TrainerInfo, ...]:
-        """The running ranks' reports, not older than trainer.stale_after_s (the runtime dir is untrusted)."""
+        """The running ranks' reports, not older than trainer.stale_after_s (every report is untrusted)."""
         if self.runtime is None:
             return ()
-        try:
-            reports = self.runtime.read_reports()
-        except OSError as exc:
-            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
-            return ()
+        reports = self.runtime.read_reports()
         stale_after_s = self.config.trainer.stale_after_s
         return tuple(r.info for r in reports if r.running and now - (r.info.updated_t or 0.0) <= stale_after_s)
 
@@ -556,10 +553,7 @@ class Monitor:
         snapshot = self._build_snapshot(now)
         self.snapshot = snapshot
         if self.runtime is not None:
-            try:
-                self.runtime.write_status(snapshot)
-            except OSError as exc:
-                log.error("cannot write %s/status.json: %s", self.runtime.path, exc)
+            self.runtime.write_status(snapshot)
         for listener in self.listeners:
             try:
                 listener(snapshot, decisions)
@@ -718,6 +712,7 @@ class Monitor:
                     drill_active=self._drill_until.get(index, 0.0) > now,
                     trainers=tuple(trainers_by_uuid.get(static.uuid, ())),
                     kernel_xids=tuple(self._kernel_xids[index]),
+                    xid_events=tuple(entry[0] for entry in self._xid_seen[index]),
                 )
             )
         return Snapshot(

@@ -8,10 +8,21 @@ never taken for the process that had it before.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 TRAINER_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "GPUWATCH_JOB_ID")
 _ENVIRON_CACHE_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process is now: its start time (with the pid, the process), user ids, and program."""
+
+    start_time: int
+    started_t: float | None  # the start as Unix time (None without /proc/stat's btime)
+    uids: tuple[int, ...]  # real, effective, saved, filesystem (empty when /proc/PID/status is unreadable)
+    exe: str | None  # /proc/PID/exe's target (None when unreadable: a kernel thread, no permission)
 
 
 class ProcFs:
@@ -47,6 +58,53 @@ class ProcFs:
                 return None
         return self._boot_time
 
+    def identity(self, pid: int) -> Identity | None:
+        """The process's start time, uids and program now; None when it is gone or has ended."""
+        fields = self._stat_fields(pid)
+        if fields is None or fields[0] in {"Z", "X"}:
+            return None
+        try:
+            status = (self.root / str(pid) / "status").read_text()
+        except OSError:
+            status = ""
+        uids = next((line.split()[1:] for line in status.splitlines() if line.startswith("Uid:")), [])
+        try:
+            exe: str | None = os.readlink(self.root / str(pid) / "exe")
+        except OSError:
+            exe = None
+        boot, start = self.boot_time(), int(fields[19])
+        started_t = boot + start / os.sysconf("SC_CLK_TCK") if boot is not None else None
+        return Identity(start, started_t, tuple(int(u) for u in uids if u.isdigit()), exe)
+
+    def cpu_ns(self, pid: int) -> int | None:
+        """CPU time of all the process's threads so far, in ns; None when it is gone.
+
+        The larger of the threads' schedstat sums (exact: a thread that ran 100 µs shows it) and
+        stat's utime + stime (clock ticks, which miss a thread that wakes for microseconds, but are
+        there where schedstats read 0, as in some sandboxes).
+        """
+        fields = self._stat_fields(pid)
+        if not fields:
+            return None
+        ticks_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        total = 0
+        try:
+            tasks = list((self.root / str(pid) / "task").iterdir())
+        except OSError:
+            tasks = []
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+        return max(total, ticks_ns)
+
+    def parent(self, pid: int) -> int | None:
+        """The parent's pid, None when the process is gone (or is pid 1's child of nobody)."""
+        fields = self._stat_fields(pid)
+        ppid = int(fields[1]) if fields else 0
+        return ppid or None
+
     def run_state(self, pid: int) -> str | None:
         """The one-letter state of /proc/PID/stat (R, S, D, T stopped, t traced, Z zombie), None when gone."""
         fields = self._stat_fields(pid)
@@ -60,6 +118,14 @@ class ProcFs:
         return start_time is None or int(fields[19]) == start_time
 
     def uid(self, pid: int) -> int | None:
+        """The process's real uid (status), else its /proc directory's owner; None when it is gone.
+
+        Not the directory's owner first: a process that changed its uids is non-dumpable, and /proc
+        then shows its files as root's.
+        """
+        identity = self.identity(pid)
+        if identity is not None and identity.uids:
+            return identity.uids[0]
         try:
             return (self.root / str(pid)).stat().st_uid
         except OSError:

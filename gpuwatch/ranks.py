@@ -22,10 +22,15 @@ from dataclasses import dataclass, replace
 
 from gpuwatch.model import GpuStatus, TrainerInfo
 from gpuwatch.procfs import ProcFs
+from gpuwatch.trainer.contract import RECOVERY_IN_PLACE
 
 log = logging.getLogger("gpuwatch.ranks")
 
 PID_BACKENDS = frozenset({"nvml", "dcgm"})
+
+
+JobKey = tuple[int | None, str]
+"""A job is its user and its id: two users' jobs are never one, whatever ids they choose."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Rank:
     uid: int | None
     start_time: int | None
     sources: tuple[str, ...]
+    started_t: float | None = None  # when the process started (Unix time): a fault before it never hurt it
+    exe: str | None = None  # what it runs: a rank that exec'd another program is no longer that rank
 
     @property
     def pid(self) -> int:
@@ -45,6 +52,16 @@ class Rank:
     @property
     def job(self) -> str | None:
         return self.info.job_id
+
+    @property
+    def job_key(self) -> JobKey | None:
+        """(uid, job id), or None for a rank that names no job."""
+        return (self.uid, self.info.job_id) if self.info.job_id else None
+
+    @property
+    def in_place(self) -> bool:
+        """Its job's survivors re-form without it (the report says so): a fault stops this rank alone."""
+        return self.info.recovery == RECOVERY_IN_PLACE
 
 
 def map_ranks(
@@ -82,7 +99,19 @@ def map_ranks(
             name for name, present in (("report", own_report), ("environ", env), ("nvml", on_gpus.get(pid))) if present
         ]
         index = own_gpu.index if own_gpu is not None else None
-        ranks.append(Rank(info, index, proc.uid(pid), proc.start_time(pid), tuple(sources)))
+        uid = info.uid if info.uid is not None else proc.uid(pid)  # a report's uid is the kernel's (SO_PEERCRED)
+        identity = proc.identity(pid)
+        ranks.append(
+            Rank(
+                replace(info, uid=uid),
+                index,
+                uid,
+                identity.start_time if identity else None,
+                tuple(sources),
+                started_t=identity.started_t if identity else None,
+                exe=identity.exe if identity else None,
+            )
+        )
     return ranks
 
 

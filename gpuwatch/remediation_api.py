@@ -38,7 +38,11 @@ def add_routes(app: FastAPI, remediation: Remediation, store: Store) -> None:
     def trainers() -> wire.Trainers:
         ranks, verdict = remediation.ranks()
         return wire.Trainers(
-            ranks=[rank_json(r) for r in ranks], findings=[wire.Finding(**f.as_dict()) for f in verdict.findings]
+            ranks=[rank_json(r) for r in ranks],
+            findings=[wire.Finding(**f.as_dict()) for f in verdict.findings],
+            reports=[
+                wire.HeldReport(**dataclasses.asdict(r.info), alive=r.alive) for r in remediation.runtime.read_reports()
+            ],
         )
 
 

@@ -30,13 +30,18 @@ class RemediationCollector(Collector):
         yield from _rank_families(ranks, verdict)
         variance = GaugeMetricFamily(
             "gpuwatch_trainer_grad_norm_variance",
-            "Variance of the job's gradient norm over its last 100 steps.",
-            labels=["job_id"],
+            "Variance of the job's gradient norm over its last 100 steps (a job is its id and its user).",
+            labels=["job_id", "uid"],
         )
-        for job, value in _job_variances(ranks).items():
-            variance.add_metric([job], value)
+        for (job, uid), value in _job_variances(ranks).items():
+            variance.add_metric([job, uid], value)
         yield variance
         yield CounterMetricFamily("gpuwatch_incidents", "Quarantines handled as incidents (stored).", value=total)
+        yield CounterMetricFamily(
+            "gpuwatch_incidents_refused",
+            "Incidents a user's own ranks opened beyond their budget (stopped, not recorded).",
+            value=self.remediation.incidents.refused,
+        )
         for name, key, text in (
             ("gpuwatch_incident_time_to_stop_seconds", "time_to_stop_s", "decision to the last rank gone"),
             ("gpuwatch_incident_time_to_resume_seconds", "time_to_resume_s", "decision to the first step resumed"),
@@ -93,15 +98,15 @@ def _labels(rank: Rank) -> tuple[str, str, str, str]:
     return gpu, info.gpu_uuid or "", "" if info.rank is None else str(info.rank), info.job_id or ""
 
 
-def _job_variances(ranks: Sequence[Rank]) -> dict[str, float]:
-    """Per job, the lowest rank's grad-norm variance (DDP ranks all-reduce gradients: they agree)."""
-    values: dict[str, tuple[int, float]] = {}
+def _job_variances(ranks: Sequence[Rank]) -> dict[tuple[str, str], float]:
+    """Per job (id, uid), the lowest rank's grad-norm variance (DDP ranks all-reduce gradients: they agree)."""
+    values: dict[tuple[str, str], tuple[int, float]] = {}
     for rank in ranks:
         info = rank.info
         if info.grad_norm_var is None:
             continue
         order = info.rank if info.rank is not None else 1 << 30
-        job = info.job_id or ""
+        job = (info.job_id or "", "" if rank.uid is None else str(rank.uid))
         if job not in values or order < values[job][0]:
             values[job] = (order, info.grad_norm_var)
     return {job: value for job, (_, value) in values.items()}

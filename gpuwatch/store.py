@@ -366,11 +366,18 @@ class Store:
                 (t, gpu, uuid, kind, state, reason, drill),
             )
 
-    def prune(self, older_than: float) -> int:
-        """Drop closed findings and decisions older than `older_than` (bounded retention)."""
+    def prune(self, older_than: float, incidents_per_user: int = 1000) -> int:
+        """Drop closed findings, decisions and incidents older than `older_than`, and each user's incidents
+        beyond their newest `incidents_per_user` (one user's flood never evicts another's)."""
         with self._tx() as db:
             n = db.execute("DELETE FROM finding WHERE closed IS NOT NULL AND closed < ?", (older_than,)).rowcount
             n += db.execute("DELETE FROM decision WHERE t < ?", (older_than,)).rowcount
+            n += db.execute("DELETE FROM incident WHERE t < ?", (older_than,)).rowcount
+            n += db.execute(
+                "DELETE FROM incident WHERE id IN (SELECT id FROM (SELECT id, ROW_NUMBER() OVER "
+                "(PARTITION BY json_extract(body, '$.uid') ORDER BY id DESC) AS newer FROM incident) WHERE newer > ?)",
+                (incidents_per_user,),
+            ).rowcount
         return n
 
     # incidents and drills (JSON bodies: their shape belongs to remediation and drills) ------------

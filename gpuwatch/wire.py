@@ -170,6 +170,8 @@ class Trainer(Body):
     gpu_uuid: Omittable[str] = None
     step: Omittable[int] = None
     first_step: Omittable[int] = None
+    first_step_t: Omittable[float] = None
+    step_t: Omittable[float] = None
     step_time_s: Omittable[float] = None
     grad_norm: Omittable[float] = None
     grad_norm_var: Omittable[float] = None
@@ -180,8 +182,10 @@ class Trainer(Body):
     num_ooms: Omittable[int] = None
     stop_requested: Omittable[bool] = None
     allow_drills: Omittable[bool] = None
+    recovery: Omittable[str] = None
     ended: Omittable[str] = None
     updated_t: Omittable[float] = None
+    uid: Omittable[int] = None
 
 
 class Rank(Trainer):
@@ -309,6 +313,7 @@ class IncidentRank(Body):
     local_rank: int | None = None
     gpu: int | None = None
     job: str | None = None
+    uid: int | None = None
     on_quarantined_gpu: bool = False
     ended: str | None = None
 
@@ -326,11 +331,17 @@ class Incident(Stored):
     auto: bool = True
     drill: bool = False
     job: str | None = None
+    uid: int | None = None
+    path: str = "relaunch"  # relaunch, or in_place (the survivors went on without the ranks that left)
     stop_signal: str = ""
     status: str = ""
     ranks: list[IncidentRank] = []
+    began_t: float | None = None  # when the fault began (Unix time); detected_t: when the daemon knew
+    detected_t: float | None = None
+    stopped_t: float | None = None
+    next_step_t: float | None = None  # when the job finished its next step
     time_to_stop_s: float | None = None
-    time_to_resume_s: float | None = None
+    time_to_resume_s: float | None = None  # next_step_t - began_t
     steps_lost: int | None = None
     last_step: int | None = None
     resumed_step: int | None = None
@@ -342,11 +353,21 @@ class Incidents(Body):
     incidents: list[Incident] = []
 
 
+class HeldReport(Trainer):
+    """A rank's latest report as the daemon holds it (`uid`: the kernel's word), and whether its process runs."""
+
+    alive: bool
+
+
 class Trainers(Body):
-    """GET /v1/trainers: every rank remediation maps, and the trainer rules' findings."""
+    """GET /v1/trainers: every rank remediation maps, the trainer rules' findings, and every report held.
+
+    `reports` includes ranks that ended or died (for DEAD_KEEP_S after their process is gone).
+    """
 
     ranks: list[Rank] = []
     findings: list[Finding] = []
+    reports: list[HeldReport] = []
 
 
 # --- drills ---------------------------------------------------------------------------------------

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+
+from gpuwatch.runtime import RuntimeDir
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -15,3 +19,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def serve_reports() -> Iterator[Callable[[Path], RuntimeDir]]:
+    """`serve_reports(path)`: the daemon's side of the trainer contract in `path` (status.json, report socket)."""
+    served: list[RuntimeDir] = []
+
+    def serve(path: Path) -> RuntimeDir:
+        runtime = RuntimeDir(path)
+        runtime.prepare()
+        served.append(runtime)
+        return runtime
+
+    yield serve
+    for runtime in served:
+        runtime.close()

@@ -68,8 +68,11 @@ class SimNode:
         self.daemon.stop()
 
 
-def start_sim_node(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **overrides: Any) -> SimNode:
-    clock = ManualClock(T0)
+def start_sim_node(
+    tmp_path: Path, scenario: str = "healthy", gpus: int = 8, *, t0: float = T0, **overrides: Any
+) -> SimNode:
+    """A sim daemon whose clock starts at `t0` (T0; `time.time()` where real processes' times meet it)."""
+    clock = ManualClock(t0)
     daemon = Daemon(sim_config(tmp_path, scenario, gpus, **overrides), clock=clock)
     daemon.backend.clock = clock  # type: ignore[attr-defined]  # the sim's scripted events follow test time
     daemon.monitor.tick()

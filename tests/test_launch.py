@@ -33,6 +33,7 @@ from gpuwatch.launch import (
     run_torchrun,
     usable,
 )
+from gpuwatch.trainer.contract import LAUNCH_DIR_ENV, STEP_LAYOUT, STEP_PAGE_MAGIC, step_page_name
 from gpuwatch.wire import Gpu
 
 
@@ -98,12 +99,10 @@ class FakeTorchrun:
             code = outcome.error_code
             error = {"message": {"message": f"worker said {code}\ntraceback", "errorCode": code, "extraInfo": {}}}
             Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps(error))
-        if outcome.step is not None:
-            trainers = Path(env["GPUWATCH_RUNTIME_DIR"]) / "trainers"
-            trainers.mkdir(parents=True, exist_ok=True)
-            report = {"pid": 1000 + len(self.calls), "job_id": env["GPUWATCH_JOB_ID"], "t": time.time()}
-            (trainers / f"{report['pid']}.json").write_text(
-                json.dumps({**report, "step": outcome.step, "first_step": outcome.first_step})
+        if outcome.step is not None:  # the rank's step page, as TrainerLink leaves it in the launch's directory
+            page = Path(env[LAUNCH_DIR_ENV]) / step_page_name(1000 + len(self.calls))
+            page.write_bytes(
+                STEP_LAYOUT.pack(STEP_PAGE_MAGIC, outcome.step, outcome.first_step, time.time(), time.time())
             )
         return Outcome(outcome.rc, None, outcome.failures)
 

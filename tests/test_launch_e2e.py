@@ -261,7 +261,7 @@ def test_a_hung_rank_is_detected_and_the_job_comes_back(start_node: Callable[...
     assert summary["steps_done"] == 80 and summary["restarts"] >= 1 and summary["lost_steps"] == 0, summary
     (incident,) = [i for i in node.get("/v1/incidents")["incidents"] if i["kind"] == "trainer_hang"]
     assert (incident["status"], incident["steps_lost"]) == ("resumed", 0), incident
-    assert "stopped reporting" in incident["reason"]
+    assert "is stopped (SIGSTOP)" in incident["reason"]
 
 
 def test_a_relaunch_shorter_than_one_report_interval_is_recorded_as_resumed(
@@ -301,7 +301,7 @@ def test_the_kill_rank_drill_passes_against_a_job_under_launch(tmp_path: Path) -
     (drill,) = job["drills"]
     steps = [(s["name"], s["result"]) for s in drill["verdict"]["steps"]]
     assert steps == [("kill", "pass"), ("rank_exited", "pass"), ("rank_gone", "pass"), ("job_resumed", "pass")]
-    assert drill["verdict"]["steps"][-1]["detail"].endswith(" s after the fault, 0 step(s) lost")
+    assert drill["verdict"]["steps"][-1]["detail"].endswith(" s after the fault began, 0 step(s) lost")
     assert (job["summary"]["steps_done"], job["summary"]["lost_steps"]) == (200, 0) and job["summary"]["restarts"] >= 1
     (incident,) = [i for i in result["incidents"] if i["kind"] == "rank_died"]
     assert (incident["status"], incident["steps_lost"]) == ("resumed", 0)

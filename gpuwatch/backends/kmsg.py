@@ -29,6 +29,7 @@ log = logging.getLogger("gpuwatch.kmsg")
 _XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)(?:\.[0-9a-fA-F]+)?\): (\d+)")
 # "nvidia-nvswitch3: SXid (PCI:0000:c6:00.0): 20034, Fatal, Link 30 LTSSM Fault Up"
 _SXID = re.compile(r"SXid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
+_PID = re.compile(r"\bpid=(\d{1,7})\b")  # '<unknown>' when the driver could not tell
 _READ_SIZE = 8192  # a /dev/kmsg read returns one record and fails with EINVAL on a buffer too small for it
 
 
@@ -41,6 +42,7 @@ class KernelXid:
     xid: int
     line: str
     sxid: bool = False
+    pid: int | None = None  # the process whose work faulted, when the driver names one
 
 
 def pci_key(bus_id: str) -> str:
@@ -68,7 +70,8 @@ def parse_record(record: str, boot_t: float) -> KernelXid | None:
     text = text.strip()
     if match := _XID.search(text):
         domain, bus, device, xid = match.groups()
-        return KernelXid(t, pci_key(f"{domain}:{bus}:{device}"), int(xid), text)
+        pid = _PID.search(text, match.end())
+        return KernelXid(t, pci_key(f"{domain}:{bus}:{device}"), int(xid), text, pid=int(pid.group(1)) if pid else None)
     if match := _SXID.search(text):
         return KernelXid(t, pci_key(match.group(1)), int(match.group(2)), text, sxid=True)
     return None
@@ -155,7 +158,16 @@ class KernelLog:
                 log.info("kernel log: XID %d on PCI %s, not a GPU this daemon watches", parsed.xid, parsed.pci)
                 continue
             events.append(
-                GpuEvent(parsed.t, static.index, static.uuid, "xid", parsed.xid, source="kmsg", detail=parsed.line)
+                GpuEvent(
+                    parsed.t,
+                    static.index,
+                    static.uuid,
+                    "xid",
+                    parsed.xid,
+                    source="kmsg",
+                    detail=parsed.line,
+                    pid=parsed.pid,
+                )
             )
         return events
 

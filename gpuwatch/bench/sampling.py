@@ -303,6 +303,7 @@ def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | N
             tick_s.append(middle - start)
         history_bytes = monitor.history_bytes()
     finally:
+        runtime.close()
         store.close()
         backend.close()
         run_root.cleanup()

@@ -156,9 +156,10 @@ def _resumed(run: Run, victim: _Victim, kinds: tuple[str, ...]) -> Step:
     def check() -> Outcome:
         incident = _incident(run, victim, kinds)
         if incident is not None and incident.status == "resumed":
+            how = "went on in place" if incident.path == "in_place" else "resumed"
             return (
-                f"job {victim.job} resumed at step {incident.resumed_step}, "
-                f"{incident.time_to_resume_s} s after the fault, {incident.steps_lost} step(s) lost"
+                f"job {victim.job} {how} at step {incident.resumed_step}, "
+                f"{incident.time_to_resume_s} s after the fault began, {incident.steps_lost} step(s) lost"
             )
         if incident is not None and incident.status == "not_resumed":
             raise DrillError(f"the daemon gave up waiting for job {victim.job} to resume")

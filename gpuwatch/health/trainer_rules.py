@@ -14,8 +14,13 @@ the job's problem to fix, and the operator needs to know whether the hardware is
 * `trainer_grad_variance_jump`: the job's grad-norm variance (over the last 100 steps) above
   `grad_var_jump` × its median over `grad_var_history_s` (info on the job: a data-distribution shift).
 * `trainer_hang`: no rank of a job advanced its step for `hang_after_s` (or `hang_step_times` × its
-  recent step time, if longer) while a rank stopped reporting (a frozen process) or, where the
-  backend sees the job's GPUs, all of them sit idle (warning on the job; remediation may restart it).
+  recent step time, if longer), with positive evidence: a rank is frozen (its process is stopped,
+  or it is alive and neither its CPU time nor its step advances), or, where the backend sees the
+  job's GPUs, all of them sit idle (warning on the job; remediation may restart it). A report that
+  stopped arriving is no evidence by itself: its rank may simply be unable to send it.
+
+A job is its user and its id: ranks of two users with the same job id are two jobs (peers,
+stragglers and variance are judged within one job only).
 """
 
 from __future__ import annotations
@@ -52,11 +57,16 @@ class StragglerCheck:
 
 @dataclass(frozen=True)
 class JobProgress:
-    """One job's ranks on this node: each one's latest report and when its step last changed."""
+    """One job's ranks on this node: each one's latest report, when its step last changed, and whether it is frozen.
+
+    `frozen[i]` is the judge's positive evidence about rank i's process ("stopped (SIGSTOP)", "makes
+    no progress"), "" when there is none.
+    """
 
     job: str
     latest: tuple[TrainerInfo, ...]
     advanced_t: tuple[float, ...]
+    frozen: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,7 +93,7 @@ def evaluate(
     latest = [t[-1] for t in timelines.values() if t]
     checks = straggler_checks(latest, by_uuid, cfg)
     findings += [_straggler_finding(c, by_uuid, now) for c in checks if c.straggler]
-    for job, series in _variance_series(timelines).items():
+    for (_, job), series in _variance_series(timelines).items():
         jump = grad_variance_jump(job, series, cfg, now)
         if jump is not None:
             findings.append(jump)
@@ -145,10 +155,10 @@ def straggler_checks(
     latest: Sequence[TrainerInfo], gpus: Mapping[str, GpuStatus], cfg: TrainerConfig
 ) -> list[StragglerCheck]:
     """Each rank's step time against the median of its peers (same job, this node); needs two ranks."""
-    jobs: dict[str, list[TrainerInfo]] = {}
+    jobs: dict[tuple[int | None, str], list[TrainerInfo]] = {}
     for report in latest:
         if report.step_time_s and report.step_time_s > 0:
-            jobs.setdefault(report.job_id or "", []).append(report)
+            jobs.setdefault((report.uid, report.job_id or ""), []).append(report)
     checks = []
     for ranks in jobs.values():
         if len(ranks) < 2:
@@ -199,7 +209,7 @@ def grad_variance_jump(
 def hang(
     progress: JobProgress, gpus: Mapping[str, GpuStatus], cfg: TrainerConfig, now: float, *, gpus_seen: bool
 ) -> Finding | None:
-    """The job's steps stopped: past the limit with a silent rank, or (`gpus_seen`) with all its GPUs idle."""
+    """The job's steps stopped: past the limit with a frozen rank, or (`gpus_seen`) with all its GPUs idle."""
     latest = progress.latest
     if not latest or not progress.advanced_t or any(r.step is None for r in latest):
         return None
@@ -208,25 +218,28 @@ def hang(
     limit = max(cfg.hang_after_s, cfg.hang_step_times * statistics.median(times)) if times else cfg.hang_after_s
     if stalled_s < limit:
         return None
-    silent = [r for r in latest if now - (r.updated_t or 0.0) > cfg.stale_after_s]
+    frozen = [(r, how) for r, how in zip(latest, progress.frozen, strict=False) if how]
     samples = [gpus[r.gpu_uuid].sample if r.gpu_uuid is not None and r.gpu_uuid in gpus else None for r in latest]
     idle = gpus_seen and all(s is not None and (s.util_gpu_pct or 0) <= cfg.hang_idle_util_pct for s in samples)
-    if not silent and not idle:
+    if not frozen and not idle:
         return None
-    why = f"{', '.join(_who(r) for r in silent)} stopped reporting" if silent else "its GPUs sit idle"
+    why = ", ".join(f"{_who(r)} {how}" for r, how in frozen) if frozen else "its GPUs sit idle"
     step = min(r.step or 0 for r in latest)
     reason = f"job {progress.job}: no rank got past step {step} for {stalled_s:.0f} s (limit {limit:.0f} s); {why}"
     first = min(latest, key=lambda r: (r.rank is None, r.rank or 0))
     return _finding(HANG, Severity.WARNING, reason, gpus.get(first.gpu_uuid or ""), now, Action.RESTART_APP)
 
 
-def _variance_series(timelines: Mapping[int, Sequence[TrainerInfo]]) -> dict[str, list[tuple[float, float]]]:
-    """Per job, every rank's (t, grad-norm variance) by time: DDP ranks share the all-reduced gradients."""
-    series: dict[str, list[tuple[float, float]]] = {}
+def _variance_series(
+    timelines: Mapping[int, Sequence[TrainerInfo]],
+) -> dict[tuple[int | None, str], list[tuple[float, float]]]:
+    """Per job (uid, id), every rank's (t, grad-norm variance) by time: DDP ranks share the all-reduced gradients."""
+    series: dict[tuple[int | None, str], list[tuple[float, float]]] = {}
     for timeline in timelines.values():
         for report in timeline:
             if report.grad_norm_var is not None and report.updated_t is not None:
-                series.setdefault(report.job_id or "", []).append((report.updated_t, report.grad_norm_var))
+                key = (report.uid, report.job_id or "")
+                series.setdefault(key, []).append((report.updated_t, report.grad_norm_var))
     return {job: sorted(points) for job, points in series.items()}
 
 

@@ -5,16 +5,17 @@ judges the trainers and hands what must be done to ONE remediation thread. That 
 
 1. watches every rank's process (a pidfd each) and learns at once when one ends; a rank whose last
    report does not say it ended cleanly (`ended` null or "error", gpuwatch.trainer.contract) died,
-   and the rest of its job on this node is stopped (`rank_died`, or `gpu_fault` when its GPU shows
-   an XID/ECC/lost-GPU finding) before its peers hang in a collective;
-2. stops jobs (a quarantine, a fault event on a GPU with ranks, a hung job): the stop signal to every
-   rank of the job on this node, SIGTERM after `grace_period_s`, SIGKILL after `kill_after_s`;
-3. watches for the job's relaunch: the first report of a new process of the job that carries a
-   step, whose `first_step - 1` is the step it resumed from (gpuwatch.trainer.TrainerLink writes its
-   first report at once and its last one on exit, so a short relaunch is seen too).
+   and the rest of its job on this node is stopped: `gpu_fault` when an XID named its pid or a
+   GPU-wide fault hit its GPU as it died, else `rank_died` (a finding left on the GPU by an older
+   fault is no cause);
+2. stops jobs for a quarantine, a fault that is news (gpuwatch.remediation.faults: it acts once,
+   on the jobs it can have hurt) or a hung job: the stop signal to every rank of the job on this
+   node, SIGTERM after `grace_period_s`, SIGKILL after `kill_after_s`; a job whose ranks recover
+   in place loses only the ranks that must leave, and its survivors go on;
+3. watches for the job to take its next step (gpuwatch.remediation.resumes).
 
-One thread, whatever the number of incidents: a stop or a resume watch is state, not a thread, and
-at most one resume watch per job is kept (the newest), MAX_WATCHES in all.
+A job is (uid, job id) everywhere: its peers, its hang, its incidents and its resume are never
+another user's, whatever job id they chose. One thread, whatever the number of incidents.
 """
 
 from __future__ import annotations
@@ -25,21 +26,25 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuwatch.config import Config
 from gpuwatch.errors import ConfigError
 from gpuwatch.health import trainer_rules
 from gpuwatch.health.state import Decision
-from gpuwatch.model import Finding, GpuStatus, Snapshot
+from gpuwatch.model import Snapshot
 from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import PID_BACKENDS, Rank, map_ranks
+from gpuwatch.ranks import PID_BACKENDS, JobKey, Rank, map_ranks
 from gpuwatch.remediation.exits import ExitWatch
-from gpuwatch.remediation.incidents import Incident, IncidentBook, Target
-from gpuwatch.remediation.judging import TrainerJudge
+from gpuwatch.remediation.faults import STARTED_SLACK_S, Fault, FaultTracker
+from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident, IncidentBook, Target
+from gpuwatch.remediation.judging import Hang, TrainerJudge
+from gpuwatch.remediation.resumes import ResumeWatches
 from gpuwatch.remediation.stopping import JobStop
 from gpuwatch.runtime import Report, RuntimeDir
+from gpuwatch.sourcelog import SourceLog
 from gpuwatch.store import Store
 from gpuwatch.trainer.contract import ENDED_ERROR
 
@@ -47,16 +52,13 @@ log = logging.getLogger("gpuwatch.remediation")
 
 IDLE_WAIT_S = 1.0  # the thread's longest sleep when nothing is due
 STOP_POLL_S = 0.05  # how often a stop looks at its ranks besides their exits
+PENDING_POLL_S = 0.2  # how often an application XID waiting for its pid is looked at
 REPORT_POLL_S = 0.1  # how often stops and resume watches re-read the reports
 FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later ones to SLOW_POLL_S
 SLOW_POLL_S = 5.0
-RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
-MAX_WATCHES = 64
 MAX_ACCOUNTED = 4096  # ranks whose end is handled, remembered against stale publishes; gone ones dropped beyond
-FAULT_RULES = frozenset(
-    {"xid_critical", "xid_app", "xid_app_repeated", "ecc_uncorrectable", "gpu_lost", "gpu_reset_required"}
-)
-FAULT_LATE_S = 10.0  # a fault finding this soon after a rank died makes the death a gpu_fault
+FAULT_LATE_S = 10.0  # a fault this close to a rank's death is what it died of
+_ANCESTRY_DEPTH = 16  # parents walked up from a faulting pid to find the rank it belongs to
 
 
 def parse_signal(name: str) -> signal.Signals:
@@ -81,8 +83,7 @@ class _Publish:
     snapshot: Snapshot
     ranks: tuple[Rank, ...]
     decisions: tuple[Decision, ...]
-    new_faults: tuple[Finding, ...]
-    hung: tuple[tuple[Finding, tuple[Rank, ...]], ...]
+    hung: tuple[Hang, ...]
 
 
 class Remediation:
@@ -102,17 +103,19 @@ class Remediation:
         self._version = 0
         self._ranks: list[Rank] = []
         self._verdict = trainer_rules.Verdict((), ())
-        self._faults_seen: set[tuple[int, str]] = set()
-        self._xids_seen: dict[int, int] = {}
-        self._hangs_seen: set[str] = set()
+        self._hangs_seen: set[JobKey] = set()
         # Owned by the remediation thread:
         self._inbox: queue.SimpleQueue[_Publish] = queue.SimpleQueue()
         self._exits = ExitWatch(self.proc)
+        self._faults = FaultTracker(clock())
+        self._recent: deque[Fault] = deque(maxlen=256)  # faults that were news, for what the next deaths died of
+        self._ended: deque[Rank] = deque(maxlen=256)  # ranks whose death was seen, for a fault that names them late
         self._known: dict[int, Rank] = {}
         self._accounted: dict[int, int | None] = {}  # pid → start time of ranks stopped or seen ending
         self._last: _Publish | None = None
         self._stops: list[JobStop] = []
-        self._watches: dict[str, Incident] = {}  # job → the incident whose resume is awaited
+        self._watches = ResumeWatches(self._end_watch)
+        self._say = SourceLog(log)
         self._next_report_read = 0.0
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-remediation", daemon=True)
@@ -138,35 +141,10 @@ class Remediation:
         with self._lock:
             self._ranks, self._verdict = ranks, judgement.verdict
             self._version += 1
-        hung = []
-        for job, (finding, members) in judgement.hung.items():
-            if job not in self._hangs_seen and self.cfg.restart_hung_jobs:
-                hung.append((finding, members))
+        hung = [h for job, h in judgement.hung.items() if job not in self._hangs_seen and self.cfg.restart_hung_jobs]
         self._hangs_seen = set(judgement.hung)
-        self._inbox.put(_Publish(snapshot, tuple(ranks), tuple(decisions), self._new_faults(snapshot), tuple(hung)))
+        self._inbox.put(_Publish(snapshot, tuple(ranks), tuple(decisions), tuple(hung)))
         self._exits.wake()
-
-    def _new_faults(self, snapshot: Snapshot) -> tuple[Finding, ...]:
-        """Fault findings (XID, ECC, lost GPU) that a new fault raised since the last publish.
-
-        A finding is new when it was not active before, or, for an XID rule that stays active for
-        its window, when the GPU's XID count grew: a relaunch on a GPU whose old XID is still in the
-        window is not stopped again for it.
-        """
-        new = []
-        active: set[tuple[int, str]] = set()
-        for gpu in snapshot.gpus:
-            xids = sum(count for _, count in gpu.xid_counts)
-            more_xids = xids > self._xids_seen.get(gpu.index, xids)
-            self._xids_seen[gpu.index] = xids
-            for finding in gpu.findings:
-                if finding.rule not in FAULT_RULES:
-                    continue
-                active.add((gpu.index, finding.rule))
-                if (gpu.index, finding.rule) not in self._faults_seen or (more_xids and finding.rule.startswith("xid")):
-                    new.append(finding)
-        self._faults_seen = active
-        return tuple(new)
 
     # -- the remediation thread -----------------------------------------------------------------
 
@@ -179,12 +157,15 @@ class Remediation:
                         self._handle_publish(self._inbox.get_nowait())
                     except queue.Empty:
                         break
+                for fault in self._faults.overdue():
+                    self._recent.append(fault)
+                    self._act_on(fault)
                 for pid in exited:
                     self._on_exit(pid)
                 reports = self._due_reports()
                 self._advance_stops(reports or [])
                 if reports is not None:
-                    self._check_resumes(reports)
+                    self._watches.check(reports)
             except Exception:  # a bug here must not end stopping for good
                 log.exception("remediation step failed")
                 self._closed.wait(IDLE_WAIT_S)
@@ -192,123 +173,98 @@ class Remediation:
     def _timeout(self) -> float:
         if self._stops:
             return STOP_POLL_S
+        if self._faults.waiting():
+            return PENDING_POLL_S
         if self._watches:
             return max(0.0, min(IDLE_WAIT_S, self._next_report_read - time.monotonic()))
         return IDLE_WAIT_S
 
     def _handle_publish(self, publish: _Publish) -> None:
-        self._last = publish
         if len(self._accounted) > MAX_ACCOUNTED:
             self._accounted = {pid: st for pid, st in self._accounted.items() if self.proc.alive(pid, st)}
         gone = []
+        ranks = []
         for rank in publish.ranks:
+            known = self._known.get(rank.pid)
+            if known is not None and known.start_time == rank.start_time:
+                rank = dataclasses.replace(rank, exe=known.exe)  # what it ran when first seen: an exec is no rank
+            ranks.append(rank)
             if rank.pid in self._accounted and rank.start_time in (None, self._accounted[rank.pid]):
                 continue  # a rank we stopped or saw end, in a publish made before that (or as it ended)
             if rank.pid not in self._known and not self._exits.add(rank.pid, rank.start_time):
                 gone.append(rank.pid)  # it ended between the publish and now: an exit like any other
             self._known[rank.pid] = rank
+        publish = dataclasses.replace(publish, ranks=tuple(ranks))
+        self._last = publish
+        news = self._faults.news(publish.snapshot)
+        self._recent.extend(news)  # first: a quarantine the same fault decided is a gpu_fault
         for decision in publish.decisions:
             if decision.kind == "quarantine":
                 self._stop_for_quarantine(decision, publish)
-        for fault in publish.new_faults:
-            self._stop_for_fault(fault, publish)
-            self._reclassify_deaths(fault)
+        for fault in news:
+            self._act_on(fault)
         for pid in gone:
             self._on_exit(pid)
-        for finding, members in publish.hung:
-            job = members[0].job or ""
-            self._start(
-                "trainer_hang", "trainer_hang", finding.reason, finding.index, publish.snapshot.t, [*members], [job]
-            )
+        for hang in publish.hung:
+            self._stop_for_hang(hang)
+
+    # -- what starts a stop ---------------------------------------------------------------------
 
     def _stop_for_quarantine(self, decision: Decision, publish: _Publish) -> None:
         on_gpu = [r for r in publish.ranks if r.gpu == decision.index]
-        fault = next((f for f in _gpu(publish.snapshot, decision.index).findings if f.rule in FAULT_RULES), None)
+        fault = self._recent_fault(decision.index, decision.t)
         kind = "gpu_fault" if fault is not None and on_gpu else "quarantine"
         self._start(
             kind,
             decision.reason,
             decision.reason,
             decision.index,
-            decision.t,
-            self._with_peers(on_gpu),
-            sorted({r.job for r in on_gpu if r.job}),
+            self._targets(on_gpu),
+            began_t=fault.t if kind == "gpu_fault" and fault is not None else decision.t,
+            t=decision.t,
             auto=decision.auto,
             drill=decision.drill,
             always=True,
         )
 
-    def _stop_for_fault(self, fault: Finding, publish: _Publish) -> None:
-        on_gpu = [r for r in publish.ranks if r.gpu == fault.index]
-        if on_gpu:
-            jobs = sorted({r.job for r in on_gpu if r.job})
-            self._start("gpu_fault", "gpu_fault", fault.reason, fault.index, fault.t, self._with_peers(on_gpu), jobs)
+    def _act_on(self, fault: Fault) -> None:
+        """Stop the jobs a fault that is news can have hurt: its pid's job, or the ranks that were on its GPU."""
+        ranks = list(self._known.values())
+        if fault.app and not fault.pid_unknown:
+            owner = self._owner(fault.pid, [*ranks, *self._ended])
+            if owner is None:
+                self._say.say(
+                    fault.gpu, logging.WARNING, "GPU %d: %s, which is no rank of a job here: nothing stopped",
+                    fault.gpu, fault.reason,
+                )  # fmt: skip
+            elif owner.pid not in self._known:
+                self._reclassify_deaths(fault)  # its rank ended already: the death is the fault's
+            else:
+                reason = f"{fault.reason} (rank {owner.info.rank} of job {owner.job})"
+                self._start("gpu_fault", "gpu_fault", reason, fault.gpu, self._targets([owner]), began_t=fault.t)
+            return
+        hurt = [r for r in ranks if r.gpu == fault.gpu and _started_before(r, fault.t)]
+        if hurt:
+            self._start("gpu_fault", "gpu_fault", fault.reason, fault.gpu, self._targets(hurt), began_t=fault.t)
+        self._reclassify_deaths(fault)
 
-    def _with_peers(self, ranks: list[Rank]) -> list[Rank]:
-        """The ranks, and every other rank of their jobs on this node run by the same users."""
-        jobs, users = {r.job for r in ranks if r.job}, {r.uid for r in ranks}
-        peers = [r for r in self._known.values() if r.job in jobs and r.uid in users and r not in ranks]
-        return [*ranks, *sorted(peers, key=lambda r: r.pid)]
-
-    def _start(
-        self,
-        kind: str,
-        cause: str,
-        reason: str,
-        gpu: int | None,
-        t: float,
-        ranks: list[Rank],
-        jobs: list[str],
-        *,
-        dead: list[Target] | None = None,
-        auto: bool = True,
-        drill: bool = False,
-        always: bool = False,
-    ) -> Incident | None:
-        """Open an incident and stop its ranks, unless (`always` aside) every rank is being stopped already."""
-        stopping = {t.rank.pid for stop in self._stops for t in stop.incident.targets}
-        targets = [Target(r, r.gpu == gpu) for r in ranks if r.pid not in stopping and not self._has_ended(r)]
-        if not targets and not dead and not always:
-            return None
-        status = self._last.snapshot.gpu(gpu) if self._last is not None and gpu is not None else None
-        incident = Incident(
-            kind=kind,
-            gpu=gpu,
-            uuid=status.uuid if status is not None else "",
-            cause=cause,
-            reason=reason,
-            t=t,
-            seen_mono=time.monotonic(),
-            seen_lag_s=max(0.0, self.clock() - t),
-            jobs=frozenset(jobs),
-            targets=[*(dead or []), *targets],
-            auto=auto,
-            drill=drill,
-            stop_signal=self.stop_signal.name,
-            status="stopping" if targets else ("stopped" if dead else "no_trainers"),
+    def _stop_for_hang(self, hang: Hang) -> None:
+        """A hung job: all its ranks here, or, where it recovers in place, only the frozen ones (SIGKILL)."""
+        members = list(hang.members)
+        stopped = [r for r in hang.frozen if self.proc.run_state(r.pid) in {"T", "t"}] or list(hang.frozen)
+        in_place = all(r.in_place for r in members) and 0 < len(stopped) < len(members)
+        finding = hang.finding
+        self._start(
+            "trainer_hang",
+            "trainer_hang",
+            finding.reason,
+            finding.index if finding.index >= 0 else None,
+            stopped if in_place else members,
+            began_t=hang.last_step_t,
+            t=finding.t,
+            path=PATH_IN_PLACE if in_place else PATH_RELAUNCH,
+            kill_at_once=in_place,
         )
-        for target in incident.targets:
-            incident.see_step(target.rank.info.step)
-            if target.ended is not None:
-                incident.gone_pids.add(target.rank.pid)
-        if not targets:
-            incident.time_to_stop_s = 0.0 if not dead else incident.since_decision()
-        self.incidents.save(incident)
-        if targets:
-            for target in targets:  # the stop's now: its exits are how it ended, not deaths
-                self._known.pop(target.rank.pid, None)
-                self._exits.remove(target.rank.pid)
-                self._accounted[target.rank.pid] = target.rank.start_time
-            self._stops.append(JobStop(incident, self.cfg, self.stop_signal, self.proc))
-        self._watch(incident)
-        return incident
-
-    def _has_ended(self, rank: Rank) -> bool:
-        """The rank's link already said how it ended (it is on its way out): it is no one to signal."""
-        if "report" not in rank.sources:
-            return False
-        report = self.runtime.read_report(rank.pid)
-        return report is not None and report.info.ended is not None
 
     def _on_exit(self, pid: int) -> None:
         """A rank's process ended: a clean end is nothing to do; a death stops the rest of its job."""
@@ -316,6 +272,7 @@ class Remediation:
         if rank is None:
             return
         self._accounted[pid] = rank.start_time
+        self._ended.append(rank)
         report = self.runtime.read_report(pid)
         if report is None:
             return  # no last word (a rank without TrainerLink): how it ended is unknown, torchrun will tell
@@ -323,6 +280,7 @@ class Remediation:
         if ended is not None and ended != ENDED_ERROR:
             return
         how = "died" if ended is None else "raised"
+        now = self.clock()
         log.warning(
             "rank %s (pid %d) of job %s on GPU %s %s at step %s",
             rank.info.rank,
@@ -333,37 +291,181 @@ class Remediation:
             report.info.step,
         )
         dead = Target(dataclasses.replace(rank, info=report.info), True, how)
-        status = _gpu(self._last.snapshot, rank.gpu) if self._last is not None and rank.gpu is not None else None
-        fault = next((f for f in status.findings if f.rule in FAULT_RULES), None) if status is not None else None
-        kind = "gpu_fault" if fault is not None else "rank_died"
-        reason = fault.reason if fault is not None else f"rank {rank.info.rank} (pid {pid}) {how}"
-        peers = [r for r in self._with_peers([rank]) if r.pid != pid]
-        self._start(kind, kind, reason, rank.gpu, self.clock(), peers, [rank.job] if rank.job else [], dead=[dead])
+        cause = self._cause_of_death(rank, now)
+        kind = "gpu_fault" if cause is not None else "rank_died"
+        reason = cause.reason if cause is not None else f"rank {rank.info.rank} (pid {pid}) {how}"
+        peers = [r for r in self._targets([rank]) if r.pid != pid]
+        in_place = rank.in_place and self._survivors(rank)
+        self._start(
+            kind,
+            kind,
+            reason,
+            rank.gpu,
+            [] if in_place else peers,
+            began_t=cause.t if cause is not None else now,
+            t=now,
+            dead=[dead],
+            path=PATH_IN_PLACE if in_place else PATH_RELAUNCH,
+        )
 
-    def _reclassify_deaths(self, fault: Finding) -> None:
-        """A rank that died just before its GPU's XID or ECC event was judged died of the fault."""
-        for incident in [*(s.incident for s in self._stops), *self._watches.values()]:
-            if (
-                incident.kind == "rank_died"
-                and incident.gpu == fault.index
-                and abs(fault.t - incident.t) < FAULT_LATE_S
-            ):
+    # -- whom a fault hurt ----------------------------------------------------------------------
+
+    def _targets(self, ranks: list[Rank]) -> list[Rank]:
+        """The ranks, and every other rank here of their jobs (same uid and job id), but where a job
+        recovers in place: then only the ranks that must leave."""
+        jobs = {r.job_key for r in ranks if r.job_key is not None and not r.in_place}
+        peers = [r for r in self._known.values() if r.job_key in jobs and r not in ranks]
+        return [*ranks, *sorted(peers, key=lambda r: r.pid)]
+
+    def _survivors(self, leaving: Rank) -> bool:
+        """Whether the leaving rank's job keeps ranks (here, or elsewhere: a larger world) to go on with."""
+        here = [r for r in self._known.values() if r.job_key == leaving.job_key and r.pid != leaving.pid]
+        return bool(here) or (leaving.info.world_size or 1) > 1
+
+    def _owner(self, pid: int | None, ranks: Iterable[Rank]) -> Rank | None:
+        """The rank that `pid` is, or is a descendant of (a DataLoader worker, a subprocess of the rank)."""
+        by_pid = {r.pid: r for r in ranks}
+        for _ in range(_ANCESTRY_DEPTH):
+            if pid is None:
+                return None
+            if pid in by_pid:
+                return by_pid[pid]
+            pid = self.proc.parent(pid)
+        return None
+
+    def _recent_fault(self, gpu: int, t: float) -> Fault | None:
+        """A GPU-wide fault on `gpu` acted on within FAULT_LATE_S of `t`."""
+        return next((f for f in self._recent if f.gpu == gpu and f.gpu_wide and abs(f.t - t) < FAULT_LATE_S), None)
+
+    def _cause_of_death(self, rank: Rank, t: float) -> Fault | None:
+        """An XID that named the rank's pid, or a GPU-wide fault on its GPU since it started, near its death."""
+        for fault in reversed(self._recent):
+            if abs(fault.t - t) >= FAULT_LATE_S:
+                continue
+            if fault.pid is not None and self._owner(fault.pid, [rank]) is rank:
+                return fault
+            if fault.gpu_wide and fault.gpu == rank.gpu and _started_before(rank, fault.t):
+                return fault
+        return None
+
+    def _reclassify_deaths(self, fault: Fault) -> None:
+        """A rank that died just before its fault was judged died of the fault (its XID named it, or its GPU)."""
+        for incident in [*(s.incident for s in self._stops), *self._watches.incidents()]:
+            if incident.kind != "rank_died" or abs(fault.t - incident.began) >= FAULT_LATE_S:
+                continue
+            dead = [t.rank for t in incident.targets if t.ended in {"died", "raised"}]
+            named = fault.pid is not None and any(self._owner(fault.pid, [r]) is r for r in dead)
+            wide = fault.gpu_wide and incident.gpu == fault.gpu and any(_started_before(r, fault.t) for r in dead)
+            if named or wide:
                 incident.kind = incident.cause = "gpu_fault"
                 incident.reason = fault.reason
-                self.incidents.save(incident)
+                incident.began_t = min(incident.began, fault.t)
+                self._save(incident)
+
+    # -- incidents and stops --------------------------------------------------------------------
+
+    def _start(
+        self,
+        kind: str,
+        cause: str,
+        reason: str,
+        gpu: int | None,
+        ranks: list[Rank],
+        *,
+        began_t: float,
+        t: float | None = None,
+        dead: list[Target] | None = None,
+        auto: bool = True,
+        drill: bool = False,
+        always: bool = False,
+        path: str | None = None,
+        kill_at_once: bool = False,
+    ) -> Incident | None:
+        """Open an incident and stop its ranks, unless (`always` aside) every rank is being stopped already."""
+        stopping = {t.rank.pid for stop in self._stops for t in stop.incident.targets}
+        targets = [Target(r, r.gpu == gpu) for r in ranks if r.pid not in stopping and not self._has_ended(r)]
+        if not targets and not dead and not always:
+            return None
+        now = self.clock()
+        t = now if t is None else t
+        status = self._last.snapshot.gpu(gpu) if self._last is not None and gpu is not None else None
+        everyone = [*(d.rank for d in dead or []), *(tg.rank for tg in targets)]
+        incident = Incident(
+            kind=kind,
+            gpu=gpu,
+            uuid=status.uuid if status is not None else "",
+            cause=cause,
+            reason=reason,
+            t=t,
+            seen_mono=time.monotonic(),
+            seen_lag_s=max(0.0, now - t),
+            jobs=frozenset(r.job_key for r in everyone if r.job_key is not None),
+            targets=[*(dead or []), *targets],
+            began_t=began_t,
+            path=path or self._path(targets, dead or []),
+            auto=auto,
+            drill=drill,
+            stop_signal="SIGKILL" if kill_at_once else self.stop_signal.name,
+            status="stopping" if targets else ("stopped" if dead else "no_trainers"),
+        )
+        for target in incident.targets:
+            incident.see_step(self._last_step(target))
+            if target.ended is not None:
+                incident.gone_pids.add(target.rank.pid)
+        if not targets:
+            incident.time_to_stop_s = 0.0 if not dead else incident.since_decision()
+            incident.stopped_t = now if dead else None
+        recorded = self.incidents.allow(incident)
+        if recorded:
+            self.incidents.save(incident)
+        else:
+            self._say.say(
+                incident.uid, logging.WARNING, "too many incidents of uid %s: %s not recorded", incident.uid, kind
+            )
+        if targets:
+            for target in targets:  # the stop's now: its exits are how it ended, not deaths
+                self._known.pop(target.rank.pid, None)
+                self._exits.remove(target.rank.pid)
+                self._accounted[target.rank.pid] = target.rank.start_time
+            signal_now = signal.SIGKILL if kill_at_once else self.stop_signal
+            self._stops.append(JobStop(incident, self.cfg, signal_now, self.proc))
+        if recorded:
+            self._watches.watch(incident)
+        return incident
+
+    def _path(self, targets: list[Target], dead: list[Target]) -> str:
+        """in_place when every job involved recovers in place and keeps ranks to go on with; else relaunch."""
+        leaving = [t.rank for t in [*targets, *dead]]
+        if not leaving or not all(r.in_place for r in leaving):
+            return PATH_RELAUNCH
+        return PATH_IN_PLACE if all(self._survivors(r) for r in leaving) else PATH_RELAUNCH
+
+    def _last_step(self, target: Target) -> int | None:
+        """The furthest step the rank finished, from its step page now (exact, even after a SIGKILL)."""
+        report = self.runtime.read_report(target.rank.pid)
+        steps = [s for s in (target.rank.info.step, report.info.step if report else None) if s is not None]
+        return max(steps) if steps else None
+
+    def _has_ended(self, rank: Rank) -> bool:
+        """The rank's link already said how it ended (it is on its way out): it is no one to signal."""
+        if "report" not in rank.sources:
+            return False
+        report = self.runtime.read_report(rank.pid)
+        return report is not None and report.info.ended is not None
+
+    def _save(self, incident: Incident) -> None:
+        """Store a change to a recorded incident (one over its user's budget was never recorded)."""
+        if incident.id:
+            self.incidents.save(incident)
 
     def _due_reports(self) -> list[Report] | None:
         """The trainers' reports when a read is due (stops and fresh watches: every REPORT_POLL_S), else None."""
         now = time.monotonic()
         if not (self._stops or self._watches) or now < self._next_report_read:
             return None
-        fast = self._stops or any(now - i.seen_mono < FAST_WATCH_S for i in self._watches.values())
+        fast = self._stops or any(now - i.seen_mono < FAST_WATCH_S for i in self._watches.incidents())
         self._next_report_read = now + (REPORT_POLL_S if fast else SLOW_POLL_S)
-        try:
-            return self.runtime.read_reports()
-        except OSError as exc:
-            log.warning("cannot read trainer reports in %s: %s", self.runtime.trainers, exc)
-            return []
+        return self.runtime.read_reports()
 
     def _advance_stops(self, reports: list[Report]) -> None:
         """Note the steps the stopping ranks report, escalate, and close the stops that are done."""
@@ -375,69 +477,26 @@ class Remediation:
                     incident.see_step(report.info.step)
             if stop.advance():
                 self._stops.remove(stop)
-                for target in incident.targets:  # the last reports: the steps they stopped at
-                    last = self.runtime.read_report(target.rank.pid)
-                    incident.see_step(last.info.step if last is not None else None)
+                for target in incident.targets:  # the last steps they finished (their step pages)
+                    incident.see_step(self._last_step(target))
                 stopped = all(t.ended != "running" for t in incident.targets)
                 incident.status = "stopped"
                 incident.time_to_stop_s = incident.since_decision() if stopped else None
-                self.incidents.save(incident)
+                incident.stopped_t = self.clock() if stopped else None
+                if incident.id:
+                    self.incidents.save(incident)
                 log.warning(
                     "GPU %s: job %s stopped in %s s, last step %s: %s",
                     incident.gpu,
-                    ",".join(sorted(incident.jobs)) or "-",
+                    ",".join(sorted(job for _, job in incident.jobs)) or "-",
                     incident.time_to_stop_s,
                     incident.last_step,
                     [t.as_dict() for t in incident.targets],
                 )
 
-    def _watch(self, incident: Incident) -> None:
-        """Await the incident's resume; a newer incident of the same job takes its place."""
-        for job in incident.jobs:
-            self._watches[job] = incident
-        while len(self._watches) > MAX_WATCHES:
-            job = min(self._watches, key=lambda j: self._watches[j].seen_mono)
-            self._end_watch(self._watches[job], "not_resumed")
-
-    def _check_resumes(self, reports: list[Report]) -> None:
-        """End each watch whose job runs again (a new process of it reports a step), or that waited too long."""
-        now = time.monotonic()
-        for incident in {id(i): i for i in self._watches.values()}.values():
-            if incident.status == "stopping":
-                continue  # its own ranks are still going
-            relaunched = [
-                r.info
-                for r in reports
-                if r.info.job_id in incident.jobs
-                and r.info.pid not in incident.gone_pids
-                and r.info.step is not None
-                and (r.info.updated_t or 0.0) >= incident.t
-            ]
-            if relaunched:
-                first = min(relaunched, key=lambda r: (r.updated_t or 0.0, r.step or 0))
-                starts = [r.first_step - 1 if r.first_step is not None else r.step or 0 for r in relaunched]
-                incident.resumed_step = max(0, min(starts))
-                incident.time_to_resume_s = round((first.updated_t or 0.0) - incident.t, 3)
-                if incident.last_step is not None:
-                    incident.steps_lost = max(0, incident.last_step - incident.resumed_step)
-                log.warning(
-                    "job %s resumed at step %d, %.1f s after the %s on GPU %s (%s step(s) lost)",
-                    ",".join(sorted(incident.jobs)),
-                    incident.resumed_step,
-                    incident.time_to_resume_s,
-                    incident.kind,
-                    incident.gpu,
-                    incident.steps_lost,
-                )
-                self._end_watch(incident, "resumed")
-            elif now - incident.seen_mono > RESUME_WATCH_S:
-                self._end_watch(incident, "not_resumed")
-
     def _end_watch(self, incident: Incident, status: str) -> None:
         incident.status = status
         self.incidents.save(incident)
-        for job in [job for job, watched in self._watches.items() if watched is incident]:
-            del self._watches[job]
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -451,8 +510,6 @@ class Remediation:
             return list(self._ranks), self._verdict
 
 
-def _gpu(snapshot: Snapshot, index: int) -> GpuStatus:
-    status = snapshot.gpu(index)
-    if status is None:
-        raise KeyError(index)
-    return status
+def _started_before(rank: Rank, t: float) -> bool:
+    """The rank's process was running when something happened at `t` (unknown start: assume it was)."""
+    return rank.started_t is None or rank.started_t <= t + STARTED_SLACK_S

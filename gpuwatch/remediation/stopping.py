@@ -1,22 +1,22 @@
 """Stopping a job's ranks: the stop signal, then SIGTERM, then SIGKILL, each after its wait.
 
 A `JobStop` never sleeps: the remediation thread calls `advance()` whenever a rank exits or a
-deadline passes, so one thread escalates any number of stops at once. A rank is recognised by
-PID and start time, so a recycled PID is never signalled. A rank that is stopped (SIGSTOP, run
-state T) cannot checkpoint, and while it lives its peers wait on it in a collective: it gets SIGKILL
-at once, so they get out (gloo sees the peer gone; NCCL ranks abort on the stop signal) and save.
+deadline passes, so one thread escalates any number of stops at once. Every signal goes through
+gpuwatch.remediation.signals: a pidfd, after checking that the process is still the rank (start
+time, user, program). A rank that is stopped (SIGSTOP, run state T) cannot checkpoint, and while it
+lives its peers wait on it in a collective: it gets SIGKILL at once, so they get out (gloo sees the
+peer gone; NCCL ranks abort on the stop signal) and save, or re-form without it in place.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
-from collections.abc import Callable
 
 from gpuwatch.config import TrainerConfig
 from gpuwatch.procfs import ProcFs
+from gpuwatch.remediation import signals
 from gpuwatch.remediation.incidents import Incident, Target
 
 log = logging.getLogger("gpuwatch.remediation")
@@ -27,17 +27,9 @@ _FROZEN = {"T", "t"}
 class JobStop:
     """The escalation of one incident's targets, driven by `advance()`."""
 
-    def __init__(
-        self,
-        incident: Incident,
-        cfg: TrainerConfig,
-        stop_signal: signal.Signals,
-        proc: ProcFs,
-        kill: Callable[[int, signal.Signals], None] = os.kill,
-    ) -> None:
+    def __init__(self, incident: Incident, cfg: TrainerConfig, stop_signal: signal.Signals, proc: ProcFs) -> None:
         self.incident = incident
         self.proc = proc
-        self._kill = kill
         self._phases: list[tuple[float, signal.Signals | None]] = [
             (cfg.grace_period_s, signal.SIGTERM),
             (cfg.kill_after_s, signal.SIGKILL),
@@ -106,15 +98,9 @@ class JobStop:
         return alive
 
     def _signal(self, target: Target, sig: signal.Signals) -> None:
-        pid = target.rank.pid
-        if not self.proc.alive(pid, target.rank.start_time):
-            return  # gone, or the PID now belongs to another process: never signal that one
-        try:
-            self._kill(pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            log.error("not allowed to send %s to pid %d (rank %s)", sig.name, pid, target.rank.info.rank)
+        if signals.send(target.rank, sig, self.proc) == signals.REFUSED:
+            target.ended = "not_a_rank"  # it exec'd another program or changed user: never signalled again
+            self.incident.gone_pids.add(target.rank.pid)
 
 
 def _pids(targets: list[Target]) -> str:

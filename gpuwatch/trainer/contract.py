@@ -1,19 +1,30 @@
-"""The runtime directory's files and the trainer's exit code, spelled once for both sides.
+"""The trainer contract, spelled once for both sides: the report socket, the step page, status.json, exit 75.
 
-The daemon (gpuwatch.runtime, gpuwatch.remediation) reads what the trainer side
-(gpuwatch.trainer.TrainerLink) writes, the trainer side reads the daemon's status.json, and the
-launcher reads the exit code and the reports. stdlib only: the trainer side imports nothing but
+The daemon (gpuwatch.reports, gpuwatch.remediation) reads what the trainer side
+(gpuwatch.trainer.TrainerLink) sends, the trainer side reads the daemon's status.json, and the
+launcher reads the exit code and the step pages. stdlib only: the trainer side imports nothing but
 the stdlib, gpuwatch.model and gpuwatch.errors.
 
-A rank's report, `trainers/<pid>.json` (temp file + rename), is one flat JSON object, TrainerReport.
-Its last report stays after the process exits; the daemon removes it once it has read it, so a
-rank that vanishes while its report still says `ended: null` (SIGKILL, a crash of the
-interpreter) or `"error"` died.
+Reports travel over REPORT_SOCKET, a SOCK_SEQPACKET Unix socket in the daemon's root-owned runtime
+directory: one flat JSON object (TrainerReport) per message, at most MAX_REPORT_BYTES. The kernel
+tells the daemon who connected (SO_PEERCRED: pid and uid), so no rank can speak for another
+process, and nothing a user does fills a directory that other users or the daemon need. A rank's
+last report stays in the daemon after the process exits, so a rank that vanishes while its report
+still says `ended: null` (SIGKILL, a crash of the interpreter) or `"error"` died.
+
+The first message of a connection carries, as SCM_RIGHTS, the rank's step page: STEP_PAGE_BYTES
+that `TrainerLink.step()` rewrites in memory at every step (no syscall), so the last step survives
+the rank exactly, wherever its last report stopped. Under `gpuwatch launch` the page is a file
+`<pid>.step` in the launch's own directory ($GPUWATCH_LAUNCH_DIR, private to the job's user), which
+the launcher reads after the rank is gone; otherwise it is an anonymous memfd.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import struct
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 EXIT_RESUME = 75
@@ -22,28 +33,70 @@ EXIT_RESUME = 75
 DEFAULT_RUNTIME_DIR = "/run/gpuwatch"
 RUNTIME_DIR_ENV = "GPUWATCH_RUNTIME_DIR"
 STATUS_FILE = "status.json"
-TRAINERS_DIR = "trainers"
-_REPORT_SUFFIX = ".json"
-MAX_REPORT_BYTES = 64 * 1024
-"""A report larger than this is not read (a rank's report is under 1 KiB)."""
+REPORT_SOCKET = "trainers.sock"
+MAX_REPORT_BYTES = 8 * 1024
+"""A report message larger than this is dropped (a rank's report is under 1 KiB)."""
+LAUNCH_DIR_ENV = "GPUWATCH_LAUNCH_DIR"
+"""Set by `gpuwatch launch` for its ranks: a directory only the job's user can write, for the step pages."""
+STEP_PAGE_SUFFIX = ".step"
 
 ENDED_FINISHED = "finished"  # the job's loop ended normally (TrainerLink closed without an exception)
 ENDED_RESUME = "resume"  # exit_for_resume: checkpoint saved, relaunch and resume
 ENDED_ERROR = "error"  # the rank's code raised out of the TrainerLink context
 ENDED_VALUES = (ENDED_FINISHED, ENDED_RESUME, ENDED_ERROR)
 
-_REPORT_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(_REPORT_SUFFIX)}$")
+RECOVERY_RELAUNCH = "relaunch"  # a fault stops the job; it comes back through a relaunch (launch, torchrun)
+RECOVERY_IN_PLACE = "in_place"  # the surviving ranks re-form without the rank that left and keep training
+RECOVERY_VALUES = (RECOVERY_RELAUNCH, RECOVERY_IN_PLACE)
+
+_STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
+
+STEP_PAGE_BYTES = 64
+STEP_PAGE_MAGIC = b"GWSTEP1\0"
+STEP_LAYOUT = struct.Struct("<8sqqdd")
+"""magic, step, first_step, step_t, first_step_t: 8-byte aligned slots, each rewritten by one aligned store.
+
+`step` and `first_step` are NO_STEP before the first step; `step_t` is the Unix time `step()` was
+called for `step`, `first_step_t` for `first_step`. A reader may see a step with the time of the
+one before it (the two are stored one after the other), never a torn value.
+"""
+STEP_SLOT, FIRST_STEP_SLOT, STEP_T_SLOT, FIRST_STEP_T_SLOT = 1, 2, 3, 4  # indexes of the 8-byte slots
+NO_STEP = -1
 
 
-def report_name(pid: int) -> str:
-    """The file name of rank `pid`'s report inside TRAINERS_DIR."""
-    return f"{pid}{_REPORT_SUFFIX}"
+@dataclass(frozen=True)
+class StepPage:
+    """What a step page says: the last step finished, the first one of this process, and when the last ended."""
+
+    step: int | None
+    first_step: int | None
+    step_t: float | None
+    first_step_t: float | None = None
 
 
-def report_pid(name: str) -> int | None:
-    """The pid whose report `name` is (the inverse of report_name), or None for any other entry."""
-    match = _REPORT_NAME.match(name)
+def step_page_name(pid: int) -> str:
+    """The file name of rank `pid`'s step page inside the launch directory."""
+    return f"{pid}{STEP_PAGE_SUFFIX}"
+
+
+def step_page_pid(name: str) -> int | None:
+    """The pid whose step page `name` is (the inverse of step_page_name), or None for any other entry."""
+    match = _STEP_PAGE_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def read_step_page(data: bytes) -> StepPage | None:
+    """The page's figures, or None when it is no page or says nonsense."""
+    if len(data) < STEP_LAYOUT.size:
+        return None
+    magic, step, first, step_t, first_t = STEP_LAYOUT.unpack_from(data)
+    if magic != STEP_PAGE_MAGIC or step < NO_STEP or first < NO_STEP:
+        return None
+    if not all(math.isfinite(t) and t >= 0 for t in (step_t, first_t)):
+        return None
+    if step == NO_STEP:
+        return StepPage(None, None, None)
+    return StepPage(step, first if first != NO_STEP else None, step_t, first_t or None)
 
 
 class AllocatorFigures(TypedDict):
@@ -69,11 +122,14 @@ class TrainerReport(AllocatorFigures):
     gpu_uuid: str | None
     step: int | None  # the last step finished
     first_step: int | None  # the first step this process finished: a relaunch resumed from first_step - 1
+    first_step_t: float | None  # Unix time it finished
+    step_t: float | None  # Unix time the last step finished
     step_time_s: float | None
     grad_norm: float | None
     grad_norm_var: float | None
     stop_requested: bool
     allow_drills: bool  # the rank accepts the fault-rank drill
+    recovery: str  # RECOVERY_RELAUNCH, or RECOVERY_IN_PLACE: its job's survivors go on when it leaves
     ended: str | None  # null while the process runs, else how it ended (ENDED_*)
 
 

@@ -1,11 +1,11 @@
-"""TrainerLink: a rank's side of the runtime-directory contract (gpuwatch.trainer.contract).
+"""TrainerLink: a rank's side of the trainer contract (gpuwatch.trainer.contract).
 
-The training loop calls `step()` once per step; it only appends to fixed-size deques, so it
-costs about a microsecond and never touches a file, a lock or the GPU (its first call writes one
-byte to the link's own pipe, so the first report goes out at once, issue 16). A daemon thread does
-the rest: it writes `trainers/<pid>.json` (mkstemp + fchmod 0644 + `os.replace`) every
-`report_interval_s`, re-reads `status.json` when its mtime changes, and leaves a final report with
-`ended` when the link closes.
+The training loop calls `step()` once per step; it appends to fixed-size deques and rewrites the
+rank's step page in memory (gpuwatch.trainer.channel), so it costs about a microsecond and never
+makes a syscall, takes a lock or touches the GPU (its first call writes one byte to the link's own
+pipe, so the first report goes out at once). A daemon thread does the rest: it sends the report to
+the daemon's report socket every `report_interval_s`, re-reads `status.json` when its mtime
+changes, and sends a final report with `ended` when the link closes.
 
 Stop requests (the stop signal, SIGTERM, the quarantine seen in status.json) only set a flag: the
 loop polls `stop_requested` at a step boundary, agrees with the other ranks, saves a checkpoint and
@@ -45,19 +45,25 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
+from gpuwatch.trainer.channel import ReportSender, StepPageWriter
 from gpuwatch.trainer.contract import (
     DEFAULT_RUNTIME_DIR,
     ENDED_ERROR,
     ENDED_FINISHED,
     ENDED_RESUME,
     EXIT_RESUME,
+    FIRST_STEP_SLOT,
+    FIRST_STEP_T_SLOT,
+    LAUNCH_DIR_ENV,
+    RECOVERY_RELAUNCH,
+    REPORT_SOCKET,
     RUNTIME_DIR_ENV,
     STATUS_FILE,
-    TRAINERS_DIR,
+    STEP_SLOT,
+    STEP_T_SLOT,
     AllocatorFigures,
     TrainerReport,
     quarantined_in,
-    report_name,
 )
 
 log = logging.getLogger("gpuwatch.trainer")
@@ -136,7 +142,9 @@ class TrainerLink:
 
         self._step: int | None = None
         self._first_step: int | None = None
-        self._last_step_t: float | None = None
+        self._first_step_t: float | None = None
+        self._step_wall_t: float | None = None
+        self.recovery = RECOVERY_RELAUNCH  # an in-place engine that re-forms the job without a lost rank says so
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
         self._grad_norms: deque[float] = deque(maxlen=_GRAD_NORM_WINDOW)
 
@@ -144,10 +152,10 @@ class TrainerLink:
         self._aborted = False
         self._rescuing = False
 
-        self._trainers_dir = self.runtime_dir / TRAINERS_DIR
-        self._report_path = self._trainers_dir / report_name(self.pid)
+        self._page = StepPageWriter(self.pid, os.environ.get(LAUNCH_DIR_ENV))
+        self._page_ints, self._page_floats = self._page.ints, self._page.floats
+        self._sender = ReportSender(self.runtime_dir / REPORT_SOCKET, self._page.fd)
         self._status_key: tuple[int, int, int] | None = None
-        self._write_failed = False
         self._closed = threading.Event()
         self._ended: str | None = None
 
@@ -170,11 +178,12 @@ class TrainerLink:
     # -- the training loop's side ---------------------------------------------------------------
 
     def step(self, step: int, loss: float | None = None, grad_norm: float | None = None) -> None:
-        """Record that `step` finished. No I/O and no lock: call it every step.
+        """Record that `step` finished. No I/O, no syscall and no lock: call it every step.
 
         Pass plain floats: a CUDA tensor would be kept alive, and reading it later forces a sync.
-        The first call wakes the reporter (one byte to the link's pipe), so the daemon learns the
-        first step, and a relaunch's resume point, at once.
+        The step page gets the step at once (the daemon and launch read it even after a SIGKILL);
+        the first call also wakes the reporter (one byte to the link's pipe), so the daemon learns
+        the first step, and a relaunch's resume point, at once.
 
         Args:
             step: the step just finished (1-based count: after the first step, 1).
@@ -183,17 +192,20 @@ class TrainerLink:
         """
         if self._terminated:
             self._end_by_term_signal()
-        now = time.perf_counter()
-        if self._last_step_t is not None:
-            self._step_times.append(now - self._last_step_t)
-        self._last_step_t = now
+        wall = time.time()
+        if self._step_wall_t is not None:
+            self._step_times.append(max(0.0, wall - self._step_wall_t))  # a clock stepped back counts as 0
+        self._step_wall_t = wall
+        self._page_ints[STEP_SLOT] = step
+        self._page_floats[STEP_T_SLOT] = wall
         self._step = step
         if loss is not None:
             self.last_loss = loss
         if grad_norm is not None:
             self._grad_norms.append(grad_norm)
         if self._first_step is None:
-            self._first_step = step
+            self._first_step = self._page_ints[FIRST_STEP_SLOT] = step
+            self._first_step_t = self._page_floats[FIRST_STEP_T_SLOT] = wall
             self._wake()
 
     @property
@@ -281,7 +293,9 @@ class TrainerLink:
         self._wake()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, self.report_interval_s))
-        self._write_report()  # the final one, after the thread is gone: no two writers
+        self._send_report(final=True)  # the final one, after the thread is gone: no two senders
+        self._sender.close()
+        self._page.close()
         self._restore_handlers()
         self._close_pipe()
 
@@ -298,6 +312,7 @@ class TrainerLink:
         self._closed.set()
         self._restore_handlers(exactly=True)  # the forking thread is the child's main thread
         self._close_pipe()
+        self._sender.close()  # the parent's connection stays open; the child only drops its copy
 
     def __enter__(self) -> TrainerLink:
         return self
@@ -465,7 +480,7 @@ class TrainerLink:
                 self._check_abort()
                 if woken or time.monotonic() >= next_report:
                     self._check_status()
-                    self._write_report()
+                    self._send_report()
                     next_report = time.monotonic() + self.report_interval_s
             except Exception:  # reporting must never stop; training goes on without it
                 log.exception("gpuwatch trainer link: report failed")
@@ -508,7 +523,7 @@ class TrainerLink:
             self.request_stop(f"gpuwatch quarantined {self.gpu_uuid}")
 
     def report(self) -> TrainerReport:
-        """The `trainers/<pid>.json` payload as of now."""
+        """The report as of now (what goes to the daemon's report socket)."""
         step_times = self._step_times.copy()  # deque.copy is one C call: atomic under the GIL
         grad_norms = [g for g in self._grad_norms.copy() if math.isfinite(g)]
         return {
@@ -522,12 +537,15 @@ class TrainerLink:
             "gpu_uuid": self.gpu_uuid,
             "step": self._step,
             "first_step": self._first_step,
+            "first_step_t": self._first_step_t,
+            "step_t": self._step_wall_t,
             "step_time_s": statistics.fmean(step_times) if step_times else None,
             "grad_norm": _finite(self._grad_norms[-1]) if self._grad_norms else None,
             "grad_norm_var": statistics.pvariance(grad_norms) if grad_norms else None,
             **self._memory_stats(),
             "stop_requested": self._stop_requested,
             "allow_drills": self.allow_drills,
+            "recovery": self.recovery,
             "ended": self._ended,
         }
 
@@ -548,30 +566,9 @@ class TrainerLink:
             "num_ooms": stats.get("num_ooms"),
         }
 
-    def _write_report(self) -> None:
-        """Write the report safely in the world-writable sticky trainers/: a random temp name, then rename."""
-        data = json.dumps(self.report(), allow_nan=False).encode()
-        tmp: str | None = None
-        try:
-            self._trainers_dir.mkdir(exist_ok=True)  # trainers/ only: the daemon owns the runtime dir
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.pid}-", suffix=".tmp", dir=self._trainers_dir)
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)
-                f.write(data)
-            os.replace(tmp, self._report_path)
-            tmp = None
-        except OSError as exc:
-            # Common without a daemon (no runtime dir): say it once, keep trying quietly.
-            (log.debug if self._write_failed else log.warning)("gpuwatch trainer report not written: %s", exc)
-            self._write_failed = True
-            return
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-        if self._write_failed:
-            log.info("gpuwatch trainer report written to %s", self._report_path)
-            self._write_failed = False
+    def _send_report(self, final: bool = False) -> None:
+        """One report to the daemon; a daemon that is down, restarting or behind only costs this report."""
+        self._sender.send(json.dumps(self.report(), allow_nan=False).encode(), final=final)
 
 
 _LIVE_LINKS: weakref.WeakSet[TrainerLink] = weakref.WeakSet()

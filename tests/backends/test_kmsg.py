@@ -130,10 +130,11 @@ def test_an_xid_from_both_sources_counts_once(tmp_path: Path) -> None:
     monitor = _monitor(tmp_path, clock)
     uuid = monitor.statics[0].uuid
     nvml = GpuEvent(clock.t, 0, uuid, "xid", 31)
-    kernel = dataclasses.replace(nvml, t=clock.t - 0.3, source="kmsg", detail=XID31)
+    kernel = dataclasses.replace(nvml, t=clock.t - 0.3, source="kmsg", detail=XID31, pid=4242)
     monitor.handle_events([nvml])
-    assert monitor.handle_events([kernel]) is None  # the same fault: not judged again
+    monitor.handle_events([kernel])  # the same fault: not counted again, but its pid joins the NVML event
     assert monitor.snapshot.gpu(0).xid_counts == ((31, 1),)  # type: ignore[union-attr]
+    assert [(e.source, e.pid) for e in monitor.snapshot.gpu(0).xid_events] == [("nvml", 4242)]  # type: ignore[union-attr]
     assert len(monitor.snapshot.gpu(0).kernel_xids) == 1  # type: ignore[union-attr]  # still listed
     # a second fault (another NVML event, its own kernel line) is a second XID
     monitor.handle_events([dataclasses.replace(nvml, t=clock.t + 20)])
@@ -210,3 +211,8 @@ def test_status_lists_kernel_xids_with_their_time(tmp_path: Path, monkeypatch: p
     result = CliRunner().invoke(main, ["status", "--state-dir", str(tmp_path)], terminal_width=400)
     assert result.exit_code == 0, result.output
     assert "GPU 0 kernel log 2027-01-15 08:00:00 UTC: XID 31: NVRM: Xid (PCI:0000:18:00): 31, pid=4242" in result.output
+
+
+def test_the_faulting_pid_is_read_from_the_line_and_unknown_stays_unknown() -> None:
+    assert parse_record(record(1, 5, XID31), BOOT).pid == 4242  # type: ignore[union-attr]
+    assert parse_record(record(2, 5, XID79), BOOT).pid is None  # type: ignore[union-attr]

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from gpuwatch.drills.service import DrillService
 from gpuwatch.drills.steps import Clock
 from gpuwatch.errors import DaemonError
 from tests.helpers import T0, SimNode, sim_config
+from tests.reporting import FakeRank
 
 
 @click.group()
@@ -247,25 +246,23 @@ esac
     return Tools(root, nvidia_smi, dcgmi, calls, apps, sysfs)
 
 
-SLEEPER = "import signal, sys, time; {handler}; time.sleep(120)"
-
-
 class Job:
-    """Ranks of job-7 as real processes with trainer reports (`report` writes what their links would)."""
+    """Ranks of job-7 as real processes that report over the daemon's socket what `report` tells them."""
 
     def __init__(self, node: SimNode) -> None:
         self.node = node
         self.children: list[subprocess.Popen[str]] = []
+        self._ranks: dict[int, FakeRank] = {}
 
     def rank(self, gpu: int, rank: int, step: int = 10, handler: str = "pass", **extra: Any) -> int:
-        child = subprocess.Popen([sys.executable, "-c", SLEEPER.format(handler=handler)], text=True)
+        child = FakeRank(handler)
         self._adopt(child)
+        self._ranks[child.pid] = child
         self.report(child.pid, gpu, rank, step, **extra)
         return child.pid
 
     def report(self, pid: int, gpu: int, rank: int, step: int, **extra: Any) -> None:
         body = {
-            "pid": pid,
             "t": self.node.clock.t,
             "rank": rank,
             "job_id": "job-7",
@@ -274,10 +271,7 @@ class Job:
             "first_step": step,
             **extra,
         }
-        path = self.node.daemon.runtime.trainers / f"{pid}.json"
-        tmp = path.with_name(f".{pid}.tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(path)
+        self._ranks[pid].report(self.node.daemon.config.runtime_dir, **body)
 
     def _adopt(self, child: subprocess.Popen[str]) -> None:
         self.children.append(child)

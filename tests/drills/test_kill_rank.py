@@ -34,7 +34,9 @@ def test_kill_rank_kills_the_rank_and_sees_the_job_come_back(node: SimNode, job:
         ("job_resumed", "pass"),
     ]
     detail = verdict.steps[-1].detail
-    assert detail.startswith("job job-7 resumed at step 10, ") and detail.endswith(" s after the fault, 0 step(s) lost")
+    assert detail.startswith("job job-7 resumed at step 10, ") and detail.endswith(
+        " s after the fault began, 0 step(s) lost"
+    )
 
 
 def test_a_job_that_does_not_come_back_fails_at_job_resumed(node: SimNode, job: Job) -> None:

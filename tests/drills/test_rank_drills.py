@@ -16,10 +16,20 @@ from tests.helpers import SimNode
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
+WORKER = """
+import json, os, sys, time
+from pathlib import Path
+from gpuwatch.trainer.channel import ReportSender
+report = {"t": float(sys.argv[3]), "pid": os.getpid(), "rank": 0, "job_id": "job-7", "gpu_uuid": sys.argv[2]}
+report["step"] = 10
+assert ReportSender(Path(sys.argv[1]), None).send(json.dumps(report).encode(), final=True)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
 TORCHRUN_STAND_IN = (
-    "# torch.distributed.run stand-in: runs one worker, exits when it does\n"
-    "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
-    "print(p.pid, flush=True); sys.exit(p.wait() and 1)"
+    "# torch.distributed.run stand-in: runs one worker (which reports), exits when it does\n"
+    "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1], *sys.argv[2:]]); "
+    "sys.exit(p.wait() and 1)"
 )
 
 
@@ -32,11 +42,12 @@ def hang_node(tmp_path: Path) -> Iterator[SimNode]:
 
 
 def test_kill_rank_fails_at_once_when_nothing_will_relaunch_the_job(node: SimNode, job: Job) -> None:
-    torchrun = subprocess.Popen([sys.executable, "-c", TORCHRUN_STAND_IN], stdout=subprocess.PIPE, text=True)
+    socket_path = str(node.daemon.runtime.socket_path)
+    args = [WORKER, socket_path, node.gpu(1)["uuid"], str(node.clock.t)]
+    torchrun = subprocess.Popen([sys.executable, "-c", TORCHRUN_STAND_IN, *args], stdout=subprocess.PIPE, text=True)
     job._adopt(torchrun)
     assert torchrun.stdout is not None
-    victim = int(torchrun.stdout.readline())
-    job.report(victim, 1, 0, 10)
+    int(torchrun.stdout.readline())  # the worker's pid, once its report is sent
     node.run_for(5)
 
     verdict = run_drill(prepare(Request("kill_rank", 1), ClientApi(node), node.daemon.config, sim_clock(node)))
@@ -80,7 +91,7 @@ def test_hang_rank_freezes_a_rank_the_daemon_finds_the_hang_and_the_job_comes_ba
 
 def test_fault_rank_signals_only_a_rank_that_opted_in(node: SimNode, job: Job) -> None:
     job.rank(gpu=2, rank=0)
-    opted = job.rank(gpu=3, rank=0, handler="signal.signal(signal.SIGUSR2, lambda *_: sys.exit(1))", allow_drills=True)
+    opted = job.rank(gpu=3, rank=0, handler="signal.signal(signal.SIGUSR2, lambda *_: os._exit(1))", allow_drills=True)
     node.run_for(5)
     api, config = ClientApi(node), node.daemon.config
     with pytest.raises(DrillRefused, match=r"did not opt in to drills: TrainerLink\(allow_drills=True\)"):

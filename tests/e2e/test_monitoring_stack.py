@@ -9,9 +9,7 @@ the pager, chat and drill receivers got, and that every Grafana panel query retu
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +20,7 @@ import pytest
 
 from gpuwatch.bench.daemon_process import DaemonProcess
 from tests.prometheus_stack import Prometheus, Webhook, alertmanager_config, alertmanager_process, prometheus_process
+from tests.reporting import FakeRank
 from tests.test_grafana_dashboard import dashboard_queries
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +65,7 @@ class Stack:
 
 
 class FakeJob:
-    """Three ranks of one job, as trainers/<pid>.json reports of live processes, and its relaunch.
+    """Three ranks of one job, as live processes reporting over the daemon's socket, and its relaunch.
 
     Ranks sit on GPUs 0, 3 and 5: GPU 3 is the demo's throttling GPU (its rank is the slow one, a
     straggler on a throttling GPU) and GPU 5 gets the demo's ECC error, so the daemon quarantines it
@@ -84,21 +83,18 @@ class FakeJob:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _launch(self, gpus: list[int]) -> list[tuple[subprocess.Popen[bytes], int]]:
-        return [(subprocess.Popen(["sleep", "600"]), gpu) for gpu in gpus]
+    def _launch(self, gpus: list[int]) -> list[tuple[FakeRank, int]]:
+        return [(FakeRank(), gpu) for gpu in gpus]
 
-    def _report(self, rank: int, process: subprocess.Popen[bytes], gpu: int) -> None:
+    def _report(self, rank: int, process: FakeRank, gpu: int) -> None:
         body = {
-            "t": time.time(), "pid": process.pid, "rank": rank, "local_rank": rank, "world_size": len(self.ranks),
+            "t": time.time(), "rank": rank, "local_rank": rank, "world_size": len(self.ranks),
             "local_world_size": len(self.ranks), "job_id": "ci-job", "gpu_uuid": self.uuids[gpu],
             "step": self.step, "step_time_s": 1.0 if gpu == 3 else 0.5, "grad_norm": 1.0, "grad_norm_var": 0.01,
             "reserved_bytes": 10 << 30, "allocated_bytes": 6 << 30, "inactive_split_bytes": 1 << 30,
             "num_alloc_retries": 2, "num_ooms": 0, "stop_requested": False,
         }  # fmt: skip
-        path = self.daemon.runtime_dir / "trainers" / f"{process.pid}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(body))
-        tmp.replace(path)
+        process.report(self.daemon.runtime_dir, **body)
 
     def _run(self) -> None:
         while not self.stop.wait(1.0):
@@ -108,7 +104,8 @@ class FakeJob:
                 self.step += 1
                 self.ranks = alive = self._launch([0, 3])
             for rank, (process, gpu) in enumerate(alive):
-                self._report(rank, process, gpu)
+                with contextlib.suppress(OSError, AssertionError):  # stopped by the daemon as we spoke to it
+                    self._report(rank, process, gpu)
             self.step += 1
 
     def close(self) -> None:
@@ -116,6 +113,7 @@ class FakeJob:
         self.thread.join(timeout=5)
         for process, _ in self.ranks:
             process.kill()
+            process.wait()
 
 
 @pytest.fixture(scope="module")

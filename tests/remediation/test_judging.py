@@ -1,19 +1,27 @@
-"""TrainerJudge: a frozen rank that NVML still lists keeps its last report, so the job's hang is found.
+"""TrainerJudge: a job is hung only on positive evidence about a rank's process, never on its silence.
 
-Seen on two H200s (NCCL): the SIGSTOPped rank's report went stale, NVML kept listing its pid, the
-rank was then known only from its environment (no step, no report time), and its silence, the
-sign of the hang, was lost while the NCCL peer spun its GPU at 100 %.
+Seen on two H200s (NCCL): the SIGSTOPped rank's report went stale, NVML kept listing its pid and
+the NCCL peer spun its GPU at 100 %: the stopped process is the evidence. Seen as a hostile local
+user: ranks whose reports could not be written (a full runtime dir) were judged hung and stopped;
+silence alone must never stop a job.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
 
 from gpuwatch.config import TrainerConfig
 from gpuwatch.model import GpuSample, GpuStatic, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import Rank
-from gpuwatch.remediation.judging import TrainerJudge
+from gpuwatch.ranks import JobKey, Rank
+from gpuwatch.remediation.judging import Hang, TrainerJudge
 
 T0 = 1_800_000_000.0
 CFG = TrainerConfig(hang_after_s=10.0, stale_after_s=5.0)
@@ -29,24 +37,116 @@ def snapshot(t: float) -> Snapshot:
     return Snapshot(t=t, backend="nvml", gpus=gpus)
 
 
-def rank(pid: int, index: int, updated_t: float | None, step: int | None) -> Rank:
-    info = TrainerInfo(pid=pid, rank=index, job_id="job", gpu_uuid=UUIDS[index], step=step, updated_t=updated_t)
-    return Rank(info, index, os.getuid(), None, ("report", "nvml") if updated_t is not None else ("environ", "nvml"))
+def rank(pid: int, index: int, updated_t: float | None, step: int | None, uid: int | None = None) -> Rank:
+    uid = os.getuid() if uid is None else uid
+    info = TrainerInfo(
+        pid=pid, rank=index, job_id="job", gpu_uuid=UUIDS[index], step=step, updated_t=updated_t, uid=uid
+    )
+    return Rank(info, index, uid, None, ("report", "nvml") if updated_t is not None else ("environ", "nvml"))
 
 
-def test_a_rank_listed_by_nvml_without_a_fresh_report_is_a_silent_member_of_its_job() -> None:
-    judge = TrainerJudge(CFG, ProcFs())
-    pid_a, pid_b = os.getpid(), os.getppid()  # live processes: members stay while they run
-    judge.judge(snapshot(T0), [rank(pid_a, 0, T0, 40), rank(pid_b, 1, T0, 40)])
-    hung = {}
-    for second in range(1, 16):
+@pytest.fixture
+def spinning() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that keeps using CPU (a rank busy in its collective, or an evaluation pass)."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def stopped() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(proc.pid, signal.SIGSTOP)
+    while ProcFs().run_state(proc.pid) != "T":  # the state changes once the child takes the signal
+        time.sleep(0.01)
+    yield proc
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+
+
+def run(
+    judge: TrainerJudge, ranks_at: Callable[[float], list[Rank]], seconds: int = 16
+) -> tuple[dict[JobKey, Hang], int]:
+    """Judge once a second of fake time until a job is hung (or `seconds` pass); the hung jobs and when."""
+    hung: dict[JobKey, Hang] = {}
+    second = 0
+    for second in range(1, seconds):
         now = T0 + second
-        # rank 0's link still reports (it waits in the collective); rank 1 is frozen: NVML alone lists it.
-        hung = judge.judge(snapshot(now), [rank(pid_a, 0, now, 40), rank(pid_b, 1, None, None)]).hung
+        time.sleep(0.03)  # real time too: a busy process's CPU time must be able to grow between judgements
+        hung = judge.judge(snapshot(now), ranks_at(now)).hung
         if hung:
             break
-    assert list(hung) == ["job"], "the frozen rank's silence must make the job hung"
-    finding, members = hung["job"]
-    assert "rank 1 of job job stopped reporting" in finding.reason
-    assert {m.pid for m in members} == {pid_a, pid_b}
+    return hung, second
+
+
+def test_a_stopped_rank_that_nvml_still_lists_makes_its_job_hung(
+    spinning: subprocess.Popen[bytes], stopped: subprocess.Popen[bytes]
+) -> None:
+    judge = TrainerJudge(CFG, ProcFs())
+    judge.judge(snapshot(T0), [rank(spinning.pid, 0, T0, 40), rank(stopped.pid, 1, T0, 40)])
+
+    # rank 0's link still reports (it waits in the collective); rank 1 is frozen: NVML alone lists it.
+    hung, second = run(judge, lambda now: [rank(spinning.pid, 0, now, 40), rank(stopped.pid, 1, None, None)])
+
+    assert list(hung) == [(os.getuid(), "job")]
+    (hang,) = hung.values()
+    assert "rank 1 of job job is stopped (SIGSTOP)" in hang.finding.reason
+    assert {m.pid for m in hang.members} == {spinning.pid, stopped.pid}
+    assert [r.pid for r in hang.frozen] == [stopped.pid]
     assert second >= 10, "not before hang_after_s"
+
+
+def test_silent_reports_of_running_processes_are_no_hang(spinning: subprocess.Popen[bytes]) -> None:
+    """Both ranks' reports stop arriving (they cannot be sent), the steps stand still: no evidence, no hang."""
+    other = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        judge = TrainerJudge(CFG, ProcFs())
+        judge.judge(snapshot(T0), [rank(spinning.pid, 0, T0, 40), rank(other.pid, 1, T0, 40)])
+
+        hung, _ = run(judge, lambda now: [rank(spinning.pid, 0, None, None), rank(other.pid, 1, None, None)], 40)
+
+        assert hung == {}
+    finally:
+        other.kill()
+        other.wait()
+
+
+class _NoCpu(ProcFs):
+    """A /proc whose processes run (state S) but never use CPU time: a rank wedged in a driver call."""
+
+    def cpu_ns(self, pid: int) -> int | None:
+        return 1234
+
+    def run_state(self, pid: int) -> str | None:
+        return "S"
+
+
+def test_a_rank_that_uses_no_cpu_and_takes_no_step_is_frozen() -> None:
+    judge = TrainerJudge(CFG, _NoCpu())
+    pid_a, pid_b = os.getpid(), os.getppid()
+    judge.judge(snapshot(T0), [rank(pid_a, 0, T0, 40), rank(pid_b, 1, T0, 40)])
+
+    hung, second = run(judge, lambda now: [rank(pid_a, 0, now, 40), rank(pid_b, 1, now, 40)])
+
+    (hang,) = hung.values()
+    assert "used no CPU time and finished no step for" in hang.finding.reason
+    assert second >= 10
+
+
+def test_two_users_with_one_job_id_are_two_jobs(
+    stopped: subprocess.Popen[bytes], spinning: subprocess.Popen[bytes]
+) -> None:
+    """mallory's frozen process claims the victim's job id: only mallory's job is hung, the victim's is apart."""
+    mallory, victim = 54_321, 12_345
+    judge = TrainerJudge(CFG, ProcFs())
+    judge.judge(snapshot(T0), [rank(stopped.pid, 0, T0, 40, uid=mallory), rank(spinning.pid, 1, T0, 40, uid=victim)])
+
+    hung, _ = run(
+        judge, lambda now: [rank(stopped.pid, 0, None, None, uid=mallory), rank(spinning.pid, 1, now, 40, uid=victim)]
+    )
+
+    assert list(hung) == [(mallory, "job")]
+    (hang,) = hung.values()
+    assert {m.pid for m in hang.members} == {stopped.pid}

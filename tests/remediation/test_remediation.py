@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ from gpuwatch.remediation import Remediation, parse_signal
 from gpuwatch.remediation_metrics import RemediationCollector
 from tests.helpers import SimNode, metric_samples, start_sim_node
 from tests.remediation.conftest import Spawn
+from tests.reporting import FakeRank
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -30,13 +29,9 @@ def node(tmp_path: Path) -> Iterator[tuple[SimNode, TestClient, Remediation]]:
     sim.close()
 
 
-def write_report(sim: SimNode, pid: int, **fields: Any) -> None:
-    """A trainer's report as TrainerLink writes it (the fake clock's time unless `t` is given)."""
-    body = {"t": sim.clock.t, "pid": pid, **fields}
-    path = Path(sim.daemon.config.runtime_dir) / "trainers" / f"{pid}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
+def write_report(sim: SimNode, process: FakeRank, **fields: Any) -> None:
+    """A trainer's report as TrainerLink sends it (the fake clock's time unless `t` is given)."""
+    process.report(sim.daemon.config.runtime_dir, **{"t": sim.clock.t, **fields})
 
 
 def uuid(sim: SimNode, index: int) -> str:
@@ -59,10 +54,10 @@ def test_quarantine_stops_the_whole_job_escalates_and_times_the_resume(
     sim, client, _ = node
     rank0, rank1, rank2, bystander = (spawn(b) for b in ("cooperative", "ignores_stop", "ignores_term", "cooperative"))
     job = {"job_id": "job-1", "world_size": 3}
-    write_report(sim, rank0.pid, rank=0, gpu_uuid=uuid(sim, 1), step=40, **job)
-    write_report(sim, rank1.pid, rank=1, gpu_uuid=uuid(sim, 0), step=40, **job)
-    write_report(sim, rank2.pid, rank=2, gpu_uuid=uuid(sim, 2), step=39, **job)
-    write_report(sim, bystander.pid, rank=0, gpu_uuid=uuid(sim, 3), step=7, job_id="job-2")
+    write_report(sim, rank0, rank=0, gpu_uuid=uuid(sim, 1), step=40, **job)
+    write_report(sim, rank1, rank=1, gpu_uuid=uuid(sim, 0), step=40, **job)
+    write_report(sim, rank2, rank=2, gpu_uuid=uuid(sim, 2), step=39, **job)
+    write_report(sim, bystander, rank=0, gpu_uuid=uuid(sim, 3), step=7, job_id="job-2")
     sim.run_for(5)
     decided = sim.clock.t
 
@@ -84,7 +79,7 @@ def test_quarantine_stops_the_whole_job_escalates_and_times_the_resume(
 
     # The relaunched job: a new process of the same job reports a step, 7 s (trainer time) after the decision.
     resumed = spawn("cooperative")
-    write_report(sim, resumed.pid, rank=0, gpu_uuid=uuid(sim, 0), step=38, t=decided + 7.0, **job)
+    write_report(sim, resumed, rank=0, gpu_uuid=uuid(sim, 0), step=38, t=decided + 7.0, **job)
     incident = wait_incident(client, "resumed")
     assert (incident["time_to_resume_s"], incident["resumed_step"], incident["steps_lost"]) == (7.0, 38, 2)
 
@@ -116,7 +111,7 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     for i, child in enumerate(ranks):
         write_report(
             sim,
-            child.pid,
+            child,
             rank=i,
             job_id="job-9",
             gpu_uuid=uuid(sim, i),
@@ -149,7 +144,7 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     assert ({**labels, "rank": "0", "gpu": "0", "uuid": uuid(sim, 0), "gpu_throttling": "false"}, 0.0) in (
         metric_samples(metrics, "gpuwatch_trainer_straggler")
     )
-    assert metric_samples(metrics, "gpuwatch_trainer_grad_norm_variance") == [({"job_id": "job-9"}, 0.25)]
+    assert metric_samples(metrics, "gpuwatch_trainer_grad_norm_variance") == [({"job_id": "job-9", "uid": str(os.getuid())}, 0.25)]
     assert metric_samples(metrics, "gpuwatch_incidents_total") == [({}, 0.0)]
 
 

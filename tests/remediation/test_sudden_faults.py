@@ -6,11 +6,9 @@ at once, the incident names what happened, and the relaunch is seen however shor
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +19,7 @@ import pytest
 
 from tests.helpers import SimNode, start_sim_node
 from tests.remediation.conftest import Spawn
+from tests.reporting import FakeRank
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -41,13 +40,10 @@ def sim(tmp_path: Path) -> Iterator[SimNode]:
     node.close()
 
 
-def report(sim: SimNode, pid: int, gpu: int, **fields: Any) -> None:
-    """What TrainerLink writes (temp file + rename), stamped with the fake clock unless `t` is given."""
-    body = {"t": sim.clock.t, "pid": pid, "job_id": "job", "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
-    path = Path(sim.daemon.config.runtime_dir) / "trainers" / f"{pid}.json"
-    tmp = path.with_name(f".{pid}.tmp")
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
+def report(sim: SimNode, process: FakeRank, gpu: int, **fields: Any) -> None:
+    """What TrainerLink sends, stamped with the fake clock unless `t` is given."""
+    body = {"t": sim.clock.t, "job_id": "job", "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
+    process.report(sim.daemon.config.runtime_dir, **body)
 
 
 def incidents(sim: SimNode) -> list[dict[str, Any]]:
@@ -73,8 +69,8 @@ def incident_with(sim: SimNode, **want: Any) -> dict[str, Any]:
 
 def two_ranks(sim: SimNode, spawn: Spawn, step: int = 40) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     rank0, rank1 = spawn(), spawn()
-    report(sim, rank0.pid, 0, rank=0, step=step, first_step=1)
-    report(sim, rank1.pid, 1, rank=1, step=step, first_step=1)
+    report(sim, rank0, 0, rank=0, step=step, first_step=1)
+    report(sim, rank1, 1, rank=1, step=step, first_step=1)
     sim.run_for(1, step=1)  # one publish: remediation now knows both ranks
     return rank0, rank1
 
@@ -94,7 +90,7 @@ def test_a_rank_that_vanishes_stops_its_peers_at_once_and_the_resume_loses_no_st
 
     # The relaunch: the survivor saved step 40, the new ranks start at step 41.
     relaunched = spawn()
-    report(sim, relaunched.pid, 0, rank=0, step=41, first_step=41, t=died_at + 6.0)
+    report(sim, relaunched, 0, rank=0, step=41, first_step=41, t=died_at + 6.0)
     incident = incident_with(sim, kind="rank_died", status="resumed")
     assert (incident["resumed_step"], incident["steps_lost"], incident["time_to_resume_s"]) == (40, 0, 6.0)
 
@@ -102,12 +98,12 @@ def test_a_rank_that_vanishes_stops_its_peers_at_once_and_the_resume_loses_no_st
 def test_a_rank_that_raised_is_a_death_and_a_clean_end_is_not(sim: SimNode, spawn: Spawn) -> None:
     rank0, rank1 = two_ranks(sim, spawn)
 
-    report(sim, rank0.pid, 0, rank=0, step=40, first_step=1, ended="finished")
+    report(sim, rank0, 0, rank=0, step=40, first_step=1, ended="finished")
     rank0.kill()
     time.sleep(0.5)
     assert incidents(sim) == [], "a rank whose last report says it finished ended cleanly"
 
-    report(sim, rank1.pid, 1, rank=1, step=40, first_step=1, ended="error")
+    report(sim, rank1, 1, rank=1, step=40, first_step=1, ended="error")
     rank1.kill()
     incident = incident_with(sim, kind="rank_died")
     assert {r["pid"]: r["ended"] for r in incident["ranks"]} == {rank1.pid: "raised"}
@@ -125,7 +121,7 @@ def test_an_xid_on_a_gpu_with_ranks_stops_the_job_as_a_gpu_fault(sim: SimNode, s
 
     # The relaunch runs on the same GPU while the old XID is still in its window: not stopped again.
     again = spawn()
-    report(sim, again.pid, 1, rank=1, step=41, first_step=41, t=sim.clock.t + 1)
+    report(sim, again, 1, rank=1, step=41, first_step=41, t=sim.clock.t + 1)
     sim.run_for(3, step=1)
     time.sleep(0.5)
     assert again.poll() is None and len(incidents(sim)) == 1
@@ -141,12 +137,13 @@ def test_a_hung_job_is_found_and_stopped(sim: SimNode, spawn: Spawn) -> None:
 
     for _ in range(10):  # rank 0's link still reports, always at step 40
         sim.clock.advance(2.0)
-        report(sim, rank0.pid, 0, rank=0, step=40, first_step=1)
+        report(sim, rank0, 0, rank=0, step=40, first_step=1)
         sim.daemon.monitor.tick()
 
     incident = incident_with(sim, kind="trainer_hang", status="stopped")
     assert (
-        "no rank got past step 40" in incident["reason"] and "rank 1 of job job stopped reporting" in incident["reason"]
+        "no rank got past step 40" in incident["reason"]
+        and "rank 1 of job job is stopped (SIGSTOP)" in incident["reason"]
     )
     assert rank0.wait(5) == 75
     assert rank1.wait(5) == -signal.SIGKILL, "a stopped rank cannot checkpoint: SIGKILL once its peers are gone"
@@ -160,9 +157,10 @@ def test_a_resume_that_finished_before_the_next_report_interval_is_seen(sim: Sim
     decided = incidents(sim)[0]["t"]
 
     # A whole relaunch between two polls: first report at its first step, last report at exit, gone.
-    short = subprocess.Popen([sys.executable, "-c", "pass"])
+    short = spawn()
+    report(sim, short, 0, rank=0, step=45, first_step=41, ended="finished", t=decided + 2.5)
+    short.kill()
     short.wait()
-    report(sim, short.pid, 0, rank=0, step=45, first_step=41, ended="finished", t=decided + 2.5)
 
     incident = incident_with(sim, status="resumed")
     assert (incident["resumed_step"], incident["steps_lost"], incident["time_to_resume_s"]) == (40, 0, 2.5)
@@ -170,9 +168,9 @@ def test_a_resume_that_finished_before_the_next_report_interval_is_seen(sim: Sim
 
 def test_a_bad_report_beside_good_ones_never_turns_stopping_off(sim: SimNode, spawn: Spawn) -> None:
     rank0 = spawn()
-    report(sim, rank0.pid, 1, rank=0, step=10)
+    report(sim, rank0, 1, rank=0, step=10)
     liar = spawn()
-    report(sim, liar.pid, 1, rank=1, step=10, step_time_s="abc")  # one user's badly typed report
+    report(sim, liar, 1, rank=1, step=10, step_time_s="abc")  # one user's badly typed report
     sim.run_for(1, step=1)
 
     sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
@@ -187,7 +185,7 @@ def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn
     sim = start_sim_node(tmp_path, gpus=2, **{"trainer.grace_period_s": 3600.0})
     try:
         stubborn = spawn("ignores_stop")
-        report(sim, stubborn.pid, 1, rank=0, step=1)
+        report(sim, stubborn, 1, rank=0, step=1)
         sim.run_for(1, step=1)
 
         def cycle() -> None:
@@ -214,7 +212,7 @@ def test_a_rank_that_started_after_the_last_tick_is_stopped_too(sim: SimNode, sp
     """An event or a quarantine reads the reports as they are now: no waiting for the next tick (30 s by default)."""
     sim.run_for(1, step=1)
     rank = spawn()
-    report(sim, rank.pid, 1, rank=0, step=3, first_step=1)  # written after the last tick read trainers/
+    report(sim, rank, 1, rank=0, step=3, first_step=1)  # written after the last tick read trainers/
 
     if how == "quarantine":
         sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)

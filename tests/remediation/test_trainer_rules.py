@@ -225,8 +225,8 @@ def test_grad_variance_history_older_than_its_window_is_no_level() -> None:
     assert trainer_rules.grad_variance_jump("job-a", series, CFG, now=T0 + 3600) is None
 
 
-def progress(*ranks: TrainerInfo, advanced: float = 0.0) -> trainer_rules.JobProgress:
-    return trainer_rules.JobProgress("job-a", ranks, tuple(T0 + advanced for _ in ranks))
+def progress(*ranks: TrainerInfo, advanced: float = 0.0, frozen: tuple[str, ...] = ()) -> trainer_rules.JobProgress:
+    return trainer_rules.JobProgress("job-a", ranks, tuple(T0 + advanced for _ in ranks), frozen or ("",) * len(ranks))
 
 
 def busy(util: int) -> dict[str, GpuStatus]:
@@ -234,24 +234,26 @@ def busy(util: int) -> dict[str, GpuStatus]:
 
 
 @pytest.mark.parametrize(
-    ("now_s", "last_report_s", "util", "gpus_seen", "step_time", "hung"),
+    ("now_s", "last_report_s", "frozen", "util", "gpus_seen", "step_time", "hung"),
     [
-        (61, 61, 0, True, None, True),  # idle GPUs, steps stopped past the 60 s floor
-        (59, 59, 0, True, None, False),  # not long enough
-        (61, 61, 100, True, None, False),  # busy GPUs and every rank reporting: a long step, not a hang
-        (61, 61, 0, False, None, False),  # the backend does not see the job's GPUs (sim): idleness unknown
-        (70, 0, 100, False, None, True),  # a rank stopped reporting 70 s ago: frozen
-        (70, 0, 100, False, 20.0, False),  # 10 × its 20 s step time is the limit, not 60 s
-        (201, 0, 100, False, 20.0, True),
+        (61, 61, "", 0, True, None, True),  # idle GPUs, steps stopped past the 60 s floor
+        (59, 59, "", 0, True, None, False),  # not long enough
+        (61, 61, "", 100, True, None, False),  # busy GPUs and every rank reporting: a long step, not a hang
+        (61, 61, "", 0, False, None, False),  # the backend does not see the job's GPUs (sim): idleness unknown
+        (70, 0, "is stopped (SIGSTOP)", 100, False, None, True),  # a frozen rank
+        (70, 0, "", 100, False, None, False),  # a rank whose reports stopped arriving, but nothing else: no hang
+        (70, 0, "is stopped (SIGSTOP)", 100, False, 20.0, False),  # 10 × its 20 s step time is the limit, not 60 s
+        (201, 0, "is stopped (SIGSTOP)", 100, False, 20.0, True),
     ],
 )
 def test_trainer_hang(
-    now_s: float, last_report_s: float, util: int, gpus_seen: bool, step_time: float | None, hung: bool
+    now_s: float, last_report_s: float, frozen: str, util: int, gpus_seen: bool, step_time: float | None, hung: bool
 ) -> None:
     stuck = report(1, last_report_s, rank=0, step=40, step_time_s=step_time)
     waiting = report(2, now_s, rank=1, step=40, step_time_s=step_time)
 
-    found = trainer_rules.hang(progress(stuck, waiting), busy(util), CFG, T0 + now_s, gpus_seen=gpus_seen)
+    job = progress(stuck, waiting, frozen=(frozen, ""))
+    found = trainer_rules.hang(job, busy(util), CFG, T0 + now_s, gpus_seen=gpus_seen)
 
     assert (found is not None) == hung
     if found is not None:
@@ -262,6 +264,7 @@ def test_trainer_hang(
             0,
         )
         assert found.reason.startswith(f"job job-a: no rank got past step 40 for {now_s:.0f} s")
+        assert frozen == "" or f"rank 0 of job job-a {frozen}" in found.reason
 
 
 def test_a_job_without_steps_never_hangs() -> None:

@@ -7,8 +7,20 @@ import dataclasses
 import pytest
 
 from gpuwatch.model import GpuStatic, GpuStatus, Health, Snapshot, TrainerInfo
-from gpuwatch.runtime import _FIELDS, status_body
-from gpuwatch.trainer.contract import Status, StatusGpu, TrainerReport, quarantined_in, report_name, report_pid
+from gpuwatch.reports.parse import _FIELDS
+from gpuwatch.runtime import status_body
+from gpuwatch.trainer.contract import (
+    STEP_LAYOUT,
+    STEP_PAGE_MAGIC,
+    Status,
+    StatusGpu,
+    StepPage,
+    TrainerReport,
+    quarantined_in,
+    read_step_page,
+    step_page_name,
+    step_page_pid,
+)
 
 
 def keys(typed: type) -> set[str]:
@@ -20,8 +32,11 @@ def test_the_daemon_checks_every_field_a_rank_reports() -> None:
 
 
 def test_a_report_reads_into_a_trainer_info_field_by_field() -> None:
-    """The daemon's TrainerInfo holds each report field under its own name; `t` becomes `updated_t`."""
-    assert keys(TrainerReport) - {"t"} == {f.name for f in dataclasses.fields(TrainerInfo)} - {"updated_t"}
+    """The daemon's TrainerInfo holds each report field under its own name; `t` becomes `updated_t`.
+
+    `uid` is the daemon's own: the kernel names the sender's user, the report never does.
+    """
+    assert keys(TrainerReport) - {"t"} == {f.name for f in dataclasses.fields(TrainerInfo)} - {"updated_t", "uid"}
 
 
 def test_status_json_writes_the_contracts_keys() -> None:
@@ -32,13 +47,36 @@ def test_status_json_writes_the_contracts_keys() -> None:
 
 
 @pytest.mark.parametrize("pid", [1, 42, 4_194_304])
-def test_report_pid_reads_back_report_name(pid: int) -> None:
-    assert report_pid(report_name(pid)) == pid
+def test_step_page_pid_reads_back_step_page_name(pid: int) -> None:
+    assert step_page_pid(step_page_name(pid)) == pid
 
 
-@pytest.mark.parametrize("name", ["0.json", "012.json", "12345678.json", "12.json.tmp", ".12-x.tmp", "x.json", "12"])
-def test_report_pid_is_none_for_any_other_entry(name: str) -> None:
-    assert report_pid(name) is None
+@pytest.mark.parametrize("name", ["0.step", "012.step", "12345678.step", "12.step.tmp", ".12.step", "x.step", "12"])
+def test_step_page_pid_is_none_for_any_other_entry(name: str) -> None:
+    assert step_page_pid(name) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "page"),
+    [
+        (
+            (STEP_PAGE_MAGIC, 228, 201, 1_800_000_000.5, 1_799_999_990.0),
+            StepPage(228, 201, 1_800_000_000.5, 1_799_999_990.0),
+        ),
+        ((STEP_PAGE_MAGIC, -1, -1, 0.0, 0.0), StepPage(None, None, None)),
+        ((b"GWSTEP0\0", 228, 201, 1.0, 1.0), None),
+        ((STEP_PAGE_MAGIC, -5, 1, 1.0, 1.0), None),
+        ((STEP_PAGE_MAGIC, 5, 1, float("nan"), 1.0), None),
+        ((STEP_PAGE_MAGIC, 5, 1, -1.0, 1.0), None),
+        ((STEP_PAGE_MAGIC, 5, 1, 1.0, float("inf")), None),
+    ],
+)
+def test_a_step_page_reads_back_or_is_refused(fields: tuple[object, ...], page: StepPage | None) -> None:
+    assert read_step_page(STEP_LAYOUT.pack(*fields) + bytes(24)) == page
+
+
+def test_a_short_step_page_is_refused() -> None:
+    assert read_step_page(STEP_PAGE_MAGIC + bytes(8)) is None
 
 
 @pytest.mark.parametrize(

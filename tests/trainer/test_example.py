@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.runtime import RuntimeDir
 from gpuwatch.trainer import EXIT_RESUME
+from tests.reporting import ServeReports, reports_by_rank
 
 pytestmark = pytest.mark.slow
 
@@ -48,24 +50,12 @@ def _summary(stdout: str) -> dict[str, Any]:
     return summary
 
 
-def _reports(runtime_dir: Path) -> dict[int, dict[str, Any]]:
-    """The ranks' reports by rank (a file being replaced is read on the next poll)."""
-    reports = {}
-    for path in (runtime_dir / "trainers").glob("*.json"):
-        try:
-            report = json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):
-            continue
-        reports[report["rank"]] = report
-    return reports
-
-
 def _wait_for_steps(
-    proc: subprocess.Popen[str], runtime_dir: Path, *, ranks: int, step: int
+    proc: subprocess.Popen[str], runtime: RuntimeDir, *, ranks: int, step: int
 ) -> dict[int, dict[str, Any]]:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        reports = _reports(runtime_dir)
+        reports = reports_by_rank(runtime)
         if len(reports) == ranks and all((r["step"] or 0) >= step for r in reports.values()):
             return reports
         assert proc.poll() is None, f"torchrun exited {proc.returncode} early: {proc.communicate()}"
@@ -74,8 +64,8 @@ def _wait_for_steps(
     raise AssertionError(f"ranks did not reach step {step}: {proc.communicate()}")
 
 
-def test_two_ranks_run_to_completion(tmp_path: Path) -> None:
-    (tmp_path / "run").mkdir()
+def test_two_ranks_run_to_completion(tmp_path: Path, serve_reports: ServeReports) -> None:
+    runtime = serve_reports(tmp_path / "run")
     ckpt = tmp_path / "ckpt"
     result = subprocess.run(
         _torchrun(2, "--steps", "20", "--ckpt-dir", str(ckpt), "--ckpt-every", "8"),
@@ -91,16 +81,18 @@ def test_two_ranks_run_to_completion(tmp_path: Path) -> None:
     assert summary == {"steps_done": 20, "restarts": 0, "resumed_from_steps": [], "world_sizes": [2], "lost_steps": 0}
     assert (ckpt / "latest").read_text() == "step-00000020\n"
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000008", "step-00000016", "step-00000020"]
-    finals = _reports(tmp_path / "run")  # each rank left its final report, for the daemon to read and remove
+    finals = reports_by_rank(runtime)  # each rank left its final report with the daemon
     assert sorted((r["rank"], r["first_step"], r["step"], r["ended"]) for r in finals.values()) == [
         (0, 1, 20, "finished"),
         (1, 1, 20, "finished"),
     ]
 
 
-def test_stop_request_checkpoints_exits_75_and_resumes_on_fewer_ranks(tmp_path: Path) -> None:
+def test_stop_request_checkpoints_exits_75_and_resumes_on_fewer_ranks(
+    tmp_path: Path, serve_reports: ServeReports
+) -> None:
     runtime_dir, ckpt, agent_error = tmp_path / "run", tmp_path / "ckpt", tmp_path / "torchrun-error.json"
-    runtime_dir.mkdir()
+    runtime = serve_reports(runtime_dir)
     args = ["--steps", "400", "--ckpt-dir", str(ckpt), "--report-interval", "0.1"]
     proc = subprocess.Popen(
         _torchrun(2, *args, "--step-sleep", "0.02"),
@@ -110,7 +102,7 @@ def test_stop_request_checkpoints_exits_75_and_resumes_on_fewer_ranks(tmp_path: 
         stderr=subprocess.PIPE,
         text=True,
     )
-    reports = _wait_for_steps(proc, runtime_dir, ranks=2, step=30)
+    reports = _wait_for_steps(proc, runtime, ranks=2, step=30)
     os.kill(reports[1]["pid"], signal.SIGUSR1)  # what the daemon does: signal the rank on the bad GPU only
     stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
 
@@ -146,9 +138,9 @@ def test_stop_request_checkpoints_exits_75_and_resumes_on_fewer_ranks(tmp_path: 
     }
 
 
-def test_ignore_stop_keeps_training(tmp_path: Path) -> None:
+def test_ignore_stop_keeps_training(tmp_path: Path, serve_reports: ServeReports) -> None:
     runtime_dir = tmp_path / "run"
-    runtime_dir.mkdir()
+    runtime = serve_reports(runtime_dir)
     args = ["--steps", "2000", "--ckpt-dir", str(tmp_path / "ckpt"), "--report-interval", "0.1", "--ignore-stop"]
     proc = subprocess.Popen(
         _torchrun(2, *args, "--step-sleep", "0.02"),
@@ -159,10 +151,10 @@ def test_ignore_stop_keeps_training(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        reports = _wait_for_steps(proc, runtime_dir, ranks=2, step=10)
+        reports = _wait_for_steps(proc, runtime, ranks=2, step=10)
         for report in reports.values():
             os.kill(report["pid"], signal.SIGUSR1)
-        reports = _wait_for_steps(proc, runtime_dir, ranks=2, step=reports[0]["step"] + 30)
+        reports = _wait_for_steps(proc, runtime, ranks=2, step=reports[0]["step"] + 30)
         assert all(report["stop_requested"] for report in reports.values())
     finally:
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers and exits 1

@@ -1,8 +1,9 @@
-"""TrainerLink: the trainers/<pid>.json report, stop requests by signal and by status.json."""
+"""TrainerLink: its reports over the daemon's socket, its step page, stop requests by signal and by status.json."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -17,10 +18,13 @@ from types import FrameType
 
 import pytest
 
+from gpuwatch.runtime import RuntimeDir
 from gpuwatch.trainer import EXIT_RESUME, TrainerLink, bench_step
+from gpuwatch.trainer.contract import read_step_page
 
 CONTRACT_FIELDS = {
-    "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step",
+    "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step", "step_t",
+    "first_step_t", "recovery", "uid",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
     "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended",
 }  # fmt: skip
@@ -55,11 +59,23 @@ def _wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-def _read_report(path: Path) -> dict[str, object] | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[RuntimeDir]:
+    """The daemon's side of the link in `tmp_path`: the report socket and what it received."""
+    rt = RuntimeDir(tmp_path)
+    rt.prepare()
+    yield rt
+    rt.close()
+
+
+def _read_report(rt: RuntimeDir) -> dict[str, object] | None:
+    """This process's report as the daemon holds it, under the contract's names."""
+    report = rt.read_report(os.getpid())
+    if report is None:
         return None
+    fields = dataclasses.asdict(report.info)
+    fields["t"] = fields.pop("updated_t")
+    return fields
 
 
 def _write_status(runtime_dir: Path, quarantined: dict[str, bool]) -> None:
@@ -73,13 +89,13 @@ def _write_status(runtime_dir: Path, quarantined: dict[str, bool]) -> None:
     os.replace(tmp, runtime_dir / "status.json")
 
 
-def test_report_has_the_contract_fields(tmp_path: Path) -> None:
-    path = tmp_path / "trainers" / f"{os.getpid()}.json"
+def test_report_has_the_contract_fields(tmp_path: Path, runtime: RuntimeDir) -> None:
     with TrainerLink(tmp_path, report_interval_s=FAST, stop_signal=None) as link:
         for step, grad_norm in enumerate([1.0, 2.0, 3.0, float("nan")], start=1):
             link.step(step, loss=0.5, grad_norm=grad_norm)
-        _wait_for(lambda: (_read_report(path) or {}).get("step") == 4)
-        report = _read_report(path)
+        after = time.time()
+        _wait_for(lambda: float((_read_report(runtime) or {}).get("t") or 0.0) >= after)  # type: ignore[arg-type]
+        report = _read_report(runtime)
         assert link.gpu_uuid == "GPU-b"
         assert link.last_loss == 0.5
 
@@ -96,10 +112,8 @@ def test_report_has_the_contract_fields(tmp_path: Path) -> None:
     assert report["stop_requested"] is False
     assert abs(float(report["t"]) - time.time()) < 5  # type: ignore[arg-type]
     assert (report["first_step"], report["allow_drills"], report["ended"]) == (1, False, None)
-    final = _read_report(path)  # left on close, for the daemon to read and remove
+    final = _read_report(runtime)  # left on close, for the daemon to read and remove
     assert final is not None and (final["ended"], final["step"], final["first_step"]) == ("finished", 4, 1)
-    assert [p.name for p in (tmp_path / "trainers").iterdir()] == [path.name]  # no temp file left
-    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_defaults_come_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,15 +148,14 @@ def test_explicit_gpu_uuid_wins(tmp_path: Path) -> None:
         assert link.gpu_uuid == "GPU-given"
 
 
-def test_stop_signal_sets_stop_requested(tmp_path: Path, restore_sigusr1: None) -> None:
+def test_stop_signal_sets_stop_requested(tmp_path: Path, runtime: RuntimeDir, restore_sigusr1: None) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     with TrainerLink(tmp_path, report_interval_s=FAST) as link:
         assert not link.stop_requested
         os.kill(os.getpid(), signal.SIGUSR1)
         _wait_for(lambda: link.stop_requested)
         assert link.stop_reason == "signal SIGUSR1"
-        path = tmp_path / "trainers" / f"{os.getpid()}.json"
-        _wait_for(lambda: (_read_report(path) or {}).get("stop_requested") is True)
+        _wait_for(lambda: (_read_report(runtime) or {}).get("stop_requested") is True)
     # Not put back to the default, which would end the process if a late stop request comes in its epilogue.
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
 
@@ -209,23 +222,22 @@ def test_missing_runtime_dir_is_not_an_error(tmp_path: Path, caplog: pytest.LogC
     with TrainerLink(tmp_path / "no-daemon", report_interval_s=FAST, stop_signal=None) as link:
         link.step(1)
         time.sleep(10 * FAST)
-    warnings = [r for r in caplog.records if "report not written" in r.getMessage() and r.levelname == "WARNING"]
+    warnings = [r for r in caplog.records if "cannot reach" in r.getMessage() and r.levelname == "WARNING"]
     assert len(warnings) == 1  # said once, not every interval
 
 
-def test_exit_for_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exit_for_resume(tmp_path: Path, runtime: RuntimeDir, monkeypatch: pytest.MonkeyPatch) -> None:
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     link = TrainerLink(tmp_path, report_interval_s=FAST, stop_signal=None)
-    path = tmp_path / "trainers" / f"{os.getpid()}.json"
-    _wait_for(path.exists)
+    _wait_for(lambda: _read_report(runtime) is not None)
     link.request_stop("test")
 
     with pytest.raises(SystemExit) as excinfo:
         link.exit_for_resume()
 
     assert excinfo.value.code == EXIT_RESUME == 75
-    assert (_read_report(path) or {})["ended"] == "resume"
+    assert (_read_report(runtime) or {})["ended"] == "resume"
     assert json.loads(error_file.read_text())["message"]["message"] == "gpuwatch: stopped for resume (test)"
 
 
@@ -248,19 +260,18 @@ def test_bench_step_returns_seconds_per_call() -> None:
 # -- issue 16: the first report at once; the final report with `ended`; safe temp files ----------
 
 
-def test_the_first_step_is_reported_at_once_not_after_the_interval(tmp_path: Path) -> None:
-    path = tmp_path / "trainers" / f"{os.getpid()}.json"
+def test_the_first_step_is_reported_at_once_not_after_the_interval(tmp_path: Path, runtime: RuntimeDir) -> None:
     with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
-        _wait_for(path.exists)  # the start-up report, step null
-        assert (_read_report(path) or {})["step"] is None
+        _wait_for(lambda: _read_report(runtime) is not None)  # the start-up report, step null
+        assert (_read_report(runtime) or {})["step"] is None
         started = time.monotonic()
         link.step(41)  # a relaunch resumed from step 40
-        _wait_for(lambda: (_read_report(path) or {}).get("step") == 41, timeout=2)
+        _wait_for(lambda: (_read_report(runtime) or {}).get("step") == 41, timeout=2)
         assert time.monotonic() - started < 1
         link.step(42)
         time.sleep(0.2)
-        assert (_read_report(path) or {})["step"] == 41  # later steps wait for the interval
-    assert (_read_report(path) or {})["first_step"] == 41
+        assert (_read_report(runtime) or {})["step"] == 42  # the step page has every step at once
+    assert (_read_report(runtime) or {})["first_step"] == 41
 
 
 @pytest.mark.parametrize(
@@ -268,29 +279,62 @@ def test_the_first_step_is_reported_at_once_not_after_the_interval(tmp_path: Pat
     [(None, "finished"), (SystemExit(0), "finished"), (ValueError("bug"), "error"), (KeyboardInterrupt(), "error")],
 )
 def test_leaving_the_block_leaves_a_final_report_saying_how(
-    tmp_path: Path, exit_with: BaseException | None, ended: str
+    tmp_path: Path, runtime: RuntimeDir, exit_with: BaseException | None, ended: str
 ) -> None:
-    path = tmp_path / "trainers" / f"{os.getpid()}.json"
     with pytest.raises(type(exit_with)) if exit_with is not None else contextlib.nullcontext():
         with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
             link.step(1)
             if exit_with is not None:
                 raise exit_with
-    final = _read_report(path)
+    final = _read_report(runtime)
     assert final is not None and (final["ended"], final["step"]) == (ended, 1)
 
 
-def test_a_predictable_temp_name_planted_by_another_user_is_never_followed(tmp_path: Path) -> None:
-    trainers = tmp_path / "trainers"
-    trainers.mkdir()
-    victim = tmp_path / "victim"
-    victim.write_text("precious")
-    (trainers / f"{os.getpid()}.json.tmp").symlink_to(victim)  # the old, predictable temp name
+def test_the_step_page_holds_the_last_step_after_the_last_report(tmp_path: Path, runtime: RuntimeDir) -> None:
+    """Reports go out every interval; the page is rewritten at every step, so the daemon's figure is exact."""
     with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
         link.step(1)
-        _wait_for(lambda: (_read_report(trainers / f"{os.getpid()}.json") or {}).get("step") == 1)
+        _wait_for(lambda: (_read_report(runtime) or {}).get("first_step") == 1)
+        for step in range(2, 229):
+            link.step(step)
+        report = _read_report(runtime)
+        assert report is not None and report["step"] == 228 and report["first_step"] == 1
+        assert abs(float(report["step_t"]) - time.time()) < 5  # type: ignore[arg-type]
+
+
+def test_under_launch_the_step_page_is_a_file_in_the_launch_dir(
+    tmp_path: Path, runtime: RuntimeDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launch_dir = tmp_path / "launch"
+    launch_dir.mkdir(mode=0o700)
+    monkeypatch.setenv("GPUWATCH_LAUNCH_DIR", str(launch_dir))
+    with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
+        link.step(7)
+        link.step(8)
+    page = read_step_page((launch_dir / f"{os.getpid()}.step").read_bytes())
+    assert page is not None and (page.step, page.first_step) == (8, 7)
+    assert (launch_dir / f"{os.getpid()}.step").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("trap", ["group_writable_dir", "symlink_planted"])
+def test_an_unsafe_launch_dir_is_not_written_and_the_link_still_reports(
+    tmp_path: Path, runtime: RuntimeDir, monkeypatch: pytest.MonkeyPatch, trap: str
+) -> None:
+    launch_dir = tmp_path / "launch"
+    launch_dir.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    if trap == "group_writable_dir":
+        launch_dir.chmod(0o770)
+    else:
+        (launch_dir / f"{os.getpid()}.step").symlink_to(victim)
+    monkeypatch.setenv("GPUWATCH_LAUNCH_DIR", str(launch_dir))
+    with TrainerLink(tmp_path, report_interval_s=3600, stop_signal=None) as link:
+        link.step(3)
+        report = _read_report(runtime)
+        _wait_for(lambda: (_read_report(runtime) or {}).get("step") == 3)
     assert victim.read_text() == "precious"
-    assert sorted(p.name for p in trainers.iterdir()) == [f"{os.getpid()}.json", f"{os.getpid()}.json.tmp"]
+    assert report is None or report["pid"] == os.getpid()
 
 
 def test_allow_drills_is_reported(tmp_path: Path, restore_sigusr2: None) -> None:
@@ -301,18 +345,19 @@ def test_allow_drills_is_reported(tmp_path: Path, restore_sigusr2: None) -> None
 # -- signals while the main thread is stuck; SIGTERM --------------------------------------------
 
 
-def test_a_stop_signal_is_reported_at_once_by_the_thread(tmp_path: Path, restore_sigusr1: None) -> None:
+def test_a_stop_signal_is_reported_at_once_by_the_thread(
+    tmp_path: Path, runtime: RuntimeDir, restore_sigusr1: None
+) -> None:
     """The wakeup fd wakes the thread, which writes the report long before the interval (the main thread
     waits meanwhile; test_rescue_gloo.py has one blocked in a real collective)."""
-    path = tmp_path / "trainers" / f"{os.getpid()}.json"
     with TrainerLink(tmp_path, report_interval_s=3600) as link:
         link.step(1)
-        _wait_for(lambda: (_read_report(path) or {}).get("step") == 1)
+        _wait_for(lambda: (_read_report(runtime) or {}).get("step") == 1)
         blocker = threading.Lock()
         blocker.acquire()
         threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
         seen: list[object] = []
-        threading.Timer(1.0, lambda: (seen.append(_read_report(path)), blocker.release())).start()
+        threading.Timer(1.0, lambda: (seen.append(_read_report(runtime)), blocker.release())).start()
         # A lock acquire with a timeout of -1 only returns to bytecode when released (PEP 475 retries it).
         blocker.acquire()
         assert seen and seen[0]["stop_requested"] is True  # type: ignore[index]
@@ -351,9 +396,10 @@ class Saves(list[int]):
         self.append(step)
 
 
-def test_rescue_saves_the_last_completed_step_after_a_collective_error_and_exits_75(tmp_path: Path) -> None:
+def test_rescue_saves_the_last_completed_step_after_a_collective_error_and_exits_75(
+    tmp_path: Path, runtime: RuntimeDir
+) -> None:
     saves = Saves()
-    path = tmp_path / "trainers" / f"{os.getpid()}.json"
     with pytest.raises(SystemExit) as exited, TrainerLink(tmp_path, stop_signal=None) as link:
         for step in range(1, 4):
             with link.rescue(saves):
@@ -363,7 +409,7 @@ def test_rescue_saves_the_last_completed_step_after_a_collective_error_and_exits
 
     assert exited.value.code == EXIT_RESUME
     assert saves == [2]
-    assert (_read_report(path) or {})["ended"] == "resume"
+    assert (_read_report(runtime) or {})["ended"] == "resume"
 
 
 @pytest.mark.parametrize(

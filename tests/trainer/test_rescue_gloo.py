@@ -9,7 +9,6 @@ within a second), that the rank leaves within the timeout plus a little, and tha
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 
 from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.trainer import load_latest
+from tests.reporting import ServeReports, report_fields
 
 pytest.importorskip("torch")
 
@@ -48,20 +48,13 @@ with TrainerLink(sys.argv[1], report_interval_s=3600, abort_after_s=0.5) as link
 """
 
 
-def _report(runtime_dir: Path, pid: int) -> dict[str, object]:
-    try:
-        return dict(json.loads((runtime_dir / "trainers" / f"{pid}.json").read_text()))
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
-def test_a_rank_blocked_by_a_hung_peer_gets_out_saves_and_exits_75(tmp_path: Path) -> None:
+def test_a_rank_blocked_by_a_hung_peer_gets_out_saves_and_exits_75(tmp_path: Path, serve_reports: ServeReports) -> None:
     runtime_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    runtime_dir.mkdir()
+    runtime = serve_reports(runtime_dir)
     port = str(free_port())
     procs = []
     for rank in (0, 1):
@@ -76,11 +69,11 @@ def test_a_rank_blocked_by_a_hung_peer_gets_out_saves_and_exits_75(tmp_path: Pat
             assert time.monotonic() < deadline and hung.poll() is None, hung.communicate()
             time.sleep(0.05)
         time.sleep(0.3)
-        assert survivor.poll() is None and _report(runtime_dir, survivor.pid)["stop_requested"] is False
+        assert survivor.poll() is None and report_fields(runtime, survivor.pid)["stop_requested"] is False
 
         told = time.monotonic()
         os.kill(survivor.pid, signal.SIGUSR1)  # what the daemon does
-        while _report(runtime_dir, survivor.pid).get("stop_requested") is not True:
+        while report_fields(runtime, survivor.pid).get("stop_requested") is not True:
             assert time.monotonic() - told < 1.0, "the stop was not seen while the main thread was in gloo"
             time.sleep(0.01)
         _, stderr = survivor.communicate(timeout=GLOO_TIMEOUT_S + 30)
@@ -93,7 +86,7 @@ def test_a_rank_blocked_by_a_hung_peer_gets_out_saves_and_exits_75(tmp_path: Pat
     assert survivor.returncode == 75, stderr
     assert took < GLOO_TIMEOUT_S + 5, took
     assert "gloo process groups cannot be aborted" in stderr
-    report = _report(runtime_dir, survivor.pid)
+    report = report_fields(runtime, survivor.pid)
     assert (report["ended"], report["step"], report["stop_requested"]) == ("resume", 5, True)
     loaded = load_latest(ckpt)
     assert loaded is not None and loaded.step == 5

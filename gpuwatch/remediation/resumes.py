@@ -1,0 +1,115 @@
+"""Watching a stopped job come back, from its ranks' reports: when it finished its next step, from which step.
+
+* relaunch: the first report of a new process of the same job (uid, job id) whose first step ended
+  after the fault began; it resumed from `first_step - 1`, and its step page says when that first
+  step ended (TrainerLink writes its first report at once and its last one on exit, so a short
+  relaunch is seen too);
+* in place: a survivor (same pid) that finished a step after the fault began; it went on from the
+  step before the first one seen, and that step's time is the next step's (to the report poll).
+
+One watch per job (the newest incident), at most MAX_WATCHES_PER_UID per user and MAX_WATCHES in
+all: a user with many incidents only ever ends their own oldest watches, never another user's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from gpuwatch.ranks import JobKey
+from gpuwatch.remediation.incidents import PATH_IN_PLACE, Incident
+from gpuwatch.reports import Report
+
+log = logging.getLogger("gpuwatch.remediation")
+
+RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
+MAX_WATCHES_PER_UID = 16
+MAX_WATCHES = 256
+
+
+class ResumeWatches:
+    """The incidents whose job is awaited, by job; `end(incident, status)` records how each watch ended."""
+
+    def __init__(self, end: Callable[[Incident, str], None]) -> None:
+        self._end = end
+        self._by_job: dict[JobKey, Incident] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._by_job)
+
+    def incidents(self) -> list[Incident]:
+        return list({id(i): i for i in self._by_job.values()}.values())
+
+    def watch(self, incident: Incident) -> None:
+        """Await the incident's resume; a newer incident of the same job takes its place."""
+        for job in incident.jobs:
+            self._by_job[job] = incident
+        for uid in {uid for uid, _ in incident.jobs}:
+            while sum(1 for job in self._by_job if job[0] == uid) > MAX_WATCHES_PER_UID:
+                self._give_up_oldest(uid)
+        while len(self._by_job) > MAX_WATCHES:
+            self._give_up_oldest(Counter(uid for uid, _ in self._by_job).most_common(1)[0][0])
+
+    def check(self, reports: list[Report], now_mono: float | None = None) -> None:
+        """End each watch whose job finished a step again, or that waited too long."""
+        now_mono = time.monotonic() if now_mono is None else now_mono
+        for incident in self.incidents():
+            if incident.status == "stopping":
+                continue  # its own ranks are still going
+            mine = [r for r in reports if (r.owner_uid, r.info.job_id) in incident.jobs and r.info.step is not None]
+            if incident.path == PATH_IN_PLACE:
+                back = self._survivors_went_on(incident, mine)
+            else:
+                back = self._relaunched(incident, mine)
+            if back:
+                log.warning(
+                    "job %s %s at step %d, %.1f s after the %s on GPU %s began (%s step(s) lost)",
+                    ",".join(sorted(job for _, job in incident.jobs)),
+                    "went on in place" if incident.path == PATH_IN_PLACE else "resumed",
+                    incident.resumed_step,
+                    incident.time_to_resume_s,
+                    incident.kind,
+                    incident.gpu,
+                    incident.steps_lost,
+                )
+                self.stop_watching(incident, "resumed")
+            elif now_mono - incident.seen_mono > RESUME_WATCH_S:
+                self.stop_watching(incident, "not_resumed")
+
+    def stop_watching(self, incident: Incident, status: str) -> None:
+        for job in [job for job, watched in self._by_job.items() if watched is incident]:
+            del self._by_job[job]
+        self._end(incident, status)
+
+    def _relaunched(self, incident: Incident, mine: list[Report]) -> bool:
+        new = [
+            r.info
+            for r in mine
+            if r.info.pid not in incident.gone_pids
+            and r.info.pid not in {t.rank.pid for t in incident.targets}
+            and (r.info.first_step_t or r.info.updated_t or 0.0) >= incident.began
+        ]
+        if not new:
+            return False
+        starts = [r.first_step - 1 if r.first_step is not None else r.step or 0 for r in new]
+        incident.resumed(min(starts), min(r.first_step_t or r.updated_t or 0.0 for r in new))
+        return True
+
+    def _survivors_went_on(self, incident: Incident, mine: list[Report]) -> bool:
+        going = [
+            r.info
+            for r in mine
+            if r.alive and r.info.pid not in incident.gone_pids and (r.info.step_t or 0.0) > incident.began
+        ]
+        if not going:
+            return False
+        first = min(going, key=lambda r: r.step_t or 0.0)
+        incident.resumed(min(r.step or 0 for r in going) - 1, first.step_t or 0.0)
+        return True
+
+    def _give_up_oldest(self, uid: int | None) -> None:
+        """End the oldest watch of this user's jobs: only their own incidents make room for theirs."""
+        oldest = min((job for job in self._by_job if job[0] == uid), key=lambda job: self._by_job[job].seen_mono)
+        self.stop_watching(self._by_job[oldest], "not_resumed")

@@ -1,0 +1,230 @@
+"""The report socket: a SOCK_SEQPACKET Unix socket in the root-owned runtime dir, read by one thread.
+
+Any local account may connect (the socket is 0666), so everything that arrives is untrusted; the
+kernel vouches for who sent it (SO_PEERCRED at connect), and this module bounds what a sender
+costs before a byte is parsed:
+
+* a uid may connect ACCEPTS_PER_S times a second (burst ACCEPT_BURST), beyond that it is refused;
+  the board refuses its MAX_RANKS_PER_UID-th rank and the node's MAX_RANKS-th;
+* a connection may send MESSAGES_PER_S reports a second (burst MESSAGE_BURST): more are read and
+  dropped unparsed, and a connection that keeps it up (FLOOD_DROPS in a row) is closed;
+* a message over MAX_REPORT_BYTES is dropped (MSG_TRUNC), descriptors beyond the first are closed.
+
+Readers call `poll()` before they read the board, so a report sent before a tick is in that tick,
+and a rank's last report is read before anyone decides how it ended.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuwatch.reports.board import ReportBoard
+from gpuwatch.trainer.channel import socket_address
+from gpuwatch.trainer.contract import MAX_REPORT_BYTES
+
+log = logging.getLogger("gpuwatch.reports")
+
+ACCEPTS_PER_S, ACCEPT_BURST = 20.0, 64.0
+MESSAGES_PER_S, MESSAGE_BURST = 10.0, 20.0
+FLOOD_DROPS = 200
+_READS_PER_WAKE = 32  # messages read from one connection per wake-up: one sender cannot hold the thread
+_MAX_FDS = 4
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class _Bucket:
+    """A token bucket: `take()` is True while the rate (and the burst above it) is not exceeded."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.t = burst, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    pid: int
+    uid: int
+    bucket: _Bucket
+    drops: int = 0
+
+
+class ReportServer:
+    """Binds REPORT_SOCKET, accepts ranks and hands their messages to the board."""
+
+    def __init__(self, path: Path, board: ReportBoard) -> None:
+        self.path = path
+        self.board = board
+        self._lock = threading.Lock()
+        self._selector = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._accepts: dict[int, _Bucket] = {}
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def bind(self) -> None:
+        """Create the socket (replacing a stale one of an earlier daemon), world-connectable.
+
+        Raises:
+            OSError: it cannot be created.
+        """
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with socket_address(self.path) as address:
+                listener.bind(address)
+            os.chmod(self.path, 0o666)  # every local user's ranks report here; the kernel says who each is
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, None)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-reports", daemon=True)
+        self._thread.start()
+
+    def poll(self) -> None:
+        """Take in whatever has arrived, now, without waiting."""
+        if self._listener is None:
+            return
+        with self._lock:
+            self._handle(self._selector.select(0))
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            for key in list(self._selector.get_map().values()):
+                self._selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+            self._listener = None
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                ready = self._selector.select(1.0)
+                with self._lock:
+                    if not self._closed.is_set():
+                        self._handle(ready)
+            except Exception:  # one bad message must never end reporting for everyone
+                log.exception("report socket: handling failed")
+                self._closed.wait(1.0)
+
+    def _handle(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:
+        for key, _ in ready:
+            if key.data is None:
+                self._accept()
+            else:
+                self._read(key.data)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(_READS_PER_WAKE):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the backlog keeps the rest
+                log.warning("report socket: accept failed: %s", exc.strerror or exc)
+                return
+            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            bucket = self._accepts.setdefault(uid, _Bucket(ACCEPTS_PER_S, ACCEPT_BURST))
+            if len(self._accepts) > 4096:
+                self._accepts = {uid: bucket}
+            if not bucket.take():
+                self.board.refuse("rate", uid, "uid %d connects too often: pid %d refused", uid, pid)
+                sock.close()
+                continue
+            if not self.board.admit(pid, uid):
+                sock.close()
+                continue
+            sock.setblocking(False)
+            connection = _Connection(sock, pid, uid, _Bucket(MESSAGES_PER_S, MESSAGE_BURST))
+            self._selector.register(sock, selectors.EVENT_READ, connection)
+            self._read(connection)  # what it sent with its connect is in this very read
+
+    def _read(self, connection: _Connection) -> None:
+        for _ in range(_READS_PER_WAKE):
+            try:
+                data, ancillary, flags, _ = connection.sock.recvmsg(
+                    MAX_REPORT_BYTES + 1, socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC
+                )
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno not in {errno.ECONNRESET, errno.EPIPE}:
+                    log.debug("report socket: pid %d: %s", connection.pid, exc)
+                self._disconnect(connection)
+                return
+            fds = _passed_fds(ancillary)
+            if not data and not fds:
+                self._disconnect(connection)
+                return
+            if not connection.bucket.take():
+                _close_all(fds)
+                connection.drops += 1
+                if connection.drops >= FLOOD_DROPS:
+                    self.board.refuse("rate", connection.uid, "pid %d floods the report socket: closed", connection.pid)
+                    self._disconnect(connection)
+                    return
+                continue
+            connection.drops = 0
+            if flags & socket.MSG_TRUNC:
+                self.board.refuse(
+                    "too_large", connection.uid, "pid %d sent a report over %d bytes", connection.pid, MAX_REPORT_BYTES
+                )
+                _close_all(fds)
+                continue
+            self.board.receive(connection.pid, data, fds[0] if fds else None)
+            _close_all(fds[1:])
+
+    def _disconnect(self, connection: _Connection) -> None:
+        try:
+            self._selector.unregister(connection.sock)
+        except (KeyError, ValueError):
+            pass
+        connection.sock.close()
+        self.board.disconnected(connection.pid)
+
+
+def _passed_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(array.array("i", data[:usable]))
+    return fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

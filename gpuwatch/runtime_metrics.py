@@ -1,0 +1,45 @@
+"""The runtime directory's metric families: trainer reports refused (and why), report connections, status.json errors.
+
+A refused report is a rank the daemon may not see (its user is over a bound, it floods, it sent
+garbage): remediation never acts on a rank for the lack of its report, so these say why a rank
+might be missing from the trainer series, and alert before anyone wonders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gpuwatch.runtime import RuntimeDir
+
+REASONS = ("invalid", "too_large", "rate", "user_limit", "node_limit")
+
+
+class RuntimeCollector(Collector):
+    """gpuwatch_trainer_reports_refused_total{reason}, gpuwatch_trainer_report_connections, status.json write errors."""
+
+    def __init__(self, runtime: RuntimeDir) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        refused = CounterMetricFamily(
+            "gpuwatch_trainer_reports_refused",
+            "Trainer reports or connections refused, by reason (invalid, too_large, rate, user_limit, node_limit).",
+            labels=["reason"],
+        )
+        counts = dict(self.runtime.board.refused)
+        for reason in REASONS:
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused
+        yield GaugeMetricFamily(
+            "gpuwatch_trainer_report_connections",
+            "Trainer ranks connected to the report socket now.",
+            value=self.runtime.board.connections(),
+        )
+        yield CounterMetricFamily(
+            "gpuwatch_runtime_status_write_errors",
+            "Failed writes of status.json (full or read-only runtime dir): ranks then see quarantines by signal only.",
+            value=self.runtime.status_write_errors,
+        )

@@ -1,0 +1,168 @@
+"""A rank's two channels to the daemon: the step page it rewrites every step, the report socket it writes to.
+
+The step page is STEP_PAGE_BYTES of shared memory that `TrainerLink.step()` writes through two
+memoryviews (an aligned 8-byte store per figure, no syscall, tens of ns), so the daemon and the
+launcher read the exact last step even after the rank was SIGKILLed. Under `gpuwatch launch` it
+is a file in the launch's private directory (the launcher reads it after the rank is gone);
+otherwise an anonymous memfd, sealed against resizing, that only the daemon gets (as SCM_RIGHTS
+over the report socket).
+
+`ReportSender` owns the SOCK_SEQPACKET connection to the daemon's REPORT_SOCKET: one report per
+message, the step page's descriptor with the first message of each connection. It never blocks a
+rank for long: a full socket drops that report (the next one follows), a daemon that is down or
+restarting is retried at the next report, and only the final report waits up to a second.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from gpuwatch.trainer.contract import (
+    LAUNCH_DIR_ENV,
+    NO_STEP,
+    STEP_LAYOUT,
+    STEP_PAGE_BYTES,
+    STEP_PAGE_MAGIC,
+    step_page_name,
+)
+
+log = logging.getLogger("gpuwatch.trainer")
+
+_CONNECT_TIMEOUT_S = 1.0
+_FINAL_SEND_TIMEOUT_S = 1.0
+_SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes; longer paths go through the directory's descriptor
+
+
+class StepPageWriter:
+    """The rank's step page: a file in the launch directory when one is given and safe, else a memfd."""
+
+    def __init__(self, pid: int, launch_dir: str | None = None) -> None:
+        self.path: Path | None = None
+        self.fd = self._open_file(pid, launch_dir) if launch_dir else None
+        if self.fd is None:
+            self.fd = _memfd()
+        os.ftruncate(self.fd, STEP_PAGE_BYTES)
+        if self.path is None:
+            _seal(self.fd)
+        self._map = mmap.mmap(self.fd, STEP_PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        STEP_LAYOUT.pack_into(self._map, 0, STEP_PAGE_MAGIC, NO_STEP, NO_STEP, 0.0, 0.0)
+        self.ints = memoryview(self._map).cast("q")  # slot i is bytes 8i..8i+7: STEP_SLOT, FIRST_STEP_SLOT
+        self.floats = memoryview(self._map).cast("d")  # STEP_T_SLOT, FIRST_STEP_T_SLOT
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping stays (64 bytes), so a `step()` after the link closed is harmless.
+
+        The launcher's file stays for the launcher; a memfd lives on where it was passed (the daemon).
+        """
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+    def _open_file(self, pid: int, launch_dir: str) -> int | None:
+        """`<launch_dir>/<pid>.step`, only in a directory that is ours alone (the launcher made it 0700)."""
+        try:
+            st = os.stat(launch_dir, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+                log.warning("%s=%s is not a directory of ours alone: no step page there", LAUNCH_DIR_ENV, launch_dir)
+                return None
+            path = Path(launch_dir) / step_page_name(pid)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.warning("no step page in %s: %s", launch_dir, exc.strerror or exc)
+            return None
+        self.path = path
+        return fd
+
+
+class ReportSender:
+    """The connection to the daemon's report socket; used by the link's thread only."""
+
+    def __init__(self, socket_path: Path, page_fd: int | None) -> None:
+        self.socket_path = socket_path
+        self.page_fd = page_fd
+        self._sock: socket.socket | None = None
+        self._page_sent = False
+        self._failed = False
+        self.dropped = 0
+
+    def send(self, data: bytes, *, final: bool = False) -> bool:
+        """Send one report; True when the daemon has it queued. The final one may wait up to a second."""
+        sock = self._sock or self._connect()
+        if sock is None:
+            return False
+        sock.settimeout(_FINAL_SEND_TIMEOUT_S if final else 0.0)
+        try:
+            if not self._page_sent and self.page_fd is not None:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.page_fd]).tobytes())]
+                sock.sendmsg([data], rights)
+                self._page_sent = True
+            else:
+                sock.send(data)
+        except (BlockingIOError, TimeoutError):
+            self.dropped += 1  # the daemon is behind: this report is skipped, the next one carries the news
+            return False
+        except OSError as exc:
+            self._lost(f"gpuwatch trainer report not sent: {exc.strerror or exc}")
+            return False
+        if self._failed:
+            log.info("gpuwatch trainer reports reach %s again", self.socket_path)
+            self._failed = False
+        return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket | None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            with socket_address(self.socket_path) as address:
+                sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            # Common without a daemon (no runtime dir): say it once, keep trying quietly.
+            self._lost(f"gpuwatch trainer reports cannot reach {self.socket_path}: {exc.strerror or exc}")
+            return None
+        self._sock, self._page_sent = sock, False
+        return sock
+
+    def _lost(self, message: str) -> None:
+        (log.debug if self._failed else log.warning)("%s", message)
+        self._failed = True
+        self.close()
+
+
+@contextlib.contextmanager
+def socket_address(path: Path) -> Iterator[str]:
+    """An address for `path` that fits sun_path: itself, or /proc/self/fd/<dir fd>/<name> while open."""
+    if len(os.fsencode(path)) <= _SOCKET_PATH_MAX:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def _memfd() -> int:
+    return os.memfd_create("gpuwatch-step-page", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+def _seal(fd: int) -> None:
+    """Fix the memfd's size: whoever maps it can never find it shrunk under a read."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
