@@ -69,7 +69,6 @@ def event_kinds(mode: str, kernel_log: bool) -> tuple[str, ...]:
     return _EVENT_KINDS[mode]
 
 
-
 @dataclass
 class _Gpu:
     """One NVML device as this backend tracks it: handle, static facts, fields found unsupported."""

@@ -1,15 +1,15 @@
-"""Time the job through a plan of segments, each condition thawed around its own, and sum the result up."""
+"""Time the job through a plan of segments, each condition resumed around its own, and sum the result up."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from gpuwatch.bench.harness import progress
 from gpuwatch.bench.interference import stats
 from gpuwatch.bench.interference.beside import Beside
-from gpuwatch.bench.interference.plan import Segment
+from gpuwatch.bench.interference.plan import Segment, round_seconds
 
 ALONE_SETTLE_S = 0.1  # after a monitor is frozen or a loop stopped, before the alone segment is timed
 Timed = list[tuple[str, list[float]]]
@@ -40,6 +40,25 @@ def time_segments(job: Job, segments: Sequence[Segment], besides: Mapping[str, B
             next_progress += 30
             progress(f"interference: {what}: segment {number}/{len(segments)}")
     return timed
+
+
+def planned_round_s(besides: Iterable[Beside], seconds: float) -> float:
+    """One round of `besides` with segments of `seconds`: each one's start and settle, and alone's settle."""
+    return round_seconds(seconds, [b.start_s + b.settle_s + ALONE_SETTLE_S for b in besides])
+
+
+def differences(timed: Timed, pairs: Iterable[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
+    """For each (key, other, label) whose conditions both ran: key minus other, round by round, p50 and mean."""
+    segments = [(key, stats.summarize_steps(steps)) for key, steps in timed]
+    ratios = {stat: stats.paired_ratios(segments, stat) for stat in stats.STATS}
+    found: dict[str, dict[str, Any]] = {}
+    for key, other, label in pairs:
+        if key in ratios["mean"] and other in ratios["mean"]:
+            entry: dict[str, Any] = {"label": label}
+            for stat in stats.STATS:
+                entry[stat] = stats.difference(ratios[stat][key], ratios[stat][other]).as_pct()
+            found[f"{key}-{other}"] = entry
+    return found
 
 
 def summarize(timed: Timed, labels: Mapping[str, str]) -> dict[str, dict[str, Any]]:
