@@ -18,7 +18,7 @@ from gpuwatch.bench.interference import cpus, stats, variants
 from gpuwatch.bench.interference.beside import CommandLoop, Monitor, kernel_log_facts
 from gpuwatch.bench.interference.caller import EVENT_KINDS, NVML_KINDS, CallerProcess, Calls
 from gpuwatch.bench.interference.plan import interleave, round_seconds, rounds_within
-from gpuwatch.bench.interference.runner import ALONE_SETTLE_S, differences, planned_round_s, summarize
+from gpuwatch.bench.interference.runner import ALONE_SETTLE_S, differences, planned_round_s, summarize, time_segments
 from gpuwatch.bench.interference.stats import ALONE, Steps
 from gpuwatch.config import Config
 from tests.fakes import fake_pynvml as fake
@@ -353,3 +353,39 @@ def test_interference_lists_keep_their_run_order() -> None:
     assert parse_names("--x", "long, short", ("short", "long")) == ("short", "long")
     assert parse_names("--x", "all", ("short", "long")) == ("short", "long")
     assert parse_names("--x", None, ("short", "long")) is None
+
+
+def test_a_condition_that_does_not_resume_loses_its_segment_and_its_rounds_pairing() -> None:
+    """A restarted monitor that fails to start once: its segment is left out, the others are timed, and the
+    round-by-round difference with it is not reported (its ratios no longer pair by round)."""
+
+    class Job:
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> list[float]:
+            return [0.001] * 5
+
+    class Flaky:
+        key, label, settle_s, start_s = "x", "x", 0.0, 0.0
+        resumes = 0
+
+        def resume(self) -> None:
+            self.resumes += 1
+            if self.resumes == 2:
+                raise RuntimeError("exited with code 1")
+
+        def pause(self) -> None:
+            pass
+
+    class Steady(Flaky):
+        key = label = "y"
+
+        def resume(self) -> None:
+            pass
+
+    segments = interleave(["x", "y"], 3, 0.001)
+    timed = time_segments(Job(), segments, {"x": Flaky(), "y": Steady()}, "test")  # type: ignore[dict-item]
+    assert [key for key, _ in timed].count("x") == 2 and [key for key, _ in timed].count("y") == 3
+    assert len(timed) == len(segments) - 1
+    assert differences(timed, [("x", "y", "x minus y")]) == {}

@@ -127,7 +127,7 @@ class Monitor:
         self.restart = restart
         self.facts = facts
         self.found: dict[str, Any] = {}
-        self.starts = self.died = 0
+        self.starts = self.died = self.start_failures = 0
         self.start_s = 0.0
         self._start_times: list[float] = []
         self._scraper: _Scraper | None = None
@@ -144,8 +144,13 @@ class Monitor:
             os.kill(self.server.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
+        """Raises RuntimeError when a restart fails (counted): that segment is left out."""
         if self.restart:
-            self._start()
+            try:
+                self._start()
+            except RuntimeError:
+                self.start_failures += 1
+                raise
         else:
             os.kill(self.server.pid, signal.SIGCONT)
         assert self._scraper is not None
@@ -161,7 +166,8 @@ class Monitor:
             os.kill(self.server.pid, signal.SIGSTOP)
 
     def close(self) -> dict[str, Any]:
-        figures: dict[str, Any] = {"starts": self.starts, "died_in_segments": self.died, **self.found}
+        figures: dict[str, Any] = {"starts": self.starts, "start_failures": self.start_failures, **self.found}
+        figures["died_in_segments"] = self.died
         if self._start_times:
             figures["start_s_p50"] = statistics.median(self._start_times)
         if self._scraper is not None:

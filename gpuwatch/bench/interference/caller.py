@@ -287,15 +287,16 @@ def _serve(calls: Calls) -> None:
 
 
 def _loop(call: Call | None, rate: float, commands: queue.SimpleQueue[list[str]]) -> tuple[int, float, int]:
-    """`call` at `rate` a second (as fast as it returns when slower) until `stop`: calls, seconds, errors."""
+    """`call` at `rate` a second (as fast as it returns when slower) until `stop`: calls, seconds, errors.
+
+    With no call (a kind that only holds something open) it blocks until `stop`: it wakes no more
+    often than in an alone segment, so the two differ by what it holds only.
+    """
     period = 1.0 / rate
     calls = errors = 0
     perf = time.perf_counter
     started = due = perf()
-    while commands.empty():
-        if call is None:
-            time.sleep(0.01)
-            continue
+    while call is not None and commands.empty():
         try:
             call()
         except Exception:  # an NVML error now and then must not end the measurement; it is counted

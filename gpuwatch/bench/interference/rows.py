@@ -20,19 +20,22 @@ SIM = "sim: a CPU step, the GPU side not measured"
 
 
 def add(section: Section, on_gpu: bool) -> None:
-    """Rows for every step that ran, then the event-set probe and the bare check."""
+    """Rows in the order the run made them: the event-set probe, every step that ran, the bare check."""
     figures = section.figures
-    for kind in STEPS:
-        if kind in figures:
-            section.rows.extend(_step_rows(kind, figures[kind], on_gpu))
     probe = figures.get("event_set")
     if probe is not None:
         for key, entry in probe["conditions"].items():
-            label = "event-set probe · " + ("alone (placebo)" if key == ALONE else entry["label"])
-            section.rows.append(Row(f"{label}: p50 / mean / p99 / max", _steps_text(entry), "ms"))
+            section.rows.append(
+                Row(f"event-set probe · {entry['label']}: p50 / mean / p99 / max", _steps_text(entry), "ms")
+            )
+            name = "alone (placebo)" if key == ALONE else entry["label"]
             for stat in ("p50", "mean"):
                 if f"{stat}_vs_alone" in entry:
-                    section.rows.append(Row(f"{label}: {stat} vs alone", *_pct(entry[f"{stat}_vs_alone"])))
+                    label = f"event-set probe · {name}: {stat} vs alone"
+                    section.rows.append(Row(label, *_pct(entry[f"{stat}_vs_alone"])))
+    for kind in STEPS:
+        if kind in figures:
+            section.rows.extend(_step_rows(kind, figures[kind], on_gpu))
     bare = figures["bare"]
     if "alone_vs_bare_mean_pct" in bare:
         label = "short step alone vs bare (before anything started, after everything stopped), mean"

@@ -22,13 +22,21 @@ class Job(Protocol):
 
 
 def time_segments(job: Job, segments: Sequence[Segment], besides: Mapping[str, Beside], what: str) -> Timed:
-    """Each segment's step times, in order; a condition's Beside is resumed around its segment only."""
+    """Each segment's step times, in order; a condition's Beside is resumed around its segment only.
+
+    A condition that cannot resume (a restarted monitor that does not start again) loses that segment;
+    its neighbours then compare as alone with alone, and its round drops out of the differences.
+    """
     timed: Timed = []
     next_progress = time.monotonic() + 30
     for number, segment in enumerate(segments, 1):
         beside = besides.get(segment.key)
         if beside is not None:
-            beside.resume()
+            try:
+                beside.resume()
+            except RuntimeError as exc:  # a monitor that started before and not now: this segment only is lost
+                progress(f"interference: {what}: {segment.key} did not start, segment left out: {exc}")
+                continue
         time.sleep(beside.settle_s if beside is not None else ALONE_SETTLE_S)
         job.start()
         time.sleep(segment.seconds)
@@ -53,7 +61,8 @@ def differences(timed: Timed, pairs: Iterable[tuple[str, str, str]]) -> dict[str
     ratios = {stat: stats.paired_ratios(segments, stat) for stat in stats.STATS}
     found: dict[str, dict[str, Any]] = {}
     for key, other, label in pairs:
-        if key in ratios["mean"] and other in ratios["mean"]:
+        # one ratio a round each, in order; a round one of them lost leaves the two no longer paired
+        if key in ratios["mean"] and other in ratios["mean"] and len(ratios["mean"][key]) == len(ratios["mean"][other]):
             entry: dict[str, Any] = {"label": label}
             for stat in stats.STATS:
                 entry[stat] = stats.difference(ratios[stat][key], ratios[stat][other]).as_pct()
