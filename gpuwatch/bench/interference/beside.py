@@ -197,10 +197,12 @@ def kernel_log_facts(server: ServerProcess, wait_s: float = 3.0) -> dict[str, An
     deadline = time.monotonic() + wait_s
     found = None
     try:
-        while found is None and time.monotonic() < deadline:
+        while True:
             status, body = client.request("GET", "/metrics")
             found = re.search(rb"^gpuwatch_kernel_log_readable (\S+)$", body, re.MULTILINE) if status == 200 else None
-            time.sleep(0 if found else 0.2)
+            if found is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
     except (OSError, http.client.HTTPException):
         pass  # not known: the run goes on without the fact
     finally:
