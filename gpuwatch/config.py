@@ -122,6 +122,19 @@ class ToolsConfig:
     )
 
 
+# [nvml] events: which NVML event set the nvml backend registers (docs/events.md says why auto is the default).
+NVML_EVENT_MODES = ("auto", "xid", "all", "none")
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    """[nvml]: the nvml backend's event set. XIDs also come from the kernel log, so it may stand down there."""
+
+    # auto: no event set on a GPU the kernel log covers, XID events on the others | xid: XID events on
+    # every GPU | all: XID, double-bit and single-bit ECC events on every GPU | none: no event set at all
+    events: str = "auto"
+
+
 @dataclass(frozen=True)
 class ValidationConfig:
     """[validation]: the active test a quarantined, idle GPU passes before it goes back into service."""
@@ -228,6 +241,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    nvml: NvmlConfig = field(default_factory=NvmlConfig)
 
     @property
     def listen_host(self) -> str:
@@ -332,6 +346,8 @@ def validate(config: Config, known_rules: Collection[str] | None = None) -> None
         raise ConfigError(f"listen: {config.listen!r} is not HOST:PORT (a port from 1 to 65535)")
     if config.log_level.lower() not in {"debug", "info", "warning", "error"}:
         raise ConfigError(f"log_level: {config.log_level!r} is not debug, info, warning or error")
+    if config.nvml.events not in NVML_EVENT_MODES:
+        raise ConfigError(f"nvml.events: {config.nvml.events!r} is not {', '.join(NVML_EVENT_MODES[:-1])} or none")
     if config.sim.gpus < 1 or config.sim.gpus > 64:
         raise ConfigError(f"sim.gpus: {config.sim.gpus} is out of range (1 to 64)")
     if not 0.0 < config.policy.breaker_max_share <= 1.0:

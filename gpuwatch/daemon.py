@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from gpuwatch import __version__, liveness, systemd, validation
 from gpuwatch.api_token import ensure_token
 from gpuwatch.backends import open_backend
-from gpuwatch.backends.base import Backend, Scripted
+from gpuwatch.backends.base import Backend, KernelLogAware, Scripted
 from gpuwatch.backends.kmsg import KernelLog
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.control.access import Access
@@ -288,7 +288,10 @@ class Daemon:
                 due += math.ceil(late / interval) * interval
 
     def _start_kernel_log(self) -> None:
-        """Replay what the kernel buffer still holds (judged by kernel time), then follow it in a thread."""
+        """Replay what the kernel buffer still holds (judged by kernel time), then follow it in a thread.
+
+        The backend hears which GPUs the log covers, so its own event set can stand down on them.
+        """
         kernel_log = self.kernel_log
         if kernel_log is None or not self.config.tools.kmsg:
             return
@@ -296,6 +299,8 @@ class Daemon:
         self.monitor.kernel_log_readable = kernel_log.readable
         if not kernel_log.readable:
             return
+        if isinstance(self.backend, KernelLogAware):  # before the event thread's first wait
+            self.backend.kernel_log_covers(kernel_log.gpus)
         old = kernel_log.read_available()
         self.monitor.kernel_sxids_total = kernel_log.sxids_total
         if old:

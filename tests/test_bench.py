@@ -33,6 +33,9 @@ def _numbers(value: Any) -> list[float]:
 def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["--backend", "sim", "--gpus", "2", "--quick", "--footprint-s", "3", "--json", str(out)]
+    # every part of the interference section, not only its default plan
+    args += ["--interference-conditions", "all", "--interference-steps", "short,long"]
+    args += ["--attribute-s", "0.4", "--event-set-s", "1"]
     result = CliRunner().invoke(bench, args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -67,9 +70,12 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
 
 
 def _check_interference(figures: dict[str, Any], notes: list[str]) -> None:
-    """The sim form: a CPU step loop beside the sim daemon at 1 s and 30 s, two rounds a step, the attribution."""
+    """The sim form: a CPU step loop beside the sim daemon at 1 s and 30 s, restarted around each of its
+    segments, two rounds a step, the attribution; what needs NVML is left out with a note."""
     assert figures["device"] == "cpu" and figures["gpu_measured"] is False
     assert any("GPU side was not measured" in note for note in notes), notes
+    assert any(note.startswith("event-set probe: needs NVML") for note in notes), notes
+    assert figures["event_set"] is None and figures["settings"]["restart"] is True
     for kind in ("short", "long"):
         result = figures[kind]
         assert result["rounds"] == 2 and result["step_ms"] > 0
@@ -80,7 +86,9 @@ def _check_interference(figures: dict[str, Any], notes: list[str]) -> None:
             assert entry["segments"] == 2 and entry["n"] > 0
             assert entry["p50_ms"] <= entry["p99_ms"] <= entry["max_ms"]
             assert entry["mean_vs_alone"]["pairs"] == 2 and entry["mean_vs_alone"]["low_pct"] is not None
-    assert figures["monitors"]["gpuwatch_1s"]["scrapes"] > 0 and figures["monitors"]["gpuwatch_1s"]["exit_code"] == 0
+        assert result["differences"] == {}  # neither pair of conditions ran on the sim backend
+    ours = figures["monitors"]["gpuwatch_1s"]
+    assert ours["starts"] == 1 + 2 * 2 and ours["died_in_segments"] == 0 and ours["scrapes"] > 0
     assert figures["bare"]["segments"] == 2
     attribution = figures["attribution"]
     assert attribution["calls"]["sample_sim"]["calls"] > 0

@@ -1,6 +1,6 @@
 """The interference bench's parts that decide its figures: the statistics, the order of the run, the CPUs
-chosen, the daemon variants' NVML calls, and the call helper's pacing (the whole section runs in the
-bench smoke test, tests/test_bench.py)."""
+chosen, the daemon variants' NVML calls, the call helper's pacing and event sets, a restarted monitor,
+and the section's flags (the whole section runs in the bench smoke test, tests/test_bench.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,19 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends import nvml_plan
+from gpuwatch.bench.daemon_process import ServerProcess, free_port
 from gpuwatch.bench.interference import cpus, stats, variants
-from gpuwatch.bench.interference.beside import CommandLoop
-from gpuwatch.bench.interference.caller import NVML_KINDS, CallerProcess, Calls
+from gpuwatch.bench.interference.beside import CommandLoop, Monitor, kernel_log_facts
+from gpuwatch.bench.interference.caller import EVENT_KINDS, NVML_KINDS, CallerProcess, Calls
 from gpuwatch.bench.interference.plan import interleave, round_seconds, rounds_within
-from gpuwatch.bench.interference.runner import summarize
+from gpuwatch.bench.interference.runner import ALONE_SETTLE_S, differences, planned_round_s, summarize, time_segments
 from gpuwatch.bench.interference.stats import ALONE, Steps
 from gpuwatch.config import Config
-from tests.fakes.fake_pynvml import PROCESS_COUNT, FakeNvml
+from tests.fakes import fake_pynvml as fake
+from tests.fakes.fake_pynvml import PROCESS_COUNT, FakeGpu, FakeNvml
+
+XID, DBE = fake.nvmlEventTypeXidCriticalError, fake.nvmlEventTypeDoubleBitEccError
+SBE = fake.nvmlEventTypeSingleBitEccError
 
 
 def _flat(value: float) -> Steps:
@@ -106,10 +111,35 @@ def test_interleave_puts_alone_around_every_condition_and_turns_the_order() -> N
 
 
 def test_rounds_fit_the_budget_and_never_fall_below_two() -> None:
-    assert round_seconds(4, 3.0, 0.5) == 28.0
-    assert rounds_within(150.0, 4, 3.0, 0.5) == 5
-    assert rounds_within(0.0, 4, 3.0, 0.5) == 2
-    assert rounds_within(10.0, 4, 3.0, 0.5, least=1) == 1
+    """Each condition's pair costs its two segments and its overhead (a restarted monitor's start, the settles)."""
+    assert round_seconds(3.0, [0.5, 0.5, 2.1]) == 3 * 6.0 + 3.1
+    assert rounds_within(150.0, 21.1) == 7
+    assert rounds_within(0.0, 21.1) == 2
+    assert rounds_within(10.0, 21.1, least=1) == 1
+    assert rounds_within(10.0, 0.0) == 2
+
+
+def test_planned_rounds_count_each_monitors_start() -> None:
+    class Started:
+        settle_s, start_s = 0.5, 1.5
+
+    assert planned_round_s([Started(), Started()], 3.0) == pytest.approx(2 * (6.0 + 0.5 + 1.5 + ALONE_SETTLE_S))
+
+
+def test_two_conditions_compare_round_by_round() -> None:
+    """A disturbance that falls on both conditions of a round cancels in their difference, not in either ratio."""
+    keys = interleave(["x", "y"], 4, 1.0)
+    wobble = [1.0, 1.03, 0.97, 1.0]  # what each round does to the conditions' segments (mean 1)
+    cost = {"x": 1.005, "y": 1.002}
+    timed = [(s.key, [0.001 * (1.0 if s.key == ALONE else wobble[s.round] * cost[s.key])] * 10) for s in keys]
+    found = differences(timed, [("x", "y", "x minus y"), ("x", "absent", "never ran")])
+    assert list(found) == ["x-y"] and found["x-y"]["label"] == "x minus y"
+    x_alone = summarize(timed, {})["x"]["mean_vs_alone"]
+    for stat in ("p50", "mean"):
+        diff = found["x-y"][stat]
+        assert diff["pct"] == pytest.approx(0.3) and diff["pairs"] == 4
+        assert diff["high_pct"] - diff["low_pct"] < (x_alone["high_pct"] - x_alone["low_pct"]) / 50
+    assert stats.difference([1.01, 1.03], [1.0, 1.0]).as_pct()["pct"] == pytest.approx(2.0)
 
 
 def test_cpu_lists_round_trip() -> None:
@@ -232,7 +262,7 @@ def test_every_call_kind_names_real_pynvml_functions() -> None:
     assert old.make("energy") is not None  # a binding without one call loses that kind only
     calls = Calls("nvml", 0, 1)
     calls.opened["pynvml"] = (Checked(), object())
-    through_backend = {"sample_before", "sample_after", "event_set_idle", "event_wait_500ms", "event_wait_5ms"}
+    through_backend = {"sample_before", "sample_after", *EVENT_KINDS}
     made = {kind.name: calls.make(kind.name) for kind in NVML_KINDS if kind.name not in through_backend}
     assert len(made) == len(NVML_KINDS) - len(through_backend)
     assert all(callable(call) for call in made.values())
@@ -250,3 +280,112 @@ def test_command_loop_runs_only_between_resume_and_pause() -> None:
     time.sleep(0.2)
     assert figures["calls"] > 0 and figures["failures"] == 0 and figures["call_p50_ms"] > 0
     assert loop.close()["calls"] == figures["calls"]  # nothing ran after the pause
+
+
+def test_the_helpers_event_kinds_hold_the_set_they_name_for_their_segment_only() -> None:
+    """The probe's set is what gpuwatch registered before nvml.events (XID and both ECC types); event_set_xid
+    is XIDs only; either is freed when its segment ends, so no alone segment has one."""
+    nvml = FakeNvml([FakeGpu(supported_events=XID | DBE | SBE)])
+    calls = Calls("nvml", 0, 1)
+    nvml.nvmlInit()
+    calls.opened["pynvml"] = (nvml, nvml.nvmlDeviceGetHandleByIndex(0))
+    for kind, mask in (("event_set_idle", XID | DBE | SBE), ("event_set_xid", XID)):
+        assert calls.make(kind) is None  # holds the set, makes no call
+        assert nvml.event_sets[-1].masks == {0: mask} and not nvml.event_sets[-1].freed
+        calls.end()
+        assert nvml.event_sets[-1].freed
+    wait = calls.make("event_wait_5ms")
+    assert wait is not None and wait() == [] and nvml.waits[-1] == 5
+    calls.end()
+    assert nvml.initialized == 1  # the helper's own NVML stays open between segments
+
+
+def _file_server(root: Path, body: str) -> ServerProcess:
+    """A real HTTP server answering GET /metrics with `body` (a stand-in monitor that starts in a blink)."""
+    (root / "metrics").write_text(body)
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(root)]
+    return ServerProcess("file server", argv, port, root / "server.log")
+
+
+def test_a_restarted_monitor_runs_during_its_segments_only(tmp_path: Path) -> None:
+    server = _file_server(tmp_path, "# TYPE gpuwatch_kernel_log_readable gauge\ngpuwatch_kernel_log_readable 1.0\n")
+    monitor = Monitor("m", "a monitor", server, scrape_s=0.05, facts=kernel_log_facts)
+    monitor.open()
+    assert server.process.poll() is not None and monitor.start_s > 0  # started once to time it, then killed
+    monitor.resume()
+    assert server.process.poll() is None
+    time.sleep(0.3)
+    monitor.pause()
+    assert server.process.poll() is not None
+    figures = monitor.close()
+    assert figures["starts"] == 2 and figures["died_in_segments"] == 0 and figures["scrapes"] > 0
+    assert figures["kernel_log_readable"] is True and figures["start_s_p50"] > 0
+
+
+def test_kernel_log_facts_without_the_gauge_are_unknown(tmp_path: Path) -> None:
+    with _file_server(tmp_path, "# a sim daemon has no kernel log\n") as server:
+        assert kernel_log_facts(server, wait_s=0.3) == {"kernel_log_readable": None}
+    assert kernel_log_facts(server, wait_s=0.1) == {"kernel_log_readable": None}  # nothing listens now
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--interference-conditions", "gpuwatch_1s,nope", "--interference-conditions: unknown name(s) nope"),
+        ("--interference-steps", ",", "--interference-steps: no name given"),
+    ],
+)
+def test_bad_interference_lists_are_one_line_and_exit_2(flag: str, value: str, message: str) -> None:
+    from click.testing import CliRunner
+
+    from gpuwatch.bench.cli import bench
+
+    result = CliRunner().invoke(bench, ["--backend", "sim", "--only", "interference", flag, value])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"gpuwatch: error: {message} (choose from "), result.stderr
+
+
+def test_interference_lists_keep_their_run_order() -> None:
+    from gpuwatch.bench.cli import parse_names
+
+    assert parse_names("--x", "long, short", ("short", "long")) == ("short", "long")
+    assert parse_names("--x", "all", ("short", "long")) == ("short", "long")
+    assert parse_names("--x", None, ("short", "long")) is None
+
+
+def test_a_condition_that_does_not_resume_loses_its_segment_and_its_rounds_pairing() -> None:
+    """A restarted monitor that fails to start once: its segment is left out, the others are timed, and the
+    round-by-round difference with it is not reported (its ratios no longer pair by round)."""
+
+    class Job:
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> list[float]:
+            return [0.001] * 5
+
+    class Flaky:
+        key, label, settle_s, start_s = "x", "x", 0.0, 0.0
+        resumes = 0
+
+        def resume(self) -> None:
+            self.resumes += 1
+            if self.resumes == 2:
+                raise RuntimeError("exited with code 1")
+
+        def pause(self) -> None:
+            pass
+
+    class Steady(Flaky):
+        key = label = "y"
+
+        def resume(self) -> None:
+            pass
+
+    segments = interleave(["x", "y"], 3, 0.001)
+    timed = time_segments(Job(), segments, {"x": Flaky(), "y": Steady()}, "test")  # type: ignore[dict-item]
+    assert [key for key, _ in timed].count("x") == 2 and [key for key, _ in timed].count("y") == 3
+    assert len(timed) == len(segments) - 1
+    assert differences(timed, [("x", "y", "x minus y")]) == {}

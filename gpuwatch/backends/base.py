@@ -6,7 +6,7 @@ a vendor exception: failures become `gpuwatch.errors` types at this boundary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from gpuwatch.config import Config
@@ -57,6 +57,15 @@ class Releasable(Protocol):
 
     def reacquire(self) -> tuple[GpuStatic, ...]:
         """Raises BackendError when the library or a GPU does not come back."""
+        ...
+
+
+@runtime_checkable
+class KernelLogAware(Protocol):
+    """A backend whose own XID events can stand down where the kernel log delivers each XID (nvml)."""
+
+    def kernel_log_covers(self, indices: Collection[int]) -> None:
+        """The GPUs the kernel log maps and follows; said before the event thread's first wait."""
         ...
 
 

@@ -98,6 +98,11 @@ class KernelLog:
         self.readable: bool | None = None
         self.sxids_total = 0
 
+    @property
+    def gpus(self) -> frozenset[int]:
+        """The indices of the GPUs whose XIDs this log can name (those with a known PCI bus id)."""
+        return frozenset(static.index for static in self._by_pci.values())
+
     def open(self) -> bool:
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)

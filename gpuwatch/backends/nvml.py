@@ -9,6 +9,10 @@ about 60 µs per GPU in all, while PCIe replays (170 µs), violation counters (0
 (3.1 ms) are read only when the caller asks for a slow sample, and max clocks (1.5 ms) only at open.
 Of the per-sample reads, those a rule judges over a long window or that change only after a fault seen
 at once (PCIe link, ECC aggregates, row remapping, the process list) follow the read plan (nvml_plan.py).
+
+The event set follows `nvml.events` (event_kinds below): by default a GPU whose XIDs the kernel log
+already delivers (kmsg.py) gets none, as a registered set was the prime suspect of the job's slowdown
+on an H200 (docs/events.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +52,21 @@ LINK_FIELDS = (
     ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
     ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
 )
+# nvml.events → the event kinds registered on a GPU (auto: see event_kinds).
+_EVENT_KINDS: dict[str, tuple[str, ...]] = {"all": ("xid", "ecc_dbe", "ecc_sbe"), "xid": ("xid",), "none": ()}
+
+
+def event_kinds(mode: str, kernel_log: bool) -> tuple[str, ...]:
+    """The NVML event kinds to register on one GPU under `nvml.events = mode`.
+
+    auto: none where the kernel log covers the GPU (`kernel_log`), which delivers each XID as it is
+    written; XID events elsewhere. Either way a double-bit ECC error is judged at once through the
+    XID the driver logs with it (48, 94, 95) and at the next sample through the ECC counters, and
+    single-bit errors, judged by their rate over an hour, through the counters read every sample.
+    """
+    if mode == "auto":
+        mode = "none" if kernel_log else "xid"
+    return _EVENT_KINDS[mode]
 
 
 @dataclass
@@ -95,6 +114,8 @@ class NvmlBackend:
         self._event_set: Any = None
         self._registered: dict[Hashable, _Gpu] = {}
         self._events_unavailable = False
+        self._events_unneeded = False  # nvml.events asks for no set on any GPU: the kernel log covers them
+        self._kernel_log_gpus: frozenset[int] = frozenset()
         self._lost: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -123,7 +144,7 @@ class NvmlBackend:
             raise BackendUnavailable("NVML found no GPU")
         with self._lock:
             self._initialized = True
-            self._events_unavailable = False
+            self._events_unavailable = self._events_unneeded = False
             self._lost = set()
             self._gpus = [self._discover(index) for index in range(count)]
         return tuple(gpu.static for gpu in self._gpus)
@@ -339,12 +360,24 @@ class NvmlBackend:
 
     # -- events ------------------------------------------------------------------------------
 
+    def kernel_log_covers(self, indices: Collection[int]) -> None:
+        """The GPUs whose XIDs the kernel log delivers as they happen (the daemon says so before its first wait).
+
+        Under `nvml.events = auto` those GPUs get no event set. A set already registered is freed, so
+        the next wait registers what the setting now asks for.
+        """
+        with self._lock:
+            self._kernel_log_gpus = frozenset(indices)
+            self._free_event_set()
+            self._events_unneeded = False
+
     def wait_events(self, timeout_s: float) -> list[GpuEvent | GpuError]:
         """Block up to `timeout_s` for XID / ECC events from NVML's event set.
 
-        The set is created on the first call, registered per GPU for whichever of XID, double-bit
-        and single-bit ECC events that GPU supports. Where none does, this logs once and sleeps.
-        A GPU that falls off the bus while waiting comes back as a GpuError (kind gpu_lost).
+        The set is created on the first call, registered per GPU for the kinds `nvml.events` asks of
+        it (event_kinds) that the GPU supports. Where no GPU needs one, or none supports what it
+        needs, this logs once and sleeps. A GPU that falls off the bus while waiting comes back as a
+        GpuError (kind gpu_lost).
         """
         with self._lock:
             if self._initialized and self._ensure_event_set():
@@ -353,22 +386,24 @@ class NvmlBackend:
         return []
 
     def _ensure_event_set(self) -> bool:
-        """Create and register the event set unless it exists or events are known to be unavailable."""
+        """Create and register the event set unless it exists, no GPU needs one, or events are unavailable."""
         if self._event_set is not None:
             return True
-        if self._events_unavailable:
+        if self._events_unavailable or self._events_unneeded:
             return False
+        gpus = [gpu for gpu in self._gpus if gpu.handle is not None and gpu.index not in self._lost]
+        masks = {gpu.index: self._event_mask(gpu.index) for gpu in gpus}
+        if not any(masks.values()):
+            return self._no_set_needed(gpus)
         nvml = self._nvml
         try:
             event_set = nvml.nvmlEventSetCreate()
         except self._vendor_errors as exc:
             return self._no_events(f"nvmlEventSetCreate failed: {exc}")
-        wanted = 0
-        for bit, _ in self._event_kinds:
-            wanted |= bit
         registered: dict[Hashable, _Gpu] = {}
-        for gpu in self._gpus:
-            if gpu.handle is None or gpu.index in self._lost:
+        for gpu in gpus:
+            wanted = masks[gpu.index]
+            if not wanted:
                 continue
             try:
                 # ref. nvml.h nvmlDeviceRegisterEvents: registering an unsupported type fails the call,
@@ -384,6 +419,26 @@ class NvmlBackend:
             return self._no_events("no GPU supports XID or ECC events")
         self._event_set, self._registered = event_set, registered
         return True
+
+    def _event_mask(self, index: int) -> int:
+        """The NVML event types `nvml.events` asks of GPU `index` (0: no set for it)."""
+        kinds = event_kinds(self._config.nvml.events, index in self._kernel_log_gpus)
+        mask = 0
+        for bit, kind in self._event_kinds:
+            if kind in kinds:
+                mask |= bit
+        return mask
+
+    def _no_set_needed(self, gpus: list[_Gpu]) -> bool:
+        """No GPU needs an NVML event set: say where their XIDs come from instead, once."""
+        self._events_unneeded = True
+        mode = self._config.nvml.events
+        blind = [gpu.index for gpu in gpus if gpu.index not in self._kernel_log_gpus]
+        if blind:
+            log.warning("nvml.events = %s and no kernel log for GPU(s) %s: their XIDs are not seen", mode, blind)
+        else:
+            log.info("no NVML event set (nvml.events = %s): XIDs come from the kernel log", mode)
+        return False
 
     def _no_events(self, reason: str) -> bool:
         self._events_unavailable = True

@@ -43,6 +43,21 @@ def parse_only(value: str | None) -> list[str]:
     return [name for name in SECTIONS if name in names]
 
 
+def parse_names(flag: str, value: str | None, choices: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The names a list flag gives, in the order of `choices` (`all`: every one; None when not given); exits 2
+    on an unknown or empty list."""
+    if value is None:
+        return None
+    names = [part.strip() for part in value.split(",") if part.strip()]
+    if names == ["all"]:
+        return choices
+    unknown = [name for name in names if name not in choices]
+    if unknown or not names:
+        what = f"unknown name(s) {', '.join(unknown)}" if unknown else "no name given"
+        fail(f"{flag}: {what} (choose from {','.join(choices)}, or all)")
+    return tuple(name for name in choices if name in names)
+
+
 @click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--backend", type=click.Choice(["sim", "nvml"]), default="nvml", show_default=True, help="What to sample."
@@ -55,22 +70,38 @@ def parse_only(value: str | None) -> list[str]:
 @click.option(
     "--interference-s",
     type=FiniteFloatRange(min=0.0),
-    help="Interference: seconds of interleaved rounds, both steps (default 200; fewer still runs 2 rounds each).",
+    help="Interference: seconds of the monitors' interleaved rounds, every step kind (default 120; fewer: 2 rounds).",
+)
+@click.option(
+    "--interference-segment-s",
+    type=FiniteFloatRange(min=0.1),
+    help="Interference: seconds of one timed segment of those rounds (default 3, quick 0.4).",
+)
+@click.option(
+    "--interference-conditions",
+    help="Interference: what runs beside the job, comma-separated, or all "
+    "(default gpuwatch_1s,gpuwatch_1s_event_set,nvitop_exporter_1s).",
+)
+@click.option("--interference-steps", help="Interference: the job's steps, short,long or one (default short).")
+@click.option(
+    "--interference-restart/--interference-freeze",
+    default=True,
+    help="Interference: start and stop each monitor around its segments (default), or freeze it between them.",
+)
+@click.option(
+    "--event-set-s",
+    type=FiniteFloatRange(min=0.0),
+    help="Interference: seconds of the event-set probe, an idle NVML event set against none (default 50; 0: none).",
 )
 @click.option(
     "--attribute-s",
     type=FiniteFloatRange(min=0.0),
-    help="Interference: seconds each NVML call kind is timed in the attribution (default 1.5, quick 0.4; 0: none).",
+    help="Interference: seconds each NVML call kind is timed in the attribution (default 0: not run; 1.5 runs it).",
 )
 @click.option(
     "--attribute-rate",
     type=FiniteFloatRange(min=1.0, max=100000.0),
     help="Interference: calls a second of the attribution's helper (default 1000).",
-)
-@click.option(
-    "--interference-restart",
-    is_flag=True,
-    help="Interference: start and stop each monitor around its segments instead of freezing it between them.",
 )
 def bench(
     backend: str,
@@ -80,17 +111,32 @@ def bench(
     only: str | None,
     footprint_s: float | None,
     interference_s: float | None,
+    interference_segment_s: float | None,
+    interference_conditions: str | None,
+    interference_steps: str | None,
+    interference_restart: bool,
+    event_set_s: float | None,
     attribute_s: float | None,
     attribute_rate: float | None,
-    interference_restart: bool,
 ) -> None:
     """Measure gpuwatch's overhead and latency against the NVML floor and its peers; targets are informational."""
     from rich.console import Console
 
-    from gpuwatch.bench.harness import Context, progress
+    from gpuwatch.bench import interference
+    from gpuwatch.bench.harness import Context, InterferenceFlags, progress
     from gpuwatch.bench.report import Section, Skip, print_table, write_json
 
     chosen = parse_only(only)
+    flags = InterferenceFlags(
+        rounds_s=interference_s,
+        segment_s=interference_segment_s,
+        conditions=parse_names("--interference-conditions", interference_conditions, tuple(interference.CONDITIONS)),
+        steps=parse_names("--interference-steps", interference_steps, interference.STEPS),
+        restart=interference_restart,
+        event_set_s=event_set_s,
+        attribute_s=attribute_s,
+        attribute_rate=attribute_rate,
+    )
     machine, gpus = _machine(backend, gpus)
     with tempfile.TemporaryDirectory(prefix="gpuwatch-bench-") as workdir:
         ctx = Context(
@@ -99,10 +145,7 @@ def bench(
             quick=quick,
             footprint_s=footprint_s or (20.0 if quick else 600.0),
             workdir=Path(workdir),
-            interference_s=interference_s,
-            attribute_s=attribute_s,
-            attribute_rate=attribute_rate,
-            interference_restart=interference_restart,
+            interference=flags,
         )
         header: dict[str, Any] = {
             "tool": "gpuwatch bench",

@@ -162,6 +162,13 @@ class ServerProcess:
             self._log = None
         return None if self._process is None else self._process.returncode
 
+    def kill(self) -> int | None:
+        """SIGKILL, reaped at once: gone with no shutdown work, its driver state freed before this returns."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        return self.stop()
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 

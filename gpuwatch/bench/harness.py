@@ -26,6 +26,20 @@ from gpuwatch.bench.daemon_process import ConfigTables, DaemonProcess, ServerPro
 
 
 @dataclass(frozen=True)
+class InterferenceFlags:
+    """The interference section's flags; None is the default of the mode (interference/section.py)."""
+
+    rounds_s: float | None = None  # the monitors' interleaved rounds, every step kind together
+    segment_s: float | None = None  # one timed segment of the monitors' rounds
+    conditions: tuple[str, ...] | None = None  # what runs beside the job (interference/section.py CONDITIONS)
+    steps: tuple[str, ...] | None = None  # the job's step kinds (short, long)
+    restart: bool = True  # start and stop each monitor around its segments (False: freeze it between them)
+    event_set_s: float | None = None  # the event-set probe: an idle NVML event set against none (0: not run)
+    attribute_s: float | None = None  # each call kind's segment in the attribution (0: no attribution)
+    attribute_rate: float | None = None  # calls a second the attribution's helper makes
+
+
+@dataclass(frozen=True)
 class Context:
     """One bench run's settings: which backend and how many GPUs, quick or full, and where to put files."""
 
@@ -34,10 +48,7 @@ class Context:
     quick: bool
     footprint_s: float
     workdir: Path
-    interference_s: float | None = None  # the interleaved rounds' time (None: the mode's default)
-    attribute_s: float | None = None  # each call kind's segment in the attribution (0: no attribution)
-    attribute_rate: float | None = None  # calls a second the attribution's helper makes
-    interference_restart: bool = False  # start and stop each monitor around its segments instead of freezing it
+    interference: InterferenceFlags = InterferenceFlags()
 
     def pick(self, full: float, quick: float) -> float:
         """A size or duration for this mode."""

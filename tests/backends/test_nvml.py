@@ -11,7 +11,7 @@ import pytest
 from gpuwatch.backends import nvml_plan
 from gpuwatch.backends.base import Backend
 from gpuwatch.backends.nvml import NvmlBackend
-from gpuwatch.config import Config
+from gpuwatch.config import Config, NvmlConfig
 from gpuwatch.errors import BackendUnavailable, GpuReadError
 from gpuwatch.model import GpuError, GpuEvent, GpuStatic
 from tests.fakes import fake_pynvml as fake
@@ -335,7 +335,10 @@ def test_missing_pynvml_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
         NvmlBackend(Config()).open()
 
 
-def test_xid_and_dbe_events(nvml: FakeNvml, backend: NvmlBackend) -> None:
+def test_xid_and_dbe_events(nvml: FakeNvml) -> None:
+    """With `nvml.events = all` (test_event_sources.py has the other modes)."""
+    backend = NvmlBackend(Config(nvml=NvmlConfig(events="all")), nvml=nvml)
+    backend.open()
     assert backend.wait_events(0.5) == []
     nvml.queue_event(1, fake.nvmlEventTypeXidCriticalError, 31)
     nvml.queue_event(0, fake.nvmlEventTypeDoubleBitEccError)
@@ -348,8 +351,10 @@ def test_xid_and_dbe_events(nvml: FakeNvml, backend: NvmlBackend) -> None:
     assert nvml.waits[:2] == [500, 500] and nvml.waits[2:] == [0, 0]
 
 
-def test_events_register_only_supported_types(nvml: FakeNvml, backend: NvmlBackend) -> None:
+def test_events_register_only_supported_types(nvml: FakeNvml) -> None:
     nvml.gpus[1].supported_events = fake.nvmlEventTypeXidCriticalError | fake.nvmlEventTypePState
+    backend = NvmlBackend(Config(nvml=NvmlConfig(events="all")), nvml=nvml)
+    backend.open()
     backend.wait_events(0)
     assert nvml.event_sets[0].masks == {
         0: fake.nvmlEventTypeXidCriticalError | fake.nvmlEventTypeDoubleBitEccError,

@@ -33,7 +33,7 @@ from typing import Any
 from gpuwatch.backends import nvml_plan
 from gpuwatch.backends.nvml_plan import ReadPlan
 from gpuwatch.bench.interference.child import answer, read_line
-from gpuwatch.config import Config, SimConfig
+from gpuwatch.config import Config, NvmlConfig, SimConfig
 
 Call = Callable[[], object]
 SLOW_EVERY_S = Config().slow_interval_s
@@ -140,13 +140,21 @@ NVML_KINDS = (
     Kind("pcie_replay", "nvmlDeviceGetPcieReplayCounter (slow sample)", _rate(1 / SLOW_EVERY_S)),
     Kind("violation", "nvmlDeviceGetViolationStatus(power), one of two (slow sample)", _rate(2 / SLOW_EVERY_S)),
     Kind("energy", "nvmlDeviceGetTotalEnergyConsumption (slow sample)", _rate(1 / SLOW_EVERY_S)),
-    Kind("event_set_idle", "an event set registered (XID, ECC), no wait: its presence"),
+    Kind("event_set_idle", "an event set registered (XID, double- and single-bit ECC), no wait: its presence"),
+    Kind("event_set_xid", "an event set registered for XIDs only, no wait: its presence"),
     Kind("event_wait_500ms", "the event thread: nvmlEventSetWait_v2, 500 ms timeout, back to back"),
-    Kind("event_wait_5ms", "nvmlEventSetWait_v2, 5 ms timeout (the daemon waits twice a second)", _rate(2)),
+    Kind("event_wait_5ms", "nvmlEventSetWait_v2, 5 ms timeout (a daemon with a set waits twice a second)", _rate(2)),
     Kind("sample_before", "NvmlBackend.sample, read plan before (1 virtual second a call)", _rate(1)),
     Kind("sample_after", "NvmlBackend.sample, read plan now (1 virtual second a call)", _rate(1)),
 )
 SIM_KINDS = (Kind("sample_sim", "SimBackend.sample (no NVML: the CPU side of a sample only)", _rate(1)),)
+# The event kinds: (nvml.events of the backend that holds the set, the wait's timeout; None: no wait).
+EVENT_KINDS: dict[str, tuple[str, float | None]] = {
+    "event_set_idle": ("all", None),
+    "event_set_xid": ("xid", None),
+    "event_wait_500ms": ("all", 0.5),
+    "event_wait_5ms": ("all", 0.005),
+}
 
 
 @dataclass
@@ -179,7 +187,7 @@ class Calls:
         if kind in FIELD_SETS:
             ids = [getattr(nv, name) for name in FIELD_SETS[kind]]  # AttributeError: a binding without them
             return functools.partial(_field_values, nv, h, ids)
-        return self._backend_call(kind)
+        return self._backend_call(nv, kind)
 
     def _nvml(self) -> tuple[Any, Any]:
         if "pynvml" not in self.opened:
@@ -190,28 +198,26 @@ class Calls:
         nvml_and_handle: tuple[Any, Any] = self.opened["pynvml"]
         return nvml_and_handle
 
-    def _backend_call(self, kind: str) -> Call | None:
+    def _backend_call(self, nvml: Any, kind: str) -> Call | None:
         """The kinds that go through NvmlBackend itself: its sample, and its event thread's set and wait.
 
         The sample kinds keep their backend open; an event kind gets one of its own for its segment only
-        (an event set registered during the alone segments would be in the baseline).
+        (an event set registered during the alone segments would be in the baseline), with the event
+        types that kind names (EVENT_KINDS; a backend not told of a kernel log registers them all).
         """
         from gpuwatch.backends.nvml import NvmlBackend
 
         if kind in ("sample_before", "sample_after"):
             plan = nvml_plan.BEFORE if kind == "sample_before" else nvml_plan.DEFAULT
             if kind not in self.opened:
-                self.opened[kind] = NvmlBackend(Config(backend="nvml"), plan=plan)
+                self.opened[kind] = NvmlBackend(Config(backend="nvml"), nvml, plan=plan)
                 self.opened[kind].open()
             return _VirtualSamples(self.opened[kind], self.gpu).next
-        timeouts = {"event_set_idle": None, "event_wait_500ms": 0.5, "event_wait_5ms": 0.005}
-        if kind not in timeouts:
-            raise KeyError(kind)
+        events, timeout = EVENT_KINDS[kind]  # KeyError: no such kind
         self.end()
-        self.segment = NvmlBackend(Config(backend="nvml"))
+        self.segment = NvmlBackend(Config(backend="nvml", nvml=NvmlConfig(events=events)), nvml)
         self.segment.open()
         self.segment.wait_events(0)  # creates and registers the set, as the event thread's first wait does
-        timeout = timeouts[kind]
         return None if timeout is None else functools.partial(self.segment.wait_events, timeout)
 
     def _sample(self, kind: str) -> Call:
@@ -281,15 +287,16 @@ def _serve(calls: Calls) -> None:
 
 
 def _loop(call: Call | None, rate: float, commands: queue.SimpleQueue[list[str]]) -> tuple[int, float, int]:
-    """`call` at `rate` a second (as fast as it returns when slower) until `stop`: calls, seconds, errors."""
+    """`call` at `rate` a second (as fast as it returns when slower) until `stop`: calls, seconds, errors.
+
+    With no call (a kind that only holds something open) it blocks until `stop`: it wakes no more
+    often than in an alone segment, so the two differ by what it holds only.
+    """
     period = 1.0 / rate
     calls = errors = 0
     perf = time.perf_counter
     started = due = perf()
-    while commands.empty():
-        if call is None:
-            time.sleep(0.01)
-            continue
+    while call is not None and commands.empty():
         try:
             call()
         except Exception:  # an NVML error now and then must not end the measurement; it is counted

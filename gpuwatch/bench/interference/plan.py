@@ -41,11 +41,12 @@ def interleave(
     return segments
 
 
-def round_seconds(conditions: int, seconds: float, settle_s: float) -> float:
-    """About how long one round takes: each condition and the alone segment after it, each with its settle."""
-    return conditions * 2 * (seconds + settle_s)
+def round_seconds(seconds: float, overheads_s: Sequence[float]) -> float:
+    """About how long one round takes: each condition and the alone segment after it, with what each costs
+    besides its timed seconds (a start, the settles)."""
+    return sum(2 * seconds + overhead for overhead in overheads_s)
 
 
-def rounds_within(budget_s: float, conditions: int, seconds: float, settle_s: float, least: int = 2) -> int:
-    """As many rounds as fit in `budget_s`, and at least `least` (two give an interval, however wide)."""
-    return max(least, int(budget_s // round_seconds(conditions, seconds, settle_s)))
+def rounds_within(budget_s: float, round_s: float, least: int = 2) -> int:
+    """As many rounds of `round_s` as fit in `budget_s`, and at least `least` (two give an interval, however wide)."""
+    return max(least, int(budget_s // round_s)) if round_s > 0 else least

@@ -1,14 +1,15 @@
 """Interference: what a monitor costs the training job beside it, in the job's own step time.
 
 A job process (job.py) steps without end on a CPU of its own (cpus.py): a short step (8 bf16 4096³
-matmuls and a synchronize, ~1.65 ms on an H200), then a long one (~50 ms). Beside it, one at a time:
-`gpuwatch run --interval 1` and `--interval 30`, each scraped every second as Prometheus would,
-nvitop-exporter at 1 s (when installed) and `nvidia-smi --query-gpu=…` every second (when on PATH).
-The conditions are interleaved with alone segments in rounds (plan.py), each monitor frozen outside
-its own segments (beside.py), and each condition's p50 and mean step is compared with the alone
-segments either side of it, with a Student t interval over the rounds (stats.py). The job is also
-timed before any monitor starts and after all stop (bare). Then the attribution (attribution.py)
-splits the cost by NVML call and by daemon thread.
+matmuls and a synchronize, ~1.7 ms on an H200) and, when asked, a long one (~50 ms). First the
+event-set probe: a helper process (caller.py) registers an idle NVML event set for some segments and
+none for the others. Then the monitors (by default gpuwatch at 1 s as shipped, gpuwatch at 1 s with
+the NVML event set it registered before `nvml.events`, nvitop-exporter at 1 s), each started around
+its own segments and scraped every second (beside.py). Both are interleaved with alone segments in
+rounds (plan.py); each segment is compared with the alone segments either side of it, with a Student t
+interval over the rounds, and two conditions with each other round by round (stats.py). The job is
+also timed before anything starts and after everything stops (bare). The attribution by NVML call and
+daemon thread (attribution.py) runs last when asked for (--attribute-s).
 
 With `--backend sim` the job is a CPU step loop beside the sim daemon: it tests the method and the
 CPU side; the GPU side is not measured. docs/performance-interference.md says how to read the table.
@@ -27,20 +28,32 @@ from typing import Any
 
 from gpuwatch.bench import sampling
 from gpuwatch.bench.harness import Context, bench_daemon, nvitop_exporter, progress
-from gpuwatch.bench.interference import attribution, cpus
-from gpuwatch.bench.interference.beside import THAW_SETTLE_S, Beside, CommandLoop, Monitor
+from gpuwatch.bench.interference import CONDITIONS, DEFAULT_CONDITIONS, DEFAULT_STEPS, attribution, cpus, rows
+from gpuwatch.bench.interference.beside import (
+    START_SETTLE_S,
+    THAW_SETTLE_S,
+    Beside,
+    CallLoop,
+    CommandLoop,
+    Monitor,
+    kernel_log_facts,
+)
+from gpuwatch.bench.interference.caller import CallerProcess
 from gpuwatch.bench.interference.job import JobProcess
-from gpuwatch.bench.interference.plan import interleave, round_seconds, rounds_within
-from gpuwatch.bench.interference.runner import ALONE_SETTLE_S, summarize, time_segments
+from gpuwatch.bench.interference.plan import interleave, rounds_within
+from gpuwatch.bench.interference.runner import differences, planned_round_s, summarize, time_segments
 from gpuwatch.bench.interference.stats import ALONE, pooled
-from gpuwatch.bench.report import Row, Section, Skip, not_applicable, target
+from gpuwatch.bench.report import Section, Skip
 from gpuwatch.bench.serving import NVIDIA_SMI_FIELDS
 
-STEP_KINDS = ("short", "long")
-BUDGET_SHARE = {"short": 0.6, "long": 0.4}  # of the interleaved rounds' time: the short step shows the cost most
-COST_TARGET_PCT = 0.1  # gpuwatch at 1 s, short step, p50 and mean
-INTERVAL_TARGET_PCT = 0.2  # the mean's interval must exclude this
-OURS, OURS_30S, NVITOP, SMI = "gpuwatch_1s", "gpuwatch_30s", "nvitop_exporter_1s", "nvidia_smi_1s"
+SHARE = {"short": 0.6, "long": 0.4}  # of the monitors' rounds when both steps run: the short step shows the cost most
+OURS, OURS_EVENT_SET, OURS_30S, NVITOP = "gpuwatch_1s", "gpuwatch_1s_event_set", "gpuwatch_30s", "nvitop_exporter_1s"
+EVENT_SET = "event_set_idle"  # the probe's kind: what gpuwatch registered before nvml.events (XID, ECC)
+# Compared round by round: (condition, minus this one, label).
+DIFFERENCES = (
+    (OURS_EVENT_SET, OURS, "gpuwatch @ 1 s with the NVML event set minus without"),
+    (OURS, NVITOP, "gpuwatch @ 1 s minus nvitop-exporter @ 1 s"),
+)
 CI_METHOD = "ratio to the alone segments either side, per pair; 95 % Student t interval over the pairs"
 
 
@@ -48,30 +61,45 @@ CI_METHOD = "ratio to the alone segments either side, per pair; 95 % Student t i
 class Settings:
     """Durations and rates of one run (the command's flags over the mode's defaults)."""
 
-    budget_s: float  # the interleaved rounds of both steps together (each gets at least 2 rounds)
-    segment_s: dict[str, float]  # one timed segment, per step kind
+    budget_s: float  # the monitors' interleaved rounds, every step kind together (each gets at least 2 rounds)
+    segment_s: float  # one timed segment of the monitors' rounds
+    conditions: tuple[str, ...]
+    steps: tuple[str, ...]
+    restart: bool  # monitors started and stopped around their segments, not frozen between them
+    event_set_s: float  # the event-set probe's rounds (0: no probe)
+    event_set_segment_s: float
     first_warm_up_s: float  # the card from idle to its steady clocks under the job's load
     warm_up_s: float  # after a switch of step
-    settle_s: float  # after a monitor is thawed, before the job is timed
+    settle_s: float  # after a monitor is started (or thawed), before the job is timed
+    probe_settle_s: float  # after the helper registered its event set
     attribute_s: float  # each call kind's segment (0: no attribution)
     daemon_s: float  # each daemon variant's segment in the attribution
     rate: float  # the attribution helper's calls a second
-    restart: bool = False  # monitors started and stopped around their segments, not frozen between them
     scrape_s: float = 1.0
 
     @classmethod
     def of(cls, ctx: Context) -> Settings:
-        attribute_s = ctx.attribute_s if ctx.attribute_s is not None else ctx.pick(1.5, 0.4)
+        flags = ctx.interference
+
+        def given(value: float | None, full: float, quick: float) -> float:
+            return value if value is not None else ctx.pick(full, quick)
+
+        attribute_s = given(flags.attribute_s, 0.0, 0.0)
         return cls(
-            budget_s=ctx.interference_s if ctx.interference_s is not None else ctx.pick(200.0, 0.0),
-            segment_s={"short": ctx.pick(3.0, 0.4), "long": ctx.pick(5.0, 0.4)},
+            budget_s=given(flags.rounds_s, 120.0, 0.0),
+            segment_s=given(flags.segment_s, 3.0, 0.4),
+            conditions=flags.conditions or DEFAULT_CONDITIONS,
+            steps=flags.steps or DEFAULT_STEPS,
+            restart=flags.restart,
+            event_set_s=given(flags.event_set_s, 50.0, 0.0),
+            event_set_segment_s=ctx.pick(2.0, 0.3),
             first_warm_up_s=ctx.pick(10.0, 0.3),
             warm_up_s=ctx.pick(3.0, 0.3),
-            settle_s=ctx.pick(THAW_SETTLE_S, 0.3),
+            settle_s=ctx.pick(START_SETTLE_S if flags.restart else THAW_SETTLE_S, 0.3),
+            probe_settle_s=ctx.pick(0.2, 0.1),
             attribute_s=attribute_s,
             daemon_s=2 * attribute_s,
-            rate=ctx.attribute_rate or ctx.pick(1000.0, 200.0),
-            restart=ctx.interference_restart,
+            rate=flags.attribute_rate or ctx.pick(1000.0, 200.0),
         )
 
 
@@ -90,7 +118,8 @@ def run(ctx: Context) -> Section:
             "the GPU side was not measured"
         )
     notes.append(f"placement: {placement.why} ({_placement_text(placement)})")
-    notes.append(f"interval: {CI_METHOD}; 'alone' rows compare alone with alone (the placebo)")
+    how = "started for each of its segments and killed after it" if settings.restart else "frozen between segments"
+    notes.append(f"interval: {CI_METHOD}; 'alone' rows compare alone with alone (the placebo); monitors {how}")
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": gpu.uuid} if on_gpu else {}
     previous = os.sched_getaffinity(0)
     os.sched_setaffinity(0, placement.others)  # the monitors and helpers started from here inherit it
@@ -108,8 +137,8 @@ def run(ctx: Context) -> Section:
         "settings": dataclasses.asdict(settings),
         **figures,
     }
-    _rows(section, on_gpu)
-    if "attribution_error" not in figures:
+    rows.add(section, on_gpu)
+    if settings.attribute_s > 0 and "attribution_error" not in figures:
         attribution.rows(section, section.figures.get("attribution"))
     return section
 
@@ -128,60 +157,75 @@ def _placement_text(placement: cpus.Placement) -> str:
 
 
 def _monitors(ctx: Context, settings: Settings, notes: list[str]) -> list[Beside]:
-    """The conditions beside the job: gpuwatch at 1 s and 30 s, and the peers where they are installed."""
+    """The conditions asked for that can run here, in their order; each one left out says why in the notes."""
     monitor = functools.partial(
         Monitor, scrape_s=settings.scrape_s, settle_s=settings.settle_s, restart=settings.restart
     )
-    found: list[Beside] = [
-        monitor(OURS, "gpuwatch @ 1 s", bench_daemon(ctx, "interference-1s", 1.0)),
-        monitor(OURS_30S, "gpuwatch @ 30 s", bench_daemon(ctx, "interference-30s", 30.0)),
-    ]
-    if ctx.backend != "nvml":
-        notes.append("nvitop-exporter and nvidia-smi read a GPU: not measured on the sim backend")
-        return found
-    exporter = nvitop_exporter(ctx, "interference", 1.0)
-    if exporter is None:
-        notes.append("nvitop-exporter is not installed: not measured (pip install nvitop-exporter)")
-    else:
-        found.append(monitor(NVITOP, "nvitop-exporter @ 1 s", exporter))
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        notes.append("nvidia-smi is not on PATH: not measured")
-    else:
-        argv = [smi, f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader"]
-        found.append(CommandLoop(SMI, "nvidia-smi --query-gpu @ 1 s", argv, 1.0))
+    on_gpu = ctx.backend == "nvml"
+    found: list[Beside] = []
+    for key in settings.conditions:
+        label = CONDITIONS[key]
+        if key == OURS:
+            facts = kernel_log_facts if on_gpu else None  # the sim daemon has no kernel log
+            found.append(monitor(key, label, bench_daemon(ctx, "interference-1s", 1.0), facts=facts))
+        elif key == OURS_30S:
+            found.append(monitor(key, label, bench_daemon(ctx, "interference-30s", 30.0)))
+        elif not on_gpu:
+            notes.append(f"{label}: not measured on the sim backend (it needs NVML or a GPU)")
+        elif key == OURS_EVENT_SET:
+            daemon = bench_daemon(ctx, "interference-1s-event-set", 1.0, {"nvml": {"events": "all"}})
+            found.append(monitor(key, label, daemon, facts=kernel_log_facts))
+        elif key == NVITOP:
+            exporter = nvitop_exporter(ctx, "interference", 1.0)
+            if exporter is None:
+                notes.append(f"{label}: not installed, not measured (pip install nvitop-exporter)")
+            else:
+                found.append(monitor(key, label, exporter))
+        elif (smi := shutil.which("nvidia-smi")) is None:
+            notes.append(f"{label}: nvidia-smi is not on PATH, not measured")
+        else:
+            argv = [smi, f"--query-gpu={NVIDIA_SMI_FIELDS}", "--format=csv,noheader"]
+            found.append(CommandLoop(key, label, argv, 1.0))
+    if settings.restart and OURS_30S in settings.conditions:
+        notes.append(f"{CONDITIONS[OURS_30S]}: started for each segment, it samples before it: its row is its presence")
     return found
 
 
 def _measure(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]) -> dict[str, Any]:
     figures: dict[str, Any] = {}
-    short_s = settings.segment_s["short"]
+    seconds = settings.segment_s
     step_s = {"short": job.use("short", settings.first_warm_up_s)}
-    bare = [_time_alone(job, short_s)]  # before any monitor is started
+    bare = [_time_alone(job, seconds)]  # before anything else has started
+    if settings.event_set_s > 0:
+        figures["event_set"] = _event_set_probe(ctx, settings, job, notes)
     besides = _open(_monitors(ctx, settings, notes), notes)
-    _say_how_long(settings, len(besides))
+    _say_how_long(settings, besides)
+    current = "short"
     try:
-        for kind in STEP_KINDS:
+        for kind in settings.steps:
             if kind not in step_s:
                 step_s[kind] = job.use(kind, settings.warm_up_s)
-            seconds = settings.segment_s[kind]
-            settle = (settings.settle_s + ALONE_SETTLE_S) / 2
-            rounds = rounds_within(settings.budget_s * BUDGET_SHARE[kind], len(besides), seconds, settle)
+            current = kind
+            share = SHARE[kind] / sum(SHARE[k] for k in settings.steps)
+            rounds = rounds_within(settings.budget_s * share, planned_round_s(besides, seconds))
             segments = interleave([b.key for b in besides], rounds, seconds)
             progress(f"interference: {kind} step ({step_s[kind] * 1e3:.3g} ms), {rounds} rounds of {seconds:g} s")
             timed = time_segments(job, segments, {b.key: b for b in besides}, f"{kind} step")
-            labels = {b.key: b.label for b in besides}
             figures[kind] = {
                 "step_ms": step_s[kind] * 1e3,
                 "rounds": rounds,
                 "segment_s": seconds,
-                "conditions": summarize(timed, labels),
+                "conditions": summarize(timed, {b.key: b.label for b in besides}),
+                "differences": differences(timed, DIFFERENCES),
             }
     finally:
         figures["monitors"] = {b.key: b.close() for b in besides}
-    job.use("short", settings.warm_up_s)
-    bare.append(_time_alone(job, short_s))  # after every monitor has stopped
-    figures["bare"] = _bare(bare, figures["short"]["conditions"][ALONE])
+    _kernel_log_notes(figures["monitors"], notes)
+    if current != "short":
+        job.use("short", settings.warm_up_s)
+    bare.append(_time_alone(job, seconds))  # after everything has stopped
+    alone = figures.get("short", {}).get("conditions", {}).get(ALONE)
+    figures["bare"] = _bare(bare, alone)
     if settings.attribute_s <= 0:
         return figures
     try:
@@ -200,17 +244,59 @@ def _measure(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]
     return figures
 
 
+def _event_set_probe(ctx: Context, settings: Settings, job: JobProcess, notes: list[str]) -> dict[str, Any] | None:
+    """The job (short step) with a helper holding an idle NVML event set, against the helper holding none.
+
+    The helper has NVML open in every segment, so the two differ by the registered set only. Switching
+    costs milliseconds, not a start-up, so many short pairs fit where a monitor's rounds fit few.
+    """
+    if ctx.backend != "nvml":
+        notes.append("event-set probe: needs NVML (the nvml backend), not run")
+        return None
+    caller = CallerProcess(ctx.backend, 0, ctx.gpus, ctx.workdir / "probe.stderr")
+    try:
+        why = caller.probe(EVENT_SET)
+        if why:
+            notes.append(f"event-set probe: not run: {why}")
+            return None
+        label = "idle NVML event set (XID, ECC) held by a helper"
+        loop = CallLoop(caller, EVENT_SET, label, 1.0, settle_s=settings.probe_settle_s)
+        seconds = settings.event_set_segment_s
+        rounds = rounds_within(settings.event_set_s, planned_round_s([loop], seconds))
+        progress(f"interference: event-set probe, {rounds} pairs of {seconds:g} s")
+        timed = time_segments(job, interleave([loop.key], rounds, seconds), {loop.key: loop}, "event-set probe")
+    finally:
+        caller.close()
+    if loop.failed:
+        notes.append(f"event-set probe: the helper could not hold its set: {loop.failed}")
+        return None
+    return {"key": loop.key, "segment_s": seconds, "rounds": rounds, "conditions": summarize(timed, {loop.key: label})}
+
+
 def _open(besides: list[Beside], notes: list[str]) -> list[Beside]:
-    """Start each monitor (frozen once it answers); one that does not start is left out with a note."""
+    """Start each monitor once (then stopped or frozen until its turn); one that does not start is left out."""
     opened = []
     for beside in besides:
         try:
             beside.open()
         except RuntimeError as exc:
             notes.append(f"{beside.label} did not start, not measured: {exc}")
+            beside.close()
             continue
         opened.append(beside)
     return opened
+
+
+def _kernel_log_notes(monitors: dict[str, dict[str, Any]], notes: list[str]) -> None:
+    """What nvml.events = auto did in this run's gpuwatch @ 1 s: no NVML event set only where it read the kernel log."""
+    readable = monitors.get(OURS, {}).get("kernel_log_readable")
+    if readable is True:
+        notes.append(f"{CONDITIONS[OURS]}: read the kernel log, so no NVML event set (nvml.events = auto)")
+    elif readable is False:
+        notes.append(
+            f"{CONDITIONS[OURS]}: could not read the kernel log, so it registered XID events (nvml.events = auto); "
+            "run the bench as root for the default of a node"
+        )
 
 
 def _time_alone(job: JobProcess, seconds: float) -> list[float]:
@@ -219,86 +305,21 @@ def _time_alone(job: JobProcess, seconds: float) -> list[float]:
     return job.stop()
 
 
-def _bare(bare: list[list[float]], alone: dict[str, Any]) -> dict[str, Any]:
-    """The job with no monitor process at all, against the alone segments (every monitor frozen)."""
+def _bare(bare: list[list[float]], alone: dict[str, Any] | None) -> dict[str, Any]:
+    """The job with no monitor process at all, against the short step's alone segments (where it ran)."""
     steps = pooled([("bare", steps) for steps in bare])["bare"]
-    return {
-        **steps.as_ms(),
-        "segments": len(bare),
-        "alone_vs_bare_mean_pct": (alone["mean_ms"] / (steps.mean * 1e3) - 1) * 100,
-        "alone_vs_bare_p50_pct": (alone["p50_ms"] / (steps.p50 * 1e3) - 1) * 100,
-    }
+    figures: dict[str, Any] = {**steps.as_ms(), "segments": len(bare)}
+    if alone is not None:
+        figures["alone_vs_bare_mean_pct"] = (alone["mean_ms"] / (steps.mean * 1e3) - 1) * 100
+        figures["alone_vs_bare_p50_pct"] = (alone["p50_ms"] / (steps.p50 * 1e3) - 1) * 100
+    return figures
 
 
-def _say_how_long(settings: Settings, conditions: int) -> None:
-    settle = (settings.settle_s + ALONE_SETTLE_S) / 2
+def _say_how_long(settings: Settings, besides: list[Beside]) -> None:
     total = 0.0
-    for kind in STEP_KINDS:
-        seconds = settings.segment_s[kind]
-        rounds = rounds_within(settings.budget_s * BUDGET_SHARE[kind], conditions, seconds, settle)
-        total += rounds * round_seconds(conditions, seconds, settle)
-    progress(f"interference: {conditions} conditions, about {total:.0f} s of rounds, then the attribution")
-
-
-def _rows(section: Section, on_gpu: bool) -> None:
-    figures = section.figures
-    for kind in STEP_KINDS:
-        result = figures[kind]
-        step = f"{kind} step"
-        conditions = result["conditions"]
-        for key, entry in conditions.items():
-            label = f"{step} ({result['step_ms']:.3g} ms) · {entry['label']}: p50 / mean / p99 / max"
-            section.rows.append(Row(label, _steps_text(entry), "ms"))
-            for stat in ("p50", "mean"):
-                ratio = entry.get(f"{stat}_vs_alone")
-                if ratio is not None:
-                    section.rows.append(_ratio_row(kind, key, entry["label"], stat, ratio, on_gpu, step))
-        if kind == "short":
-            section.rows.extend(_comparisons(conditions, on_gpu, step))
-    bare = figures["bare"]
-    section.rows.append(
-        Row("short step alone (monitors frozen) vs bare (none started), mean", bare["alone_vs_bare_mean_pct"], "%")
-    )
-
-
-def _steps_text(entry: dict[str, Any]) -> str:
-    return " / ".join(f"{entry[f'{stat}_ms']:.4g}" for stat in ("p50", "mean", "p99", "max"))
-
-
-def _interval_text(ratio: dict[str, Any]) -> str:
-    if ratio["low_pct"] is None:
-        return f"{ratio['pairs']} pair, no interval"
-    return f"95 % CI {ratio['low_pct']:+.3f} to {ratio['high_pct']:+.3f} %, {ratio['pairs']} pairs"
-
-
-def _ratio_row(kind: str, key: str, label: str, stat: str, ratio: dict[str, Any], on_gpu: bool, step: str) -> Row:
-    text = f"{step} · {'alone (placebo)' if key == ALONE else label}: {stat} vs alone"
-    unit = f"% ({_interval_text(ratio)})"
-    if kind != "short" or key != OURS:
-        return Row(text, ratio["pct"], unit)
-    if not on_gpu:
-        return not_applicable(text, ratio["pct"], unit, "sim: a CPU step, the GPU side not measured")
-    return target(text, ratio["pct"], "%", COST_TARGET_PCT, against=_interval_text(ratio))
-
-
-def _comparisons(conditions: dict[str, Any], on_gpu: bool, step: str) -> list[Row]:
-    """The issue's other two: the interval excludes 0.2 % and gpuwatch costs no more than nvitop-exporter."""
-    rows: list[Row] = []
-    ours = conditions.get(OURS, {}).get("mean_vs_alone")
-    if ours is not None and ours["high_pct"] is not None:
-        label = f"{step} · gpuwatch @ 1 s: mean vs alone, the interval's top"
-        if on_gpu:
-            rows.append(target(label, ours["high_pct"], "%", INTERVAL_TARGET_PCT))
-        else:
-            rows.append(not_applicable(label, ours["high_pct"], "%", "sim: the GPU side not measured"))
-    peer = conditions.get(NVITOP, {}).get("mean_vs_alone")
-    if ours is not None and peer is not None:
-        rows.append(
-            target(f"{step}: gpuwatch @ 1 s minus nvitop-exporter, mean vs alone", ours["pct"] - peer["pct"], "%", 0.0)
-        )
-    slow = conditions.get(OURS_30S, {}).get("mean_vs_alone")
-    if slow is not None and slow["low_pct"] is not None:
-        inside = slow["low_pct"] <= 0.0 <= slow["high_pct"]
-        label = f"{step} · gpuwatch @ 30 s: mean vs alone"
-        rows.append(Row(label, slow["pct"], "%", "interval includes 0", inside if on_gpu else None))
-    return rows
+    for kind in settings.steps:
+        share = SHARE[kind] / sum(SHARE[k] for k in settings.steps)
+        round_s = planned_round_s(besides, settings.segment_s)
+        total += rounds_within(settings.budget_s * share, round_s) * round_s
+    then = ", then the attribution" if settings.attribute_s > 0 else ""
+    progress(f"interference: {len(besides)} conditions, about {total:.0f} s of rounds{then}")

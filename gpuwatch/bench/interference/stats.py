@@ -5,7 +5,8 @@ A condition's segment is compared with the mean of the alone segments just befor
 cancels out to first order. Each such pair gives one ratio; the interval is Student's t over the
 ratios of a condition's pairs (95 %, two-sided), so it widens honestly when the pairs disagree or are
 few. The alone segments compared the same way with the alone segments two places away give the
-placebo: what "no effect" looks like in this run.
+placebo: what "no effect" looks like in this run. Two conditions of one run compare round by round
+(`difference`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def interval(ratios: Sequence[float]) -> Ratio:
         return Ratio(mean, None, None, 1)
     half = t_975(len(ratios) - 1) * statistics.stdev(ratios) / math.sqrt(len(ratios))
     return Ratio(mean, mean - half, mean + half, len(ratios))
+
+
+def difference(ratios: Sequence[float], others: Sequence[float]) -> Ratio:
+    """Round by round, one condition's ratio minus another's (each condition has one segment a round),
+    with the t interval over the rounds: as a Ratio around 1, so `as_pct` reads in percentage points.
+
+    Paired by round, the drift both share and the noise of the alone segments near both cancel more
+    than in the difference of the two conditions' own intervals.
+    """
+    return interval([1.0 + a - b for a, b in zip(ratios, others, strict=False)])
 
 
 def paired_ratios(segments: Sequence[tuple[str, Steps]], stat: str) -> dict[str, list[float]]:
