@@ -144,7 +144,8 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     assert ({**labels, "rank": "0", "gpu": "0", "uuid": uuid(sim, 0), "gpu_throttling": "false"}, 0.0) in (
         metric_samples(metrics, "gpuwatch_trainer_straggler")
     )
-    assert metric_samples(metrics, "gpuwatch_trainer_grad_norm_variance") == [({"job_id": "job-9", "uid": str(os.getuid())}, 0.25)]
+    variance = [({"job_id": "job-9", "uid": str(os.getuid())}, 0.25)]
+    assert metric_samples(metrics, "gpuwatch_trainer_grad_norm_variance") == variance
     assert metric_samples(metrics, "gpuwatch_incidents_total") == [({}, 0.0)]
 
 
