@@ -8,6 +8,7 @@ own API is asked something, and `gpuwatch --help` should not pay for it either.
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,7 +32,10 @@ class DaemonClient:
         self.token_path = Path(config.token_path)
         self.timeout_s = timeout_s
         used = config_file(config_path)
-        self.source = f"config {used}" if used else f"no config file: {DEFAULT_CONFIG_PATH} does not exist"
+        none = f"{DEFAULT_CONFIG_PATH} does not exist"
+        if os.environ.get("GPUWATCH_CONFIG") == "":
+            none = "GPUWATCH_CONFIG is empty"
+        self.source = f"config {used}" if used else f"no config file: {none}"
 
     def _token(self) -> str:
         try:

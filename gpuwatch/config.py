@@ -271,12 +271,16 @@ def load(
 
 
 def config_file(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
-    """The file `load()` reads: `path`, else $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml when it exists."""
-    env = os.environ if environ is None else environ
-    if path is None and env.get(ENV_PREFIX + "CONFIG"):
-        path = env[ENV_PREFIX + "CONFIG"]
+    """The file `load()` reads: `path`, else $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml when it exists.
+
+    GPUWATCH_CONFIG set but empty reads no file at all: a test or a tool that starts gpuwatch beside a node's
+    own daemon must not pick up that node's config.
+    """
     if path is not None:
         return Path(path)
+    named = (os.environ if environ is None else environ).get(ENV_PREFIX + "CONFIG")
+    if named is not None:
+        return Path(named) if named else None
     return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
 
 

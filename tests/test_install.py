@@ -75,6 +75,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     subprocess.run([*build, str(ROOT)], check=True, capture_output=True, timeout=300)
     # Outside the checkout nothing may lead back to it: no PYTHONPATH, no variables of a dev shell.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith(("GPUWATCH_", "VIRTUAL_ENV"))}
+    env["GPUWATCH_CONFIG"] = ""  # the host's own /etc/gpuwatch/gpuwatch.toml is not this root's
     for line in install_lines():
         if line.startswith(HOST_ONLY):
             continue

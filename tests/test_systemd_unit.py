@@ -134,9 +134,7 @@ def test_a_daemon_that_cannot_start_exits_2(tmp_path: Path) -> None:
     assert "interval_s" in bad_config.stderr
 
 
-@pytest.mark.parametrize(
-    "directive", ["RestartPreventExitStatus=2", "StartLimitIntervalSec=600", "StartLimitBurst=5"]
-)
+@pytest.mark.parametrize("directive", ["RestartPreventExitStatus=2", "StartLimitIntervalSec=600", "StartLimitBurst=5"])
 def test_verify_checks_the_restart_directives(tmp_path: Path, directive: str) -> None:
     """systemd-analyze parses the directives that stop the flapping: a bad value in one is reported on its line."""
     analyze = shutil.which("systemd-analyze")
