@@ -148,7 +148,12 @@ def create_api(
     def gpus() -> wire.GpuList:
         snap = snapshot()
         now = clock()
-        return wire.GpuList(t=snap.t, backend=snap.backend, gpus=[gpu_body(g, now) for g in snap.gpus])
+        return wire.GpuList(
+            t=snap.t,
+            backend=snap.backend,
+            gpus=[gpu_body(g, now) for g in snap.gpus],
+            node_findings=[wire.Finding(**f.as_dict()) for f in snap.node_findings],
+        )
 
     @app.get("/v1/gpus/{index}", responses=NOT_FOUND)
     def gpu(index: int) -> wire.Gpu:

@@ -190,13 +190,13 @@ def check(
 ) -> None:
     """One-shot sample and judgement. Exit 0 healthy, 1 degraded or unhealthy, 2 error (Slurm HealthCheckProgram)."""
     config = build_config(config_path, **flags)
-    rows = _daemon_rows(config) if slurm else None
-    from_daemon = rows is not None
-    if rows is None:
+    listed = _daemon_view(config) if slurm else None
+    from_daemon = listed is not None
+    if listed is None:
         from gpuwatch.offline import check as run_check
 
         snapshot = run_check(config, samples=samples, duration_s=duration_s)
-        rows = [
+        rows: list[dict[str, Any]] = [
             {
                 "index": g.index,
                 "uuid": g.uuid,
@@ -207,33 +207,43 @@ def check(
             }
             for g in snapshot.gpus
         ]
-    bad = [g for g in rows if g["state"] in {"degraded", "unhealthy"}]
-    done = _slurm_check(config, rows, may_resume=from_daemon) if slurm else None
+        listed = rows, [f.as_dict() for f in snapshot.node_findings]
+    rows, node = listed
+    bad = [g for g in rows if g["state"] in {"degraded", "unhealthy"}] + [f for f in node if f["severity"] in BAD]
+    done = _slurm_check(config, rows, node, may_resume=from_daemon) if slurm else None
     if as_json:
-        click.echo(json.dumps({"gpus": rows, **({"slurm": done} if done else {})}, indent=2))
+        click.echo(json.dumps({"gpus": rows, "node_findings": node, **({"slurm": done} if done else {})}, indent=2))
     else:
         for g in rows:
             reasons = "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "no findings"
             click.echo(f"GPU {g['index']} {g['uuid']} {g['state']}: {reasons}")
+        for f in node:
+            click.echo(f"node {f['severity']}: {f['rule']}: {f['reason']}")
         if done:
             click.echo(f"slurm: node {done['node']} {done['done']} (state {done['state']}, reason {done['reason']!r})")
     sys.exit(1 if bad else 0)
 
 
-def _daemon_rows(config: Config) -> list[dict[str, Any]] | None:
-    """The running daemon's GPUs as GET /v1/gpus writes them (check's rows are its --json), or None when no
-    daemon answers."""
+BAD = {"degraded", "unhealthy"}  # the severities (and states) that fail a check
+
+
+def _daemon_view(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The running daemon's GPUs and node findings as GET /v1/gpus writes them (check's rows are its --json), or
+    None when no daemon answers."""
     from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
 
     try:
-        return [g.model_dump(mode="json") for g in DaemonClient(config, timeout_s=5.0).gpus()]
+        listed = DaemonClient(config, timeout_s=5.0).gpu_list()
     except DaemonError as exc:
         click.echo(f"gpuwatch check: {exc}; sampling the GPUs itself", err=True)
         return None
+    return [g.model_dump(mode="json") for g in listed.gpus], [f.model_dump(mode="json") for f in listed.node_findings]
 
 
-def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -> dict[str, str]:
+def _slurm_check(
+    config: Config, rows: list[dict[str, Any]], node: list[dict[str, Any]], may_resume: bool
+) -> dict[str, str]:
     """Drain or resume the node as the daemon would; asks the fleet breaker first when one is configured.
 
     Only the daemon knows the quarantines it persisted: judged from a sample of its own, check drains but
@@ -245,11 +255,11 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
     gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None
     scontrol = slurm.Scontrol(config.slurm.scontrol, config.slurm.timeout_s)
     name = slurm.node_name(config.slurm)
-    want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm)
+    want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm, slurm.node_faults(node))
     if want.action == "resume" and not may_resume:
         want = slurm.Want("hold")
-    node, done = slurm.reconcile(scontrol, name, want, gate)
-    return {"node": name, "done": done, "state": node.state, "reason": node.reason}
+    node_now, done = slurm.reconcile(scontrol, name, want, gate)
+    return {"node": name, "done": done, "state": node_now.state, "reason": node_now.reason}
 
 
 @main.command()

@@ -73,9 +73,13 @@ class DaemonClient:
             ) from None
 
     def gpus(self) -> list[wire.Gpu]:
+        return self.gpu_list().gpus
+
+    def gpu_list(self) -> wire.GpuList:
+        """GET /v1/gpus whole: the GPUs and the findings on the node."""
         from gpuwatch import wire
 
-        return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus").gpus
+        return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus")
 
     def quarantine(self, index: int, reason: str) -> wire.GpuChanged:
         from gpuwatch import wire

@@ -201,7 +201,7 @@ class Config:
     """The whole configuration. Build with `load()`; `Config()` is all defaults."""
 
     backend: str = "auto"
-    expected_gpus: int = 0  # 0: the count seen at start; else an alert fires when fewer are visible
+    expected_gpus: int = 0  # 0: the count seen at start; else fewer visible is gpu_missing on the node
     interval_s: float = 30.0
     slow_interval_s: float = 300.0
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"

@@ -23,7 +23,7 @@ from typing import Any
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.errors import ConfigError, GpuReadError, StoreError
-from gpuwatch.health import engine, state
+from gpuwatch.health import engine, node, state
 from gpuwatch.health.running import RunningState
 from gpuwatch.model import (
     ERROR_KINDS,
@@ -201,6 +201,7 @@ class Monitor:
         self._store_error = ""
         self._store_write_errors = 0
         self._node = self._restore(state.initial(sorted(self.statics)))
+        self._node_findings = node.judge(len(self.statics), config.expected_gpus, self.clock(), self.rules)
         self._restore_held()
         self.snapshot = self._build_snapshot(self.clock())
 
@@ -698,16 +699,14 @@ class Monitor:
         for gpu_state in self._node.gpus:
             index = gpu_state.index
             static = self.statics[index]
-            running = self._running[index]
-            last_sample, last_error = running.last, running.last_error
+            last_sample, last_error = self._running[index].last, self._running[index].last_error
             if last_error and last_sample and last_error.t < last_sample.t:
                 last_error = None
-            findings = tuple(self._findings.get(index, ()))
             gpus.append(
                 GpuStatus(
                     static=static,
                     state=gpu_state.state,
-                    findings=findings,
+                    findings=tuple(self._findings.get(index, ())),
                     quarantined=gpu_state.quarantined,
                     quarantine_reason=gpu_state.quarantine_reason,
                     quarantined_since=gpu_state.quarantined_since,
@@ -735,6 +734,7 @@ class Monitor:
             store_write_errors_total=self._store_write_errors,
             kernel_log_readable=self.kernel_log_readable,
             kernel_sxids_total=self.kernel_sxids_total,
+            node_findings=self._node_findings,
         )
 
 

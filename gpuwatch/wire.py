@@ -237,11 +237,12 @@ class GpuChanged(GpuBase):
 
 
 class GpuList(Body):
-    """GET /v1/gpus."""
+    """GET /v1/gpus, and the findings on the node itself (gpu_missing: fewer GPUs than expected_gpus)."""
 
     t: float
     backend: str
     gpus: list[Gpu] = []
+    node_findings: list[Finding] = []
 
 
 # --- findings, injections, health -----------------------------------------------------------------
