@@ -138,6 +138,12 @@ def test_slow_fields_accumulate() -> None:
     assert second.violation_power_ns - first.violation_power_ns <= 10 * 10**9
     assert second.violation_power_ns > first.violation_power_ns  # capped most of the time
     assert second.violation_thermal_ns == 0 and second.pcie_replay == 0
+    between = backend.sample(0, T0 + 16)  # not slow: the last slow reading, repeated
+    assert (between.energy_mj, between.violation_power_ns, between.pcie_replay) == (
+        second.energy_mj,
+        second.violation_power_ns,
+        0,
+    )
 
 
 POLICY_FINDINGS = {"repeat_offender", "validation_failed"}  # the policy's findings, not a rule's: no scenario
@@ -152,9 +158,10 @@ def readme_rule_ids() -> set[str]:
 
 
 def test_every_rule_has_a_scenario_named_after_it() -> None:
-    """One scenario per rule id the engine has and the README's table promises, plus demo, healthy and idle."""
+    """One scenario per rule id the engine has and the README's table promises, plus demo, healthy, idle and
+    all_series."""
     assert readme_rule_ids() == {*ALL_RULE_IDS, *POLICY_FINDINGS}
-    assert set(SCENARIOS) == {"demo", "healthy", "idle", *ALL_RULE_IDS}
+    assert set(SCENARIOS) == {"demo", "healthy", "idle", "all_series", *ALL_RULE_IDS}
     rule_fields = dataclasses.asdict(RulesConfig())
     for scenario in SCENARIOS.values():
         assert scenario.description
