@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
@@ -258,7 +259,7 @@ class _Counters:
     energy_mj: float
     violation_power_ns: int = 0
     violation_thermal_ns: int = 0
-    last_slow: dict[str, int] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
+    last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
 
 
 def _load_level(t_rel: float) -> float:
