@@ -11,12 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from gpuwatch import __version__
 from gpuwatch.bench.cli import bench
@@ -26,12 +24,7 @@ from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launch import launch
 
-if TYPE_CHECKING:
-    from gpuwatch.wire import Gpu
-
 F = TypeVar("F", bound=Callable[..., Any])
-
-STATE_STYLE = {"healthy": "green", "degraded": "yellow", "unhealthy": "bold red", "unknown": "dim"}
 
 
 def one_line_errors(func: F) -> F:
@@ -106,67 +99,39 @@ def run(config_path: str | None, **flags: Any) -> None:
     Daemon(config).serve()
 
 
-STATUS_COLUMNS = ("GPU", "UUID", "state", "quarantined", "SM MHz", "W", "°C", "findings", "action", "ranks")
-
-
 @main.command()
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON.")
-@click.option("--wide", is_flag=True, help="A table at its full width, whatever the terminal's.")
-@click.option("--plain", is_flag=True, help="One GPU per line (the default when the table does not fit).")
+@click.option("--wide", is_flag=True, help="Every column and value in full, however wide that is.")
+@click.option("--plain", is_flag=True, help="One GPU per line, every value in full (the default when piped).")
 @one_line_errors
 def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **flags: Any) -> None:
-    """Show the GPUs of the running daemon: a table on a terminal wide enough for it, else one GPU per line."""
+    """Show the GPUs of the running daemon: a table that fits the terminal, or one GPU per line when piped."""
+    from gpuwatch import status_view
     from gpuwatch.client import DaemonClient
 
-    gpus = DaemonClient(build_config(config_path, **flags), config_path=config_path).gpus()
+    listed = DaemonClient(build_config(config_path, **flags), config_path=config_path).gpu_list()
+    gpus = listed.gpus
     if as_json:
-        click.echo(json.dumps({"gpus": [g.model_dump(mode="json") for g in gpus]}, indent=2))
+        click.echo(json.dumps(listed.model_dump(mode="json"), indent=2))
         return
-    rows = [_status_row(g) for g in gpus]
-    table = Table(title="gpuwatch")
-    for column in STATUS_COLUMNS:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        cells = [escape(cell) for cell in row]  # reasons are anyone's text: never rich markup
-        cells[2] = f"[{STATE_STYLE.get(row[2], '')}]{cells[2]}[/]"
-        table.add_row(*cells)
     console = Console()
-    natural = Console(width=100_000).measure(table).maximum
+    fitted = None if wide or plain or not console.is_terminal else status_view.fitted_table(gpus, console.width)
     if wide:
-        Console(width=max(natural, console.width)).print(table)
-    elif plain or not console.is_terminal or natural > console.width:
-        for row in rows:
-            labelled = [f"{column}: {value}" for column, value in zip(STATUS_COLUMNS[1:], row[1:], strict=True)]
-            click.echo("GPU " + ", ".join([row[0], *labelled]))
+        table = status_view.wide_table(gpus)
+        Console(width=max(Console(width=100_000).measure(table).maximum, console.width)).print(table)
+    elif fitted is not None:
+        console.print(fitted)
     else:
-        console.print(table)
+        for line in status_view.plain_lines(gpus):
+            click.echo(line)
+    lines = status_view.node_lines(listed.node_findings)
     for g in gpus:  # XIDs the kernel log holds (also from before the daemon started), with their kernel time
         for x in g.kernel_xids:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x.t))
-            click.echo(f"GPU {g.index} kernel log {when} UTC: XID {x.xid}: {x.line}")
-
-
-def _status_row(g: Gpu) -> list[str]:
-    """One GPU's cells, in STATUS_COLUMNS order, full text."""
-    sample = g.sample
-    ranks = ", ".join(f"rank {t.rank} (pid {t.pid})" for t in (g.trainers if g.ranks is None else g.ranks))
-    return [
-        str(g.index),
-        g.uuid,
-        g.state,
-        "yes: " + (g.quarantine_reason or "") if g.quarantined else "no",
-        _fmt(sample.sm_clock_mhz if sample else None),
-        _fmt(sample.power_w if sample else None, "{:.0f}"),
-        _fmt(sample.temp_c if sample else None),
-        "; ".join(f"{f.rule}: {f.reason}" for f in g.findings) or "-",
-        g.suggested_action,
-        ranks or "-",
-    ]
-
-
-def _fmt(value: Any, pattern: str = "{}") -> str:
-    return "-" if value is None else pattern.format(value)
+            lines.append(f"GPU {g.index} kernel log {when} UTC: XID {x.xid}: {x.line}")
+    for line in lines:  # on a terminal, one line each: the kernel's line in full is in --plain
+        click.echo(line if fitted is None or len(line) <= console.width else line[: console.width - 1] + "…")
 
 
 @main.command()

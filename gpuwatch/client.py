@@ -81,6 +81,18 @@ class DaemonClient:
 
         return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus")
 
+    def injections(self) -> list[wire.Injection]:
+        from gpuwatch import wire
+
+        return wire.read(wire.Injections, self.request("GET", "/v1/injections"), "GET /v1/injections").injections
+
+    def end_injection(self, injection_id: int) -> wire.Injection:
+        """End a drill's injection now (DELETE); the answer's `until` is when it ended."""
+        from gpuwatch import wire
+
+        path = f"/v1/injections/{injection_id}"
+        return wire.read(wire.Injection, self.request("DELETE", path), f"DELETE {path}")
+
     def quarantine(self, index: int, reason: str) -> wire.GpuChanged:
         from gpuwatch import wire
 

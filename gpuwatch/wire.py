@@ -464,7 +464,7 @@ class ReleaseBody(BaseModel):
 class InjectBody(BaseModel):
     """A drill's injection: sample fields to override for `duration_s`, and/or one event.
 
-    Each field's type and range is checked against the sample field it overrides (monitor.checked_injection).
+    Each field's type and range is checked against the sample field it overrides (gpuwatch.injection.checked_injection).
     """
 
     model_config = ConfigDict(extra="forbid")
