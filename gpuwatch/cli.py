@@ -23,6 +23,7 @@ from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launch import launch
+from gpuwatch.service.cli import service
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -315,3 +316,4 @@ def release(index: int, reason: str, force: bool, validate: bool, config_path: s
 main.add_command(launch)
 main.add_command(drill)
 main.add_command(bench)
+main.add_command(service)
