@@ -19,6 +19,7 @@ from gpuwatch.backends.sim import BUSY_S, CYCLE_S, SCENARIOS, SimBackend
 from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
+from gpuwatch.health import node
 from gpuwatch.health.engine import ALL_RULE_IDS
 from gpuwatch.model import GpuEvent, GpuSample
 from gpuwatch.trace import read_trace
@@ -150,17 +151,17 @@ POLICY_FINDINGS = {"repeat_offender", "validation_failed"}  # the policy's findi
 
 
 def readme_rule_ids() -> set[str]:
-    """The rule ids of the README's health table (first column, comma-separated ids in backticks)."""
-    text = (ROOT / "README.md").read_text()
+    """The rule ids of the rules page's table (docs/rules.md; first column, comma-separated ids in backticks)."""
+    text = (ROOT / "docs" / "rules.md").read_text()
     table = text[text.index("| rule id |") :].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     return {rule for row in rows for rule in re.findall(r"`(\w+)`", row.split("|")[1])}
 
 
 def test_every_rule_has_a_scenario_named_after_it() -> None:
-    """One scenario per rule id the engine has and the README's table promises, plus demo, healthy, idle and
-    all_series."""
-    assert readme_rule_ids() == {*ALL_RULE_IDS, *POLICY_FINDINGS}
+    """One scenario per rule id of a GPU the engine has and the rules page promises, plus demo, healthy, idle and
+    all_series (gpu_missing, on the node, is seen with fewer --sim-gpus than expected_gpus)."""
+    assert readme_rule_ids() == {*ALL_RULE_IDS, *node.RULE_IDS, *POLICY_FINDINGS}
     assert set(SCENARIOS) == {"demo", "healthy", "idle", "all_series", *ALL_RULE_IDS}
     rule_fields = dataclasses.asdict(RulesConfig())
     for scenario in SCENARIOS.values():
