@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,7 @@ class Node:
     env: dict[str, str]
     before: dict[str, str]  # the root before `service install`
     installed: str  # what `service install --now` printed
+    wheel: Path
 
     @property
     def venv(self) -> Path:
@@ -146,7 +148,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
         [*under(prefix, service_install).split(), "--root", str(prefix)], env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return Node(prefix, env, before, done.stdout)
+    (wheel,) = wheels.glob("gpuwatch_daemon-*.whl")
+    return Node(prefix, env, before, done.stdout, wheel)
 
 
 def test_service_install_puts_the_node_files_in_place(node: Node) -> None:
@@ -167,6 +170,17 @@ def test_service_install_puts_the_node_files_in_place(node: Node) -> None:
     manifest = json.loads((node.venv / "share/gpuwatch/installed.json").read_text())
     assert [f["target"] for f in manifest["files"]] == ["/etc/systemd/system/gpuwatch.service"]
     assert manifest["enabled"] == ["gpuwatch.service"] and manifest["link"] == "/usr/local/bin/gpuwatch"
+
+
+def test_the_package_index_page_is_the_readme(node: Node) -> None:
+    """PyPI shows the wheel's long description: README.md as it is, short enough to read."""
+    with zipfile.ZipFile(node.wheel) as wheel:
+        (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = wheel.read(name).decode()
+    headers, body = metadata.split("\n\n", 1)
+    assert "Description-Content-Type: text/markdown" in headers
+    assert body.strip() == (ROOT / "README.md").read_text().strip()
+    assert len(metadata) < 20_000, len(metadata)
 
 
 def test_the_command_runs_the_installed_wheel(node: Node) -> None:
