@@ -171,7 +171,12 @@ def create_api(
     def gpus() -> wire.GpuList:
         snap = snapshot()
         now = clock()
-        return wire.GpuList(t=snap.t, backend=snap.backend, gpus=[gpu_body(g, now) for g in snap.gpus])
+        return wire.GpuList(
+            t=snap.t,
+            backend=snap.backend,
+            gpus=[gpu_body(g, now) for g in snap.gpus],
+            node_findings=[wire.Finding(**f.as_dict()) for f in snap.node_findings],
+        )
 
     @app.get("/v1/gpus/{index}", responses=NOT_FOUND)
     def gpu(index: int) -> wire.Gpu:
@@ -243,6 +248,18 @@ def create_api(
     @app.get("/v1/injections")
     def injections() -> wire.Injections:
         return wire.Injections(injections=[wire.Injection(**i.as_dict()) for i in monitor.injections()])
+
+    @app.delete(
+        "/v1/injections/{injection_id}",
+        dependencies=[Depends(require_token)],
+        responses={**GUARDED, 404: _error("no injection with that id is in force")},
+    )
+    def end_injection(injection_id: int) -> wire.Injection:
+        """End an injection now; the answer is the injection, `until` now."""
+        ended = monitor.end_injection(injection_id)
+        if ended is None:
+            raise HTTPException(404, f"no injection {injection_id} is in force (GET /v1/injections lists them)")
+        return wire.Injection(**ended.as_dict())
 
     for route_set in route_sets:
         route_set(app, require_token)

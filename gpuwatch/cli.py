@@ -11,12 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from gpuwatch import __version__
 from gpuwatch.bench.cli import bench
@@ -25,13 +23,9 @@ from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launch import launch
-
-if TYPE_CHECKING:
-    from gpuwatch.wire import Gpu
+from gpuwatch.service.cli import service
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-STATE_STYLE = {"healthy": "green", "degraded": "yellow", "unhealthy": "bold red", "unknown": "dim"}
 
 
 def one_line_errors(func: F) -> F:
@@ -116,70 +110,42 @@ def run(config_path: str | None, **flags: Any) -> None:
     Daemon(config).serve()
 
 
-STATUS_COLUMNS = ("GPU", "UUID", "state", "quarantined", "SM MHz", "W", "°C", "findings", "action", "ranks")
-
-
 @main.command()
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON.")
-@click.option("--wide", is_flag=True, help="A table at its full width, whatever the terminal's.")
-@click.option("--plain", is_flag=True, help="One GPU per line (the default when the table does not fit).")
+@click.option("--wide", is_flag=True, help="Every column and value in full, however wide that is.")
+@click.option("--plain", is_flag=True, help="One GPU per line, every value in full (the default when piped).")
 @one_line_errors
 def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **flags: Any) -> None:
-    """Show the GPUs of the running daemon: a table on a terminal wide enough for it, else one GPU per line."""
+    """Show the GPUs of the running daemon: a table that fits the terminal, or one GPU per line when piped."""
+    from gpuwatch import status_view
     from gpuwatch.client import DaemonClient
 
     client = DaemonClient(build_config(config_path, **flags), config_path=config_path, over_tcp=True)
-    gpus = client.gpus()
+    listed = client.gpu_list()
+    gpus = listed.gpus
     if client.answered_over_tcp:
         click.echo(f"gpuwatch: no control socket at {client.socket_path}: shown as {client.base} answered", err=True)
     if as_json:
-        click.echo(json.dumps({"gpus": [g.model_dump(mode="json") for g in gpus]}, indent=2))
+        click.echo(json.dumps(listed.model_dump(mode="json"), indent=2))
         return
-    rows = [_status_row(g) for g in gpus]
-    table = Table(title="gpuwatch")
-    for column in STATUS_COLUMNS:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        cells = [escape(cell) for cell in row]  # reasons are anyone's text: never rich markup
-        cells[2] = f"[{STATE_STYLE.get(row[2], '')}]{cells[2]}[/]"
-        table.add_row(*cells)
     console = Console()
-    natural = Console(width=100_000).measure(table).maximum
+    fitted = None if wide or plain or not console.is_terminal else status_view.fitted_table(gpus, console.width)
     if wide:
-        Console(width=max(natural, console.width)).print(table)
-    elif plain or not console.is_terminal or natural > console.width:
-        for row in rows:
-            labelled = [f"{column}: {value}" for column, value in zip(STATUS_COLUMNS[1:], row[1:], strict=True)]
-            click.echo("GPU " + ", ".join([row[0], *labelled]))
+        table = status_view.wide_table(gpus)
+        Console(width=max(Console(width=100_000).measure(table).maximum, console.width)).print(table)
+    elif fitted is not None:
+        console.print(fitted)
     else:
-        console.print(table)
+        for line in status_view.plain_lines(gpus):
+            click.echo(line)
+    lines = status_view.node_lines(listed.node_findings)
     for g in gpus:  # XIDs the kernel log holds (also from before the daemon started), with their kernel time
         for x in g.kernel_xids:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(x.t))
-            click.echo(f"GPU {g.index} kernel log {when} UTC: XID {x.xid}: {x.line}")
-
-
-def _status_row(g: Gpu) -> list[str]:
-    """One GPU's cells, in STATUS_COLUMNS order, full text."""
-    sample = g.sample
-    ranks = ", ".join(f"rank {t.rank} (pid {t.pid})" for t in (g.trainers if g.ranks is None else g.ranks))
-    return [
-        str(g.index),
-        g.uuid,
-        g.state,
-        "yes: " + (g.quarantine_reason or "") if g.quarantined else "no",
-        _fmt(sample.sm_clock_mhz if sample else None),
-        _fmt(sample.power_w if sample else None, "{:.0f}"),
-        _fmt(sample.temp_c if sample else None),
-        "; ".join(f"{f.rule}: {f.reason}" for f in g.findings) or "-",
-        g.suggested_action,
-        ranks or "-",
-    ]
-
-
-def _fmt(value: Any, pattern: str = "{}") -> str:
-    return "-" if value is None else pattern.format(value)
+            lines.append(f"GPU {g.index} kernel log {when} UTC: XID {x.xid}: {x.line}")
+    for line in lines:  # on a terminal, one line each: the kernel's line in full is in --plain
+        click.echo(line if fitted is None or len(line) <= console.width else line[: console.width - 1] + "…")
 
 
 @main.command()
@@ -203,13 +169,13 @@ def check(
 ) -> None:
     """One-shot sample and judgement. Exit 0 healthy, 1 degraded or unhealthy, 2 error (Slurm HealthCheckProgram)."""
     config = build_config(config_path, **flags)
-    rows = _daemon_rows(config) if slurm else None
-    from_daemon = rows is not None
-    if rows is None:
+    listed = _daemon_view(config) if slurm else None
+    from_daemon = listed is not None
+    if listed is None:
         from gpuwatch.offline import check as run_check
 
         snapshot = run_check(config, samples=samples, duration_s=duration_s)
-        rows = [
+        rows: list[dict[str, Any]] = [
             {
                 "index": g.index,
                 "uuid": g.uuid,
@@ -220,33 +186,43 @@ def check(
             }
             for g in snapshot.gpus
         ]
-    bad = [g for g in rows if g["state"] in {"degraded", "unhealthy"}]
-    done = _slurm_check(config, rows, may_resume=from_daemon) if slurm else None
+        listed = rows, [f.as_dict() for f in snapshot.node_findings]
+    rows, node = listed
+    bad = [g for g in rows if g["state"] in {"degraded", "unhealthy"}] + [f for f in node if f["severity"] in BAD]
+    done = _slurm_check(config, rows, node, may_resume=from_daemon) if slurm else None
     if as_json:
-        click.echo(json.dumps({"gpus": rows, **({"slurm": done} if done else {})}, indent=2))
+        click.echo(json.dumps({"gpus": rows, "node_findings": node, **({"slurm": done} if done else {})}, indent=2))
     else:
         for g in rows:
             reasons = "; ".join(f"{f['rule']}: {f['reason']}" for f in g["findings"]) or "no findings"
             click.echo(f"GPU {g['index']} {g['uuid']} {g['state']}: {reasons}")
+        for f in node:
+            click.echo(f"node {f['severity']}: {f['rule']}: {f['reason']}")
         if done:
             click.echo(f"slurm: node {done['node']} {done['done']} (state {done['state']}, reason {done['reason']!r})")
     sys.exit(1 if bad else 0)
 
 
-def _daemon_rows(config: Config) -> list[dict[str, Any]] | None:
-    """The running daemon's GPUs as GET /v1/gpus writes them (check's rows are its --json), or None when no
-    daemon answers."""
+BAD = {"degraded", "unhealthy"}  # the severities (and states) that fail a check
+
+
+def _daemon_view(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The running daemon's GPUs and node findings as GET /v1/gpus writes them (check's rows are its --json), or
+    None when no daemon answers."""
     from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
 
     try:
-        return [g.model_dump(mode="json") for g in DaemonClient(config, timeout_s=5.0).gpus()]
+        listed = DaemonClient(config, timeout_s=5.0).gpu_list()
     except DaemonError as exc:
         click.echo(f"gpuwatch check: {exc}; sampling the GPUs itself", err=True)
         return None
+    return [g.model_dump(mode="json") for g in listed.gpus], [f.model_dump(mode="json") for f in listed.node_findings]
 
 
-def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -> dict[str, str]:
+def _slurm_check(
+    config: Config, rows: list[dict[str, Any]], node: list[dict[str, Any]], may_resume: bool
+) -> dict[str, str]:
     """Drain or resume the node as the daemon would; asks the fleet breaker first when one is configured.
 
     Only the daemon knows the quarantines it persisted: judged from a sample of its own, check drains but
@@ -258,11 +234,11 @@ def _slurm_check(config: Config, rows: list[dict[str, Any]], may_resume: bool) -
     gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None  # asks, within timeout_s
     scontrol = slurm.Scontrol(config.slurm.scontrol, config.slurm.timeout_s)
     name = slurm.node_name(config.slurm)
-    want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm)
+    want = slurm.wanted([slurm.GpuView.from_api(g) for g in rows], config.slurm, slurm.node_faults(node))
     if want.action == "resume" and not may_resume:
         want = slurm.Want("hold")
-    node, done = slurm.reconcile(scontrol, name, want, gate)
-    return {"node": name, "done": done, "state": node.state, "reason": node.reason}
+    node_now, done = slurm.reconcile(scontrol, name, want, gate)
+    return {"node": name, "done": done, "state": node_now.state, "reason": node_now.reason}
 
 
 @main.command()
@@ -353,3 +329,4 @@ def release(index: int, reason: str, force: bool, validate: bool, config_path: s
 main.add_command(launch)
 main.add_command(drill)
 main.add_command(bench)
+main.add_command(service)

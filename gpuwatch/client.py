@@ -47,7 +47,10 @@ class DaemonClient:
         self.over_tcp = over_tcp
         self.answered_over_tcp = False  # set when an answer came from the TCP listener, which nobody vouches for
         used = config_file(config_path)
-        self.source = f"config {used}" if used else f"no config file: {DEFAULT_CONFIG_PATH} does not exist"
+        none = f"{DEFAULT_CONFIG_PATH} does not exist"
+        if os.environ.get("GPUWATCH_CONFIG") == "":
+            none = "GPUWATCH_CONFIG is empty"
+        self.source = f"config {used}" if used else f"no config file: {none}"
 
     def require_control(self) -> None:
         """Raise DaemonError (saying what to do) now, before anything is done, when this caller may not change
@@ -134,9 +137,25 @@ class DaemonClient:
         return json.loads(self.fetch(method, path, body, timeout_s))
 
     def gpus(self) -> list[wire.Gpu]:
+        return self.gpu_list().gpus
+
+    def gpu_list(self) -> wire.GpuList:
+        """GET /v1/gpus whole: the GPUs and the findings on the node."""
         from gpuwatch import wire
 
-        return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus").gpus
+        return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus")
+
+    def injections(self) -> list[wire.Injection]:
+        from gpuwatch import wire
+
+        return wire.read(wire.Injections, self.request("GET", "/v1/injections"), "GET /v1/injections").injections
+
+    def end_injection(self, injection_id: int) -> wire.Injection:
+        """End a drill's injection now (DELETE); the answer's `until` is when it ended."""
+        from gpuwatch import wire
+
+        path = f"/v1/injections/{injection_id}"
+        return wire.read(wire.Injection, self.request("DELETE", path), f"DELETE {path}")
 
     def quarantine(self, index: int, reason: str) -> wire.GpuChanged:
         from gpuwatch import wire

@@ -222,7 +222,7 @@ class Config:
     """The whole configuration. Build with `load()`; `Config()` is all defaults."""
 
     backend: str = "auto"
-    expected_gpus: int = 0  # 0: the count seen at start; else an alert fires when fewer are visible
+    expected_gpus: int = 0  # 0: the count seen at start; else fewer visible is gpu_missing on the node
     interval_s: float = 30.0
     slow_interval_s: float = 300.0
     listen: str = f"127.0.0.1:{DEFAULT_PORT}"
@@ -323,12 +323,16 @@ def _provenance(message: str, given: Mapping[str, str], source: str) -> str:
 
 
 def config_file(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Path | None:
-    """The file `load()` reads: `path`, else $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml when it exists."""
-    env = os.environ if environ is None else environ
-    if path is None and env.get(ENV_PREFIX + "CONFIG"):
-        path = env[ENV_PREFIX + "CONFIG"]
+    """The file `load()` reads: `path`, else $GPUWATCH_CONFIG, else /etc/gpuwatch/gpuwatch.toml when it exists.
+
+    GPUWATCH_CONFIG set but empty reads no file at all: a test or a tool that starts gpuwatch beside a node's
+    own daemon must not pick up that node's config.
+    """
     if path is not None:
         return Path(path)
+    named = (os.environ if environ is None else environ).get(ENV_PREFIX + "CONFIG")
+    if named is not None:
+        return Path(named) if named else None
     return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
 
 

@@ -9,7 +9,8 @@
     ├── StoreError           the SQLite state could not be read or written
     ├── DaemonError          the CLI could not reach or use the running daemon
     ├── CheckpointError      no checkpoint verifies, or one could not be written
-    └── DrillError           a drill could not run (guard refused, tool missing)
+    ├── DrillError           a drill could not run (guard refused, tool missing)
+    └── ServiceError         `gpuwatch service` could not install, uninstall or copy what a node needs
 
 Vendor errors (pynvml, DCGM) are mapped into these at the backend boundary, once.
 """
@@ -65,3 +66,7 @@ class CheckpointError(GpuwatchError):
 
 class DrillError(GpuwatchError):
     """A drill was refused by a guard or could not run."""
+
+
+class ServiceError(GpuwatchError):
+    """`gpuwatch service` could not do its job; the message names the file or command and the fix."""

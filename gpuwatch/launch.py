@@ -254,19 +254,73 @@ def run_torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
 
 
 def _pass_through(stream: io.BufferedReader, tail: bytearray) -> None:
-    """Copy torchrun's stderr to ours as it comes, keeping its last _TAIL_BYTES for the summary."""
+    """Copy torchrun's stderr to ours as it comes, keeping its last _TAIL_BYTES for the summary.
+
+    From the first line of torchrun's ending on (`Sending process N closing signal`, `failed (exitcode: N)`:
+    it stops the other ranks and raises ChildFailedError), the rest is held until torchrun exits. When the job
+    stopped for resume (every rank exited 75, or was torn down by torchrun's SIGTERM after one did: what launch
+    relaunches as planned), torchrun's lines and its 40-line traceback, which read like a crash, give way to one
+    line per rank; any other end, a crash, is written as it came.
+    """
+    held: bytearray | None = None
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        tail += chunk
+        del tail[:-_TAIL_BYTES]
+        if held is not None and len(held) < _HELD_BYTES:
+            held += chunk
+            continue
+        if held is not None:  # a teardown this talkative is written as it comes
+            _write_stderr(bytes(held))
+            held = None
+        ending = _TORCHRUN_ENDING.search(chunk)
+        if ending is None:
+            _write_stderr(chunk)
+            continue
+        start = chunk.rfind(b"\n", 0, ending.start()) + 1
+        _write_stderr(chunk[:start])
+        held = bytearray(chunk[start:])
+    if held is not None:
+        _write_stderr(_planned_stop(bytes(held)) or bytes(held))
+
+
+# torchrun's own log lines as the job ends: the other workers are sent SIGTERM, a worker failed.
+_TORCHRUN_ENDING = re.compile(rb"\] (Sending process \d+ closing signal|failed \(exitcode: -?\d+\) local_rank: \d+)")
+_HELD_BYTES = 1024 * 1024
+
+
+def _planned_stop(text: bytes) -> bytes | None:
+    """torchrun's ending after a stop for resume: the ranks' own lines kept, torchrun's `failed` lines and its
+    ChildFailedError traceback replaced by one line per rank. None for any other end (a crash)."""
+    decoded = text.decode(errors="replace")
+    failures = parse_failures(decoded)
+    torn_down = -signal.SIGTERM
+    if not any(f.exitcode == EXIT_RESUME for f in failures) or any(
+        f.exitcode not in (EXIT_RESUME, torn_down) for f in failures
+    ):
+        return None
+    lines = decoded.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")), None)
+    boxes = [i for i, line in enumerate(lines) if re.fullmatch(r"={20,}\s*", line)]
+    if start is None or len(boxes) < 2 or boxes[-1] < start:
+        return None
+    kept = [line for line in lines[:start] + lines[boxes[-1] + 1 :] if not _TORCHRUN_ENDING.search(line.encode())]
+    why = {EXIT_RESUME: "stopped for resume", torn_down: "stopped by torchrun once a peer had stopped"}
+    said = [
+        f"{COMMAND}: rank {f.rank} (local rank {f.local_rank}, pid {f.pid}) {f.how()}: {why[f.exitcode]}\n"
+        for f in sorted(failures, key=lambda f: f.rank)
+    ]
+    return "".join(kept + said).encode()
+
+
+def _write_stderr(data: bytes) -> None:
     try:
         out = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):
-        out = None
-    for chunk in iter(lambda: stream.read1(65536), b""):
-        if out is not None:
-            with contextlib.suppress(OSError):
-                os.write(out, chunk)
-        else:
-            sys.stderr.write(chunk.decode(errors="replace"))
-        tail += chunk
-        del tail[:-_TAIL_BYTES]
+        sys.stderr.write(data.decode(errors="replace"))
+        return
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(out, data) :]
 
 
 class ProgressWatch:
@@ -600,8 +654,13 @@ def launch(
         fail(f"expected [-m] SCRIPT after the options, not {command[0]!r} (put the job after --)", command=COMMAND)
     if command[0] in {"-m", "--module"} and len(command) < 2:
         fail("-m needs a module name", command=COMMAND)
-    if importlib.util.find_spec("torch") is None:
-        fail("torch is not installed in this Python: torchrun is torch.distributed.run", command=COMMAND)
+    if importlib.util.find_spec("torch") is None:  # torchrun, and so the job, runs with this very Python
+        fail(
+            f"torch is not installed in {sys.executable}, the Python that runs torchrun and the job: install "
+            "gpuwatch-daemon into the job's own environment and run that environment's gpuwatch launch "
+            f"(or {sys.executable} -m pip install torch)",
+            command=COMMAND,
+        )
     if rendezvous["nnodes"] not in _SINGLE_NODE and not (rdzv_id or os.environ.get("GPUWATCH_JOB_ID")):
         fail("a multi-node job needs --rdzv-id, the same on every node (it is also the job id)", command=COMMAND)
     job_id = rdzv_id or os.environ.get("GPUWATCH_JOB_ID") or f"gpuwatch-{uuid.uuid4().hex[:12]}"

@@ -14,20 +14,17 @@ import logging
 import math
 import threading
 import time
-import typing
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.errors import ConfigError, GpuReadError, StoreError
-from gpuwatch.health import engine, state
+from gpuwatch.health import engine, node, state
 from gpuwatch.health.running import RunningState
+from gpuwatch.injection import Injection, checked_injection
 from gpuwatch.model import (
-    ERROR_KINDS,
-    SAMPLE_FIELDS,
     Action,
     Finding,
     GpuError,
@@ -51,95 +48,9 @@ VALIDATION_RETRY_S = 60.0  # a validation refused (processes on the GPU) is trie
 log = logging.getLogger("gpuwatch.monitor")
 
 Listener = Callable[[Snapshot, list[state.Decision]], None]
-# Sample fields a drill may override, plus `error` (a read error kind: gpu_lost, reset_required, unknown).
-_INJECTABLE = (frozenset(SAMPLE_FIELDS) - {"t", "index", "uuid"}) | {"error"}
 # An XID from NVML's event set and one from the kernel log, same GPU and code, this close in time: one fault.
 DEDUPE_S = 5.0
 KERNEL_XIDS_LISTED = 16  # per GPU, the newest kernel-log XIDs shown with their kernel time
-
-_SAMPLE_HINTS = typing.get_type_hints(GpuSample)
-_MAX_INT = 2**63 - 1  # what SQLite and every exporter take; larger "counters" are an attack, not a GPU
-
-
-def checked_injection(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The injected fields, each checked against its sample field's type and range.
-
-    A wrong type reaching the rules would raise on every tick for every GPU, so nothing unchecked
-    gets into the overlay: ints stay ints (3.0 is 3), numbers are finite and non-negative,
-    percentages at most 100, `error` one of the known kinds, None means "not read".
-
-    Raises:
-        ConfigError: naming the first bad field.
-    """
-    unknown = set(fields) - _INJECTABLE
-    if unknown:
-        raise ConfigError(f"inject: unknown field(s) {', '.join(_show(n) for n in sorted(unknown))}")
-    return {name: _checked_value(name, value) for name, value in fields.items()}
-
-
-def _show(value: Any) -> str:
-    """A client's value for an error line: repr (escapes control characters and lone surrogates), cut short."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _checked_value(name: str, value: Any) -> Any:
-    if value is None:
-        return None
-    if name == "error":
-        if value not in ERROR_KINDS:
-            raise ConfigError(f"inject: field error: {_show(value)} is not one of {', '.join(ERROR_KINDS)}")
-        return value
-    hint = _SAMPLE_HINTS[name]
-    if name == "pids":
-        if not isinstance(value, (list, tuple)) or not all(_is_int(p) and 0 < p <= _MAX_INT for p in value):
-            raise ConfigError(f"inject: field pids: {_show(value)} is not a list of process ids")
-        return tuple(value)
-    wanted = next(a for a in typing.get_args(hint) if a is not type(None)) if typing.get_args(hint) else hint
-    if wanted is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"inject: field {name}: {_show(value)} is not true or false")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise ConfigError(f"inject: field {name}: {_show(value)} is not a finite number")
-    if wanted is int:
-        if isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"inject: field {name}: {_show(value)} is not an integer")
-        value = int(value)
-    high = 100 if name.endswith("_pct") else _MAX_INT
-    if not 0 <= value <= high:
-        raise ConfigError(f"inject: field {name}: {_show(value)} is out of range (0 to {high})")
-    return float(value) if wanted is float else value
-
-
-def _finite(value: float) -> bool:
-    return isinstance(value, int) or math.isfinite(value)  # an int may be too large for a float: the range says no
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class Injection:
-    """A drill's override of one GPU's readings until `until` (Unix seconds)."""
-
-    id: int
-    index: int
-    fields: Mapping[str, Any]
-    started: float
-    until: float
-    event: GpuEvent | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "gpu": self.index,
-            "fields": dict(self.fields),
-            "started": self.started,
-            "until": self.until,
-            "event": dataclasses.asdict(self.event) if self.event else None,
-        }
 
 
 class Monitor:
@@ -201,6 +112,7 @@ class Monitor:
         self._store_error = ""
         self._store_write_errors = 0
         self._node = self._restore(state.initial(sorted(self.statics)))
+        self._node_findings = node.judge(len(self.statics), config.expected_gpus, self.clock(), self.rules)
         self._restore_held()
         self.snapshot = self._build_snapshot(self.clock())
 
@@ -360,6 +272,19 @@ class Monitor:
         now = self.clock()
         with self._lock:
             return [i for i in self._injections.values() if i.until > now]
+
+    def end_injection(self, injection_id: int) -> Injection | None:
+        """End an injection in force now (a mistyped `for=86400` must not hold a GPU faulty for a day); None if
+        there is none by that id. What it caused stays marked as a drill as after any end: while the windows hold it."""
+        now = self.clock()
+        with self._lock:
+            injection = next((i for i in self._injections.values() if i.id == injection_id and i.until > now), None)
+            if injection is None:
+                return None
+            del self._injections[injection.index]
+            self._drill_until[injection.index] = min(self._drill_until.get(injection.index, 0.0), now + self._keep_s)
+        log.warning("drill: injection %d on GPU %d ended early", injection.id, injection.index)
+        return dataclasses.replace(injection, until=now)
 
     # ---------------------------------------------------------------------------------------
     # internals
@@ -692,16 +617,14 @@ class Monitor:
         for gpu_state in self._node.gpus:
             index = gpu_state.index
             static = self.statics[index]
-            running = self._running[index]
-            last_sample, last_error = running.last, running.last_error
+            last_sample, last_error = self._running[index].last, self._running[index].last_error
             if last_error and last_sample and last_error.t < last_sample.t:
                 last_error = None
-            findings = tuple(self._findings.get(index, ()))
             gpus.append(
                 GpuStatus(
                     static=static,
                     state=gpu_state.state,
-                    findings=findings,
+                    findings=tuple(self._findings.get(index, ())),
                     quarantined=gpu_state.quarantined,
                     quarantine_reason=gpu_state.quarantine_reason,
                     quarantined_since=gpu_state.quarantined_since,
@@ -730,6 +653,7 @@ class Monitor:
             store_write_errors_total=self._store_write_errors,
             kernel_log_readable=self.kernel_log_readable,
             kernel_sxids_total=self.kernel_sxids_total,
+            node_findings=self._node_findings,
         )
 
 

@@ -76,8 +76,19 @@ class Want:
     reason: str = ""
 
 
-def wanted(gpus: Sequence[GpuView], policy: SlurmConfig) -> Want:
-    """The drain the policy calls for; resume once no GPU is quarantined any more."""
+def node_faults(findings: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`rule: reason` of each unhealthy finding on the node itself (a GPU missing), from their JSON form."""
+    return [f"{f['rule']}: {f.get('reason', '')}" for f in findings if f.get("severity") == "unhealthy"]
+
+
+def wanted(gpus: Sequence[GpuView], policy: SlurmConfig, node: Sequence[str] = ()) -> Want:
+    """The drain the policy calls for; resume once no GPU is quarantined any more.
+
+    A fault of the node itself (`node`: a GPU the node should have is missing) drains it under `unhealthy`
+    and `any_quarantine`; under `usable_below` the missing GPUs already count as not usable.
+    """
+    if node and policy.drain_on != "usable_below":
+        return Want("drain", _one_line(f"{REASON_PREFIX} {node[0]}"))
     quarantined = [g for g in gpus if g.quarantined]
     unusable = [g for g in gpus if g.quarantined or g.state == "unhealthy"]
     if policy.drain_on == "unhealthy":
@@ -101,6 +112,11 @@ def drain_reason(culprits: Sequence[GpuView], usable: int, policy: SlurmConfig) 
         text += f" (+{len(culprits) - 1} more GPU(s))"
     if policy.drain_on == "usable_below":
         text += f"; {usable} usable, fewer than {policy.min_usable_gpus}"
+    return _one_line(text)
+
+
+def _one_line(text: str) -> str:
+    """What Slurm keeps as a reason: printable ASCII, at most MAX_REASON characters."""
     return re.sub(r"[^\x20-\x7e]", "?", text)[:MAX_REASON]
 
 
@@ -264,7 +280,8 @@ class Drainer:
         self._thread = threading.Thread(target=self._run, name="gpuwatch-slurm", daemon=True)
 
     def on_publish(self, snapshot: Snapshot, decisions: object) -> None:
-        want = wanted([GpuView.from_status(g) for g in snapshot.gpus], self.config)
+        node = node_faults([f.as_dict() for f in snapshot.node_findings])
+        want = wanted([GpuView.from_status(g) for g in snapshot.gpus], self.config, node)
         with self._lock:
             if want != self._want:
                 self._want = want

@@ -20,7 +20,7 @@ table{border-collapse:collapse;width:100%;background:#fff;box-shadow:0 1px 2px #
 th,td{padding:.45rem .6rem;border-bottom:1px solid #e3e6ea;text-align:left;vertical-align:top;font-size:.9rem}
 th{background:#eef1f4}.state{font-weight:600;border-radius:3px;padding:.1rem .4rem;color:#fff}
 .healthy{background:#2e7d32}.degraded{background:#b26a00}.unhealthy{background:#c62828}.unknown{background:#6b7280}
-.q{color:#c62828;font-weight:600}
+.q{color:#c62828;font-weight:600}.node{margin:0 0 1rem}
 .drill{background:#6a1b9a;color:#fff;border-radius:3px;padding:0 .3rem;font-size:.75rem}
 ul{margin:0;padding-left:1rem}.mono{font-family:ui-monospace,monospace;font-size:.8rem}
 """
@@ -64,6 +64,15 @@ def _row(g: GpuStatus, now: float) -> str:
     )
 
 
+def _node_findings(snapshot: Snapshot) -> str:
+    """The findings on the node itself (a GPU missing), above the table: no row of it can show them."""
+    return "".join(
+        f'<p class="node" data-rule="{escape(f.rule)}"><span class="state {f.severity.value}">{escape(f.rule)}</span> '
+        f"{escape(f.reason)}</p>"
+        for f in snapshot.node_findings
+    )
+
+
 def render(snapshot: Snapshot, now: float, node: str) -> str:
     bad = sum(1 for g in snapshot.gpus if g.state.value in {"degraded", "unhealthy"})
     quarantined = sum(1 for g in snapshot.gpus if g.quarantined)
@@ -75,6 +84,7 @@ def render(snapshot: Snapshot, now: float, node: str) -> str:
 <div class="meta">{len(snapshot.gpus)} GPUs · {bad} degraded or unhealthy · {quarantined} quarantined ·
 backend {escape(snapshot.backend)} · last judged {now - snapshot.t:.0f} s ago · gpuwatch {__version__} ·
 refreshes every {REFRESH_S} s · <a href="/metrics">metrics</a> · <a href="/v1/gpus">JSON</a></div>
+{_node_findings(snapshot)}
 <table><thead><tr><th>GPU</th><th>UUID / model</th><th>state</th><th>reasons</th><th>suggested action</th>
 <th>quarantined</th><th>trainer ranks</th><th>last sample</th></tr></thead><tbody>{rows}</tbody></table>
 </body></html>"""

@@ -241,11 +241,12 @@ class GpuChanged(GpuBase):
 
 
 class GpuList(Body):
-    """GET /v1/gpus."""
+    """GET /v1/gpus, and the findings on the node itself (gpu_missing: fewer GPUs than expected_gpus)."""
 
     t: float
     backend: str
     gpus: list[Gpu] = []
+    node_findings: list[Finding] = []
 
 
 # --- findings, injections, health -----------------------------------------------------------------
@@ -484,7 +485,7 @@ class ReleaseBody(BaseModel):
 class InjectBody(BaseModel):
     """A drill's injection: sample fields to override for `duration_s`, and/or one event.
 
-    Each field's type and range is checked against the sample field it overrides (monitor.checked_injection).
+    Each field's type and range is checked against the sample field it overrides (gpuwatch.injection.checked_injection).
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -1,14 +1,24 @@
-"""Shared fixtures and the `gpu` marker gate."""
+"""Shared fixtures, the `gpu` marker gate, and a suite that never reads the host's gpuwatch config."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from gpuwatch.runtime import RuntimeDir
+
+# Every load() without an explicit path, in this process and in every child that inherits the environment,
+# reads this empty file instead of a node's /etc/gpuwatch/gpuwatch.toml (.ci/run puts a decoy there to prove it).
+_NO_CONFIG = Path(tempfile.mkdtemp(prefix="gpuwatch-tests-")) / "empty.toml"
+_NO_CONFIG.write_text("")
+atexit.register(shutil.rmtree, _NO_CONFIG.parent, True)
+os.environ["GPUWATCH_CONFIG"] = str(_NO_CONFIG)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

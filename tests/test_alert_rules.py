@@ -16,6 +16,7 @@ import yaml
 
 from gpuwatch.health.xid_catalog import CATALOG
 from gpuwatch.model import Severity
+from gpuwatch.service.layout import SHIPPED_RUNBOOK_URL
 from tests.prometheus_stack import Webhook, alertmanager_config, alertmanager_process, program
 from tests.test_grafana_dashboard import known_metric_names, metric_names
 
@@ -26,7 +27,7 @@ RECORDING = PROMETHEUS / "gpuwatch-recording.yml"
 RULE_TESTS = sorted((PROMETHEUS / "tests").glob("*.yml"))
 ALERTMANAGER = DASHBOARDS / "alertmanager" / "alertmanager.yml"
 RUNBOOK = DASHBOARDS / "RUNBOOK.md"
-RUNBOOK_BASE = "https://github.com/gpuwatch/gpuwatch/blob/main/dashboards/RUNBOOK.md#"
+RUNBOOK_BASE = SHIPPED_RUNBOOK_URL + "#"  # `gpuwatch service assets` points it at its own copy
 SEVERITIES = {"critical", "warning", "info"}
 PER_GPU = re.compile(r"\bgpuwatch_(?:gpu|trainer)_\w+")
 

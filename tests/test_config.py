@@ -84,6 +84,30 @@ def test_config_env_var_names_file(tmp_path: Path) -> None:
     assert load(environ={"GPUWATCH_CONFIG": str(path)}).interval_s == 7.0
 
 
+def test_an_empty_config_variable_reads_no_file_even_where_the_node_has_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node_config = write(tmp_path, "interval_s = 7\n")
+    monkeypatch.setattr("gpuwatch.config.DEFAULT_CONFIG_PATH", node_config)
+    assert load(environ={}).interval_s == 7.0  # unset: the node's file
+    assert load(environ={"GPUWATCH_CONFIG": ""}) == Config()  # set and empty: no file at all
+
+
+def test_the_suite_never_reads_the_hosts_config() -> None:
+    """conftest points GPUWATCH_CONFIG at an empty file for this process and every child that inherits it,
+    so a node's /etc/gpuwatch/gpuwatch.toml (.ci/run puts a decoy there) changes no test."""
+    import os
+
+    from gpuwatch.bench.daemon_process import child_env
+    from gpuwatch.config import DEFAULT_CONFIG_PATH, config_file
+
+    used = config_file()
+    assert used is not None and used != DEFAULT_CONFIG_PATH and used.read_text() == ""
+    assert os.environ["GPUWATCH_CONFIG"] == str(used)
+    assert load() == Config()
+    assert config_file(environ=child_env()) is None
+
+
 def test_slurm_and_fleet_from_file_and_environment(tmp_path: Path) -> None:
     path = write(tmp_path, '[slurm]\nenabled = true\ndrain_on = "usable_below"\nmin_usable_gpus = 6\n')
     config = load(

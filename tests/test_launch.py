@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -25,6 +27,7 @@ from gpuwatch.launch import (
     LaunchStopped,
     Outcome,
     Plan,
+    _pass_through,
     cause_of,
     launch,
     parse_failures,
@@ -451,3 +454,58 @@ def test_sigterm_to_the_launcher_is_forwarded_to_torchrun_once(tmp_path: Path) -
 
     assert run_torchrun([sys.executable, "-c", child], dict(os.environ)) == Outcome(7, signal.SIGTERM, ())
     assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def _torchrun_stderr(tmp_path: Path, exit_codes: tuple[int, int]) -> bytes:
+    """What real torchrun (2 ranks, --max-restarts 0) writes on stderr when rank N exits exit_codes[N]."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "print(f'rank {rank}: checkpoint saved', file=sys.stderr, flush=True)\n"
+        "time.sleep(0.5 * (1 - rank))\n"  # rank 1 ends first, rank 0 may be torn down by torchrun
+        f"sys.exit({exit_codes!r}[rank])\n"
+    )
+    argv = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2"]
+    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "t", str(script)]
+    done = subprocess.run(argv, capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1 and b"ChildFailedError" in done.stderr, done.stderr
+    return done.stderr
+
+
+def _passed_through(data: bytes, capfdbinary: pytest.CaptureFixture[bytes]) -> str:
+    """What launch writes on its stderr for torchrun's `data`, fed through a pipe in small reads."""
+    read_end, write_end = os.pipe()
+    writer = threading.Thread(target=lambda: (os.write(write_end, data), os.close(write_end)))
+    writer.start()
+    tail = bytearray()
+    with open(read_end, "rb") as stream:
+        _pass_through(stream, tail)  # type: ignore[arg-type]
+    writer.join()
+    assert bytes(tail) == data[-len(tail) :]  # the summary launch reads is the untouched stream
+    return capfdbinary.readouterr().err.decode()
+
+
+def test_a_planned_stop_prints_one_line_per_rank_instead_of_torchruns_traceback(
+    tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    shown = _passed_through(_torchrun_stderr(tmp_path, (75, 75)), capfdbinary)
+    assert "Traceback" not in shown and "ChildFailedError" not in shown and "failed (exitcode" not in shown, shown
+    assert "closing signal" not in shown
+    assert "rank 0: checkpoint saved" in shown and "rank 1: checkpoint saved" in shown  # the ranks' own lines stay
+    said = [re.sub(r"pid \d+", "pid N", line) for line in shown.splitlines() if line.startswith("gpuwatch launch:")]
+    assert said[1] == "gpuwatch launch: rank 1 (local rank 1, pid N) exited 75: stopped for resume"
+    assert said[0] in {
+        "gpuwatch launch: rank 0 (local rank 0, pid N) exited 75: stopped for resume",
+        "gpuwatch launch: rank 0 (local rank 0, pid N) killed by SIGTERM: stopped by torchrun once a peer had stopped",
+    }
+    assert len(said) == 2
+
+
+def test_a_crash_still_shows_torchruns_traceback_as_it_came(
+    tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    data = _torchrun_stderr(tmp_path, (75, 3))
+    shown = _passed_through(data, capfdbinary)
+    assert shown == data.decode()
+    assert "ChildFailedError" in shown and "exitcode  : 3" in shown

@@ -103,6 +103,12 @@ def test_quarantine_mid_run_checkpoints_relaunches_on_one_gpu_and_resumes(
     assert (summary["steps_done"], summary["restarts"]) == (150, 1)
     assert f"gpuwatch launch: relaunch 1/2: GPU 1 ({gpu1}) left, quarantined: test" in stderr
     assert f"job {job}, 1 rank(s) on GPU 0" in stderr
+    # A planned relaunch: one line per rank, not torchrun's ChildFailedError traceback.
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr
+    ended = re.findall(
+        r"^gpuwatch launch: rank (\d) \(local rank \1, pid \d+\) (exited 75|killed by SIGTERM): ", stderr, re.M
+    )
+    assert sorted(rank for rank, _ in ended) == ["0", "1"] and ("exited 75" in {how for _, how in ended}), stderr
 
     incident = _incident(node, "resumed")
     assert (incident["gpu"], incident["uuid"], incident["cause"], incident["job"]) == (1, gpu1, "test", job)
@@ -179,6 +185,7 @@ def test_a_killed_rank_is_rescued_by_its_peer_and_the_job_loses_no_step(
     assert summary["resumed_from_steps"] == [rescued] and first_step == rescued + 1
     assert f"gpuwatch launch: relaunch 1/2: rank 1 on GPU 1 ({gpu1}) killed by SIGKILL after step " in stderr
     assert "daemon: no finding on GPU 1" in stderr
+    assert "ChildFailedError" in stderr  # a crash still shows torchrun's own account of it
     print(f"\nrank death, rescue on the CPU: first resumed step {to_resume_s:.2f} s after the SIGKILL, 0 steps lost")
 
 

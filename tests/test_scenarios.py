@@ -11,7 +11,7 @@ from gpuwatch.backends.sim import SCENARIOS
 from gpuwatch.offline import check
 from tests.helpers import metric_samples, sim_config, start_sim_node
 
-RULE_SCENARIOS = sorted(name for name in SCENARIOS if name not in {"demo", "healthy", "idle"})
+RULE_SCENARIOS = sorted(name for name in SCENARIOS if name not in {"demo", "all_series", "healthy", "idle"})
 # How long each fault needs before its rule can fire (windows, rates, repeats), in fake seconds.
 RUN_S = {"ecc_correctable_rate": 600.0, "xid_app_repeated": 120.0, "power_unstable": 300.0}
 WARNING_RULES = {"xid_app"}  # a warning finding never changes the GPU's state

@@ -145,6 +145,50 @@ def test_lifecycle_directives(service: dict[str, list[str]]) -> None:
     assert one(service, "TimeoutStopSec")
 
 
+def test_exit_2_is_not_restarted_and_other_failures_stop_after_a_limit() -> None:
+    """Exit 2 (no GPU, a bad config) cannot heal by itself: systemd must not restart it every RestartSec forever.
+
+    Other failures are restarted, but at most StartLimitBurst times in StartLimitIntervalSec, which must be long
+    enough to hold that many restarts RestartSec apart (systemd's default, 5 in 10 s, never trips at 5 s apart).
+    """
+    unit = parse_unit(UNIT.read_text())
+    service = unit["Service"]
+    assert one(service, "RestartPreventExitStatus").split() == ["2"]
+    assert one(service, "Restart") == "on-failure"
+    burst = int(one(unit["Unit"], "StartLimitBurst"))
+    interval = float(one(unit["Unit"], "StartLimitIntervalSec"))
+    assert 1 <= burst and interval > burst * float(one(service, "RestartSec"))
+
+
+def test_a_daemon_that_cannot_start_exits_2(tmp_path: Path) -> None:
+    """What RestartPreventExitStatus=2 relies on: no GPU and a bad config both end `gpuwatch run` with exit 2."""
+    from gpuwatch.bench.daemon_process import run_gpuwatch
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("interval_s = -1\n")
+    no_gpu = run_gpuwatch("run", "--backend", "nvml", "--state-dir", str(tmp_path / "s"), env={"LD_LIBRARY_PATH": ""})
+    bad_config = run_gpuwatch("run", "--config", str(bad))
+    assert (no_gpu.returncode, bad_config.returncode) == (2, 2), no_gpu.stderr + bad_config.stderr
+    assert "interval_s" in bad_config.stderr
+
+
+@pytest.mark.parametrize("directive", ["RestartPreventExitStatus=2", "StartLimitIntervalSec=600", "StartLimitBurst=5"])
+def test_verify_checks_the_restart_directives(tmp_path: Path, directive: str) -> None:
+    """systemd-analyze parses the directives that stop the flapping: a bad value in one is reported on its line."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    text = UNIT.read_text()
+    assert directive in text
+    line = text[: text.index(directive)].count("\n") + 1
+    unit = tmp_path / "gpuwatch.service"
+    unit.write_text(text.replace(directive, directive.split("=")[0] + "=bogus"))
+    proc = subprocess.run(
+        [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert f"gpuwatch.service:{line}: Failed to parse" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
 def test_watchdog_allows_three_default_ticks(service: dict[str, list[str]]) -> None:
     """The daemon pings once per sampling tick; one late tick must not get it killed."""
     assert float(one(service, "WatchdogSec")) >= 3 * config.Config().interval_s

@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from gpuwatch import wire
 from gpuwatch.config import DrillSchedule
 from gpuwatch.errors import DaemonError
+from gpuwatch.injection import Injection
 from gpuwatch.model import SAMPLE_FIELDS, Action, Finding, GpuEvent, Severity, TrainerInfo
-from gpuwatch.monitor import Injection
 from tests.drills.conftest import Job, start_drill_node
 from tests.drills.test_validate_drill import idle_gpu, use_fake_test
 from tests.helpers import SimNode

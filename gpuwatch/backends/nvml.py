@@ -79,8 +79,8 @@ class _Gpu:
     error: GpuReadError | None = None
     unsupported: set[str] = field(default_factory=set)
     nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
-    links: dict[str, Any] = field(default_factory=dict)  # link counters and states of the last slow sample
     tiers: dict[str, tuple[float, Any]] = field(default_factory=dict)  # read-plan group → (time read, value)
+    last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
 
 
 class NvmlBackend:
@@ -180,12 +180,13 @@ class NvmlBackend:
     # -- sampling ----------------------------------------------------------------------------
 
     def sample(self, index: int, now: float, *, slow: bool = False) -> GpuSample:
-        """Read one GPU. `slow` also reads PCIe replays, violation counters and energy.
+        """Read one GPU. `slow` also reads PCIe replays, violation counters, energy and the links; other samples
+        repeat what the last slow one read.
 
         Args:
             index: the NVML index of the GPU.
             now: the sample's timestamp (Unix seconds), supplied by the caller.
-            slow: read the costly fields too; otherwise they are None.
+            slow: read the costly fields too; otherwise they repeat the last slow reading (None before one).
 
         Raises:
             GpuReadError: this GPU failed (kind gpu_lost, reset_required or unknown).
@@ -239,11 +240,11 @@ class NvmlBackend:
                 **self._read_field_values(gpu, handle, self._field_ids),
             }
             if slow:
-                values.update(self._read_slow(gpu, handle))
-                gpu.links = self._read_links(gpu, handle)
-            # Link counters and states are read on slow samples; every sample repeats the last reading,
-            # so their rates and states are judged over windows shorter than slow_interval_s.
-            values.update(gpu.links)
+                gpu.last_slow = {**self._read_slow(gpu, handle), **self._read_links(gpu, handle)}
+            # The costly counters, link counters and link states are read on slow samples; every sample repeats
+            # the last reading, so every scrape has each series (rate() over them works) and link rates and
+            # states are judged over windows shorter than slow_interval_s.
+            values.update(gpu.last_slow)
         if remapped is not None:
             # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
             cor, unc, pending, failure = remapped

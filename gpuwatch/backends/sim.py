@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
@@ -207,7 +208,24 @@ _SCENARIO_LIST = (
         _LINK_FAST,
     ),
 )
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in _SCENARIO_LIST}
+# Last, not among the rule scenarios: every family of /metrics at once.
+_ALL_SERIES = Scenario(
+    "all_series",
+    "Every kind of reading a node can show (for dashboards, and the golden /metrics file): the demo's two "
+    "faults, NVLink CRC errors on GPU 1, a fabric stuck in progress on GPU 2, XID 13 on GPU 4 at t+15s, "
+    "GPU 6 falls off the bus at t+40s.",
+    (
+        Fault("hw_slowdown", 3, 20.0),
+        Fault("ecc_dbe", 5, 30.0),
+        Fault("nvlink_errors", 1, 10.0),
+        Fault("fabric_not_ready", 2, 10.0),
+        Fault("xid", 4, 15.0, xid=13),
+        Fault("gpu_lost", 6, 40.0),
+    ),
+    {**_CLOCK_FAST, **_LINK_FAST},
+    judged_by_s=90.0,
+)
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (*_SCENARIO_LIST, _ALL_SERIES)}
 
 
 def scenario(name: str) -> Scenario:
@@ -241,6 +259,7 @@ class _Counters:
     energy_mj: float
     violation_power_ns: int = 0
     violation_thermal_ns: int = 0
+    last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
 
 
 def _load_level(t_rel: float) -> float:
@@ -387,7 +406,8 @@ class SimBackend:
         )
 
     def _count(self, sample: GpuSample, slow: bool) -> GpuSample:
-        """Advance energy and violation counters by the time since this GPU's last sample; fill them if `slow`."""
+        """Advance energy and violation counters by the time since this GPU's last sample; read them if `slow`,
+        else repeat the last slow reading, as the NVML backend does."""
         with self._lock:
             c = self._counters[sample.index]
             dt = 0.0 if c.last_t is None else max(0.0, sample.t - c.last_t)
@@ -398,15 +418,14 @@ class SimBackend:
                 c.violation_power_ns += round(dt * 1e9)
             if reasons & (REASON_SW_THERMAL | REASON_HW_THERMAL):
                 c.violation_thermal_ns += round(dt * 1e9)
-            if not slow:
-                return sample
-            return replace(
-                sample,
-                energy_mj=round(c.energy_mj),
-                violation_power_ns=c.violation_power_ns,
-                violation_thermal_ns=c.violation_thermal_ns,
-                pcie_replay=0,
-            )
+            if slow:
+                c.last_slow = {
+                    "energy_mj": round(c.energy_mj),
+                    "violation_power_ns": c.violation_power_ns,
+                    "violation_thermal_ns": c.violation_thermal_ns,
+                    "pcie_replay": 0,
+                }
+            return replace(sample, **c.last_slow)
 
     def wait_events(self, timeout_s: float) -> list[GpuEvent | GpuError]:
         """Return the scripted events whose time has come; else wait for the next one, the timeout or close()."""

@@ -52,8 +52,9 @@ def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0, po
 
 
 def child_env(drop: Sequence[str] = ("GPUWATCH_",)) -> dict[str, str]:
-    """This process's environment without the variables whose names start with one of `drop`."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop))}
+    """This process's environment without the variables whose names start with one of `drop`, and with
+    GPUWATCH_CONFIG empty: a child reads no config file but the one its flags name (never the node's own)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(tuple(drop))}, "GPUWATCH_CONFIG": ""}
 
 
 def toml_text(tables: ConfigTables) -> str:

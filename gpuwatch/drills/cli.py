@@ -32,6 +32,19 @@ if TYPE_CHECKING:
 _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 
 
+class _GpuOrAll(click.ParamType):
+    """--clear's optional value: a GPU index, or "all" when the option is given alone."""
+
+    name = "GPU"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if value == "all" or isinstance(value, int):
+            return value
+        if not str(value).isdigit():
+            self.fail(f"{value!r} is not a GPU index", param, ctx)
+        return int(value)
+
+
 @click.command("drill", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--inject", "inject_spec", metavar="SPEC", help="e.g. 'gpu=1,sm_clock_mhz=500,for=600' or 'gpu=0,preset=xid79'."
@@ -58,6 +71,14 @@ _MARKS = {PASS: "pass", FAIL: "FAIL", "skip": "skip", "not_run": "not run"}
 @click.option(
     "--list", "show_list", is_flag=True, help="List drill kinds and the next scheduled runs; no daemon needed."
 )
+@click.option(
+    "--clear",
+    type=_GpuOrAll(),
+    is_flag=False,
+    flag_value="all",
+    metavar="[GPU]",
+    help="End the injections in force now, on GPU or (without one) on every GPU.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan, check the guards, change nothing.")
 @click.option("--yes", is_flag=True, help="Really do a drill that kills, faults, resets or unplugs something.")
 @click.option("--await-release", is_flag=True, help="Also wait for the burn-in release after a quarantine.")
@@ -77,6 +98,7 @@ def drill(
     validate: int | None,
     rank: int | None,
     show_list: bool,
+    clear: int | str | None,
     dry_run: bool,
     yes: bool,
     await_release: bool,
@@ -104,12 +126,15 @@ def drill(
         )
         if value is not None
     ]
-    if len(chosen) + show_list != 1:
-        fail("give one of --list, " + ", ".join(k.option for k in KINDS.values()))
+    if len(chosen) + show_list + (clear is not None) != 1:
+        fail("give one of --list, --clear, " + ", ".join(k.option for k in KINDS.values()))
     try:
         config = load(config_path, overrides={"listen": listen, "state_dir": state_dir})
         if show_list:
             _list(config, datetime.now(timezone.utc))
+            return
+        if clear is not None:
+            _clear(config, clear if isinstance(clear, int) else None, config_path)
             return
         name, value = chosen[0]
         spec = value if isinstance(value, str) else ""
@@ -187,6 +212,23 @@ def _print(verdict: Verdict, title: str, as_json: bool) -> None:
     if verdict.broke_at:
         failed = next(s for s in verdict.steps if s.name == verdict.broke_at)
         click.echo(f"drill {verdict.drill} FAILED at step {failed.name}: {failed.detail}", err=True)
+
+
+def _clear(config: Config, gpu: int | None, config_path: str | None) -> None:
+    """End the injections in force (on `gpu`, else on every GPU) now, one line for each; or say there was none."""
+    from gpuwatch.client import DaemonClient
+
+    client = DaemonClient(config, config_path=config_path)
+    client.require_control()
+    now = time.time()
+    listed = [i for i in client.injections() if gpu is None or i.gpu == gpu]
+    if not listed:
+        click.echo(f"no injection in force on {'any GPU' if gpu is None else f'GPU {gpu}'}: nothing changed")
+    for injection in listed:
+        client.end_injection(injection.id)
+        fields = ",".join(f"{k}={v}" for k, v in injection.fields.items())
+        left = f"{max(0.0, injection.until - now):.0f} s early"
+        click.echo(f"ended injection {injection.id} on GPU {injection.gpu} ({fields}) {left}")
 
 
 def _list(config: Config, now: datetime) -> None:

@@ -203,11 +203,12 @@ def test_status_lists_kernel_xids_with_their_time(tmp_path: Path, monkeypatch: p
 
     from gpuwatch.cli import main
     from gpuwatch.client import DaemonClient
-    from gpuwatch.wire import Gpu
+    from gpuwatch.wire import GpuList
 
     gpu = {"index": 0, "uuid": "GPU-a", "state": "healthy", "quarantined": False, "findings": [], "sample": None}
     gpu |= {"suggested_action": "none", "kernel_xids": [{"t": BOOT, "xid": 31, "line": XID31}]}
-    monkeypatch.setattr(DaemonClient, "gpus", lambda self: [Gpu.model_validate(gpu)])
+    listed = GpuList.model_validate({"t": BOOT, "backend": "nvml", "gpus": [gpu]})
+    monkeypatch.setattr(DaemonClient, "gpu_list", lambda self: listed)
     result = CliRunner().invoke(main, ["status", "--state-dir", str(tmp_path)], terminal_width=400)
     assert result.exit_code == 0, result.output
     assert "GPU 0 kernel log 2027-01-15 08:00:00 UTC: XID 31: NVRM: Xid (PCI:0000:18:00): 31, pid=4242" in result.output

@@ -13,7 +13,7 @@ from gpuwatch.backends.base import Backend
 from gpuwatch.backends.nvml import NvmlBackend
 from gpuwatch.config import Config, NvmlConfig
 from gpuwatch.errors import BackendUnavailable, GpuReadError
-from gpuwatch.model import GpuError, GpuEvent, GpuStatic
+from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 from tests.fakes import fake_pynvml as fake
 from tests.fakes.fake_pynvml import PROCESS_COUNT, FakeGpu, FakeNvml
 
@@ -105,14 +105,22 @@ def test_sample_maps_every_fast_field(backend: NvmlBackend) -> None:
     assert sample.pids == (4242, 4243)
 
 
-def test_slow_fields_only_when_asked(backend: NvmlBackend) -> None:
-    fast = backend.sample(0, 1.0)
-    assert (fast.pcie_replay, fast.violation_power_ns, fast.violation_thermal_ns, fast.energy_mj) == (None,) * 4
+def slow_fields(sample: GpuSample) -> tuple[int | None, ...]:
+    return sample.pcie_replay, sample.violation_power_ns, sample.violation_thermal_ns, sample.energy_mj
+
+
+def test_slow_fields_are_read_when_asked_and_repeated_until_the_next_slow_sample(
+    nvml: FakeNvml, backend: NvmlBackend
+) -> None:
+    """Every sample carries the slow counters, so every scrape has their series (a rate() needs each scrape)."""
+    assert slow_fields(backend.sample(0, 1.0)) == (None,) * 4  # nothing read yet
     slow = backend.sample(0, 2.0, slow=True)
-    assert slow.pcie_replay == 7
-    assert slow.violation_power_ns == 61100084832 and slow.violation_thermal_ns == 12
-    assert slow.energy_mj == 47746405
+    assert slow_fields(slow) == (7, 61100084832, 12, 47746405)
     assert slow.sm_clock_mhz == 1425
+    nvml.gpus[0].energy_mj += 1000
+    assert [slow_fields(backend.sample(0, t)) for t in (3.0, 4.0)] == [slow_fields(slow)] * 2  # not read again
+    assert backend.sample(0, 5.0, slow=True).energy_mj == 47746405 + 1000
+    assert slow_fields(backend.sample(1, 5.0)) == (None,) * 4  # per GPU
 
 
 def test_fast_path_makes_no_slow_call(nvml: FakeNvml, backend: NvmlBackend) -> None:

@@ -19,6 +19,7 @@ from gpuwatch.backends.sim import BUSY_S, CYCLE_S, SCENARIOS, SimBackend
 from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
+from gpuwatch.health import node
 from gpuwatch.health.engine import ALL_RULE_IDS
 from gpuwatch.model import GpuEvent, GpuSample
 from gpuwatch.trace import read_trace
@@ -138,23 +139,30 @@ def test_slow_fields_accumulate() -> None:
     assert second.violation_power_ns - first.violation_power_ns <= 10 * 10**9
     assert second.violation_power_ns > first.violation_power_ns  # capped most of the time
     assert second.violation_thermal_ns == 0 and second.pcie_replay == 0
+    between = backend.sample(0, T0 + 16)  # not slow: the last slow reading, repeated
+    assert (between.energy_mj, between.violation_power_ns, between.pcie_replay) == (
+        second.energy_mj,
+        second.violation_power_ns,
+        0,
+    )
 
 
 POLICY_FINDINGS = {"repeat_offender", "validation_failed"}  # the policy's findings, not a rule's: no scenario
 
 
 def readme_rule_ids() -> set[str]:
-    """The rule ids of the README's health table (first column, comma-separated ids in backticks)."""
-    text = (ROOT / "README.md").read_text()
+    """The rule ids of the rules page's table (docs/rules.md; first column, comma-separated ids in backticks)."""
+    text = (ROOT / "docs" / "rules.md").read_text()
     table = text[text.index("| rule id |") :].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     return {rule for row in rows for rule in re.findall(r"`(\w+)`", row.split("|")[1])}
 
 
 def test_every_rule_has_a_scenario_named_after_it() -> None:
-    """One scenario per rule id the engine has and the README's table promises, plus demo, healthy and idle."""
-    assert readme_rule_ids() == {*ALL_RULE_IDS, *POLICY_FINDINGS}
-    assert set(SCENARIOS) == {"demo", "healthy", "idle", *ALL_RULE_IDS}
+    """One scenario per rule id of a GPU the engine has and the rules page promises, plus demo, healthy, idle and
+    all_series (gpu_missing, on the node, is seen with fewer --sim-gpus than expected_gpus)."""
+    assert readme_rule_ids() == {*ALL_RULE_IDS, *node.RULE_IDS, *POLICY_FINDINGS}
+    assert set(SCENARIOS) == {"demo", "healthy", "idle", "all_series", *ALL_RULE_IDS}
     rule_fields = dataclasses.asdict(RulesConfig())
     for scenario in SCENARIOS.values():
         assert scenario.description

@@ -54,7 +54,7 @@ def test_list_with_a_bad_schedule_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args", [[], ["--xid-fault", "0", "--reset-gpu", "1"], ["--list", "--kill-rank", "0"]])
 def test_exactly_one_drill(args: list[str]) -> None:
-    one_line_error(invoke(*args), "give one of --list, --inject, --dcgm-inject")
+    one_line_error(invoke(*args), "give one of --list, --clear, --inject, --dcgm-inject")
 
 
 @pytest.mark.parametrize(

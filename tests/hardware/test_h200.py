@@ -71,6 +71,12 @@ def test_sampling_is_cheap(nvml: tuple[NvmlBackend, tuple[GpuStatic, ...]]) -> N
         print(sample)
         assert sample.sm_clock_mhz and sample.power_w and sample.temp_c is not None
         assert sample.energy_mj is None and slow.energy_mj is not None and slow.energy_mj > 0
+        after = backend.sample(static.index, time.time())  # not slow: the slow counters repeated, not read again
+        assert (after.energy_mj, after.violation_power_ns, after.pcie_replay) == (
+            slow.energy_mj,
+            slow.violation_power_ns,
+            slow.pcie_replay,
+        )
         assert median < MAX_MEDIAN_S
 
 
