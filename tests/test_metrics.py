@@ -3,7 +3,6 @@ series the docs name present in that file; the slow counters on every scrape."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -16,8 +15,10 @@ import pytest
 
 from gpuwatch.backends.kmsg import KernelLog
 from gpuwatch.bench.daemon_process import free_port
+from gpuwatch.bench.interference import CONDITIONS
 from tests.helpers import REPO, SimNode, fake_scontrol, metric_samples, start_sim_node
 from tests.remediation.conftest import Spawn, spawn  # noqa: F401  # the ranks of the node's training job
+from tests.reporting import FakeRank
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 # Values move with the simulated load; the golden file pins names, types, help and label sets.
@@ -47,12 +48,10 @@ def demo_metrics(tmp_path: Path) -> str:
         node.close()
 
 
-def _report(sim: SimNode, pid: int, gpu: int, **fields: object) -> None:
-    """A trainer rank's report as TrainerLink writes it."""
-    trainers = Path(sim.daemon.config.runtime_dir) / "trainers"
-    body = {"t": sim.clock.t, "pid": pid, "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
-    (trainers / f"{pid}.tmp").write_text(json.dumps(body))
-    os.replace(trainers / f"{pid}.tmp", trainers / f"{pid}.json")
+def _report(sim: SimNode, process: FakeRank, gpu: int, **fields: object) -> None:
+    """A trainer rank's report as TrainerLink sends it."""
+    body = {"t": sim.clock.t, "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
+    process.report(sim.daemon.config.runtime_dir, **body)
 
 
 def _incident_status(sim: SimNode) -> str:
@@ -98,14 +97,12 @@ def every_family(tmp_path: Path, spawn: Spawn) -> Iterator[SimNode]:  # noqa: F8
         sim.run_for(120)  # the faults, the quarantines they bring, and the breakers they ask
         ranks = [spawn("cooperative") for _ in range(2)]
         for rank, child in enumerate(ranks):
-            _report(sim, child.pid, rank, rank=rank, local_rank=rank, step=40, first_step=1, **job, **stats)
+            _report(sim, child, rank, rank=rank, local_rank=rank, step=40, first_step=1, **job, **stats)
         sim.run_for(5)
         assert sim.client.post("/v1/gpus/0/quarantine", json={"reason": "golden"}, headers=sim.auth).status_code == 200
         _wait("the job stopped", lambda: _incident_status(sim) == "stopped")
         for rank, gpu in enumerate((1, 2)):  # the relaunch, without GPU 0; straggler needs peers to compare
-            _report(
-                sim, spawn("cooperative").pid, gpu, rank=rank, local_rank=rank, step=41, first_step=41, **job, **stats
-            )
+            _report(sim, spawn("cooperative"), gpu, rank=rank, local_rank=rank, step=41, first_step=41, **job, **stats)
         sim.run_for(5)
         _wait("the job resumed", lambda: _incident_status(sim) == "resumed")
         verdict = {
@@ -156,7 +153,8 @@ def test_every_documented_series_is_in_the_golden_file() -> None:
     exposed = set(re.findall(r"^(gpuwatch_\w+)[{ ]", golden, re.MULTILINE))
     documented = documented_series()
     assert len(documented) > 50, sorted(documented)  # not vacuous: the metrics reference names them all
-    missing = {name: sorted(pages) for name, pages in documented.items() if name not in exposed}
+    conditions = set(CONDITIONS)  # the interference bench's condition names (`gpuwatch_1s`) are no series
+    missing = {name: sorted(pages) for name, pages in documented.items() if name not in exposed | conditions}
     assert missing == {}
 
 
