@@ -18,14 +18,14 @@ REASONS = ("invalid", "too_large", "rate", "user_limit", "node_limit")
 
 
 class RuntimeCollector(Collector):
-    """gpuwatch_trainer_reports_refused_total{reason}, gpuwatch_trainer_report_connections, status.json write errors."""
+    """gpuwatch_reports_refused_total{reason}, gpuwatch_report_connections, status.json write errors."""
 
     def __init__(self, runtime: RuntimeDir) -> None:
         self.runtime = runtime
 
     def collect(self) -> Iterator[Metric]:
         refused = CounterMetricFamily(
-            "gpuwatch_trainer_reports_refused",
+            "gpuwatch_reports_refused",
             "Trainer reports or connections refused, by reason (invalid, too_large, rate, user_limit, node_limit).",
             labels=["reason"],
         )
@@ -34,7 +34,7 @@ class RuntimeCollector(Collector):
             refused.add_metric([reason], counts.get(reason, 0))
         yield refused
         yield GaugeMetricFamily(
-            "gpuwatch_trainer_report_connections",
+            "gpuwatch_report_connections",
             "Trainer ranks connected to the report socket now.",
             value=self.runtime.board.connections(),
         )
