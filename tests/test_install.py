@@ -165,8 +165,8 @@ def test_service_install_puts_the_node_files_in_place(node: Node) -> None:
     assert link.is_symlink() and link.resolve() == node.bin / "gpuwatch"
     assert not (node.prefix / "etc/systemd/system/gpuwatch.service.d").exists()  # the pcie drill's: opt-in
     assert "kept /etc/gpuwatch/gpuwatch.toml as it is" in node.installed
-    assert "verified gpuwatch.service with systemd-analyze" in node.installed
-    assert "enabled gpuwatch.service; not started in that root" in node.installed
+    assert "verified gpuwatch.socket, gpuwatch.service with systemd-analyze" in node.installed
+    assert "enabled gpuwatch.socket, gpuwatch.service; not started in that root" in node.installed
     manifest = json.loads((node.venv / "share/gpuwatch/installed.json").read_text())
     assert [f["target"] for f in manifest["files"]] == ["/etc/systemd/system/gpuwatch.service"]
     assert manifest["enabled"] == ["gpuwatch.service"] and manifest["link"] == "/usr/local/bin/gpuwatch"

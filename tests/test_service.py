@@ -50,13 +50,14 @@ def test_install_then_uninstall_leaves_the_root_exactly_as_it_was(tmp_path: Path
     assert installed.exit_code == 0, installed.output
     assert installed.output.splitlines() == [
         "installed /etc/gpuwatch/gpuwatch.toml",
+        "installed /etc/systemd/system/gpuwatch.socket",
         "installed /etc/systemd/system/gpuwatch.service",
         "linked /usr/local/bin/gpuwatch -> /opt/gpuwatch/bin/gpuwatch",
-        "verified gpuwatch.service with systemd-analyze",
+        "verified gpuwatch.socket, gpuwatch.service with systemd-analyze",
         "the monitoring assets are in /opt/gpuwatch/share/gpuwatch/monitoring: gpuwatch service assets --out DIR "
         "copies them for Prometheus",
         "next: edit /etc/gpuwatch/gpuwatch.toml if this is not an 8-GPU NVML node, then: "
-        "systemctl enable --now gpuwatch.service",
+        "systemctl enable --now gpuwatch.socket gpuwatch.service",
     ]
     assert (root / "etc/gpuwatch/gpuwatch.toml").read_bytes() == (REPO / "systemd/gpuwatch.toml").read_bytes()
     assert not (root / "etc/systemd/system/multi-user.target.wants").exists()  # not enabled without --now
@@ -105,7 +106,7 @@ def test_an_edited_config_is_never_overwritten_nor_removed_without_purge(tmp_pat
     assert config.exists()
     assert service(root, "install").exit_code == 0  # a config not of this install: kept, and not recorded
     assert json.loads((root / "opt/gpuwatch/share/gpuwatch/installed.json").read_text())["files"][0]["target"] == (
-        "/etc/systemd/system/gpuwatch.service"
+        "/etc/systemd/system/gpuwatch.socket"
     )
     (root / "var/lib/gpuwatch").mkdir()
     purged = service(root, "uninstall", "--purge")

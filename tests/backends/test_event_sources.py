@@ -131,7 +131,9 @@ def test_the_mode_is_kept_across_a_reset() -> None:
 def test_a_mode_not_known_is_one_line_naming_the_key(tmp_path: Path) -> None:
     path = tmp_path / "gpuwatch.toml"
     path.write_text('[nvml]\nevents = "some"\n')
-    with pytest.raises(ConfigError, match=r"^nvml\.events: 'some' is not auto, xid, all or none$"):
+    with pytest.raises(
+        ConfigError, match=r"^nvml\.events: 'some' is not auto, xid, all or none \(in .*gpuwatch\.toml\)$"
+    ):
         load(path, environ={})
     assert load(path, environ={"GPUWATCH_NVML_EVENTS": "all"}).nvml.events == "all"
 

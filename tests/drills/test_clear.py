@@ -86,11 +86,13 @@ def test_delete_needs_the_token_and_names_an_unknown_id(daemon: DaemonProcess) -
     )
 
 
-def test_clear_without_the_token_is_one_line_and_ends_nothing(daemon: DaemonProcess, tmp_path: Path) -> None:
+def test_clear_without_the_daemons_control_socket_is_one_line_and_ends_nothing(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
     injection = inject(daemon, 1)
     done = run_gpuwatch("drill", "--clear", "--listen", daemon.listen, "--state-dir", str(tmp_path))
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "cannot read the API token" in done.stderr
+    assert "no control socket at" in done.stderr
     assert [i["id"] for i in daemon.get("/v1/injections")["injections"]] == [injection]
     call(daemon, "DELETE", f"/v1/injections/{injection}")
 
