@@ -168,8 +168,14 @@ def test_service_install_puts_the_node_files_in_place(node: Node) -> None:
     assert "verified gpuwatch.socket, gpuwatch.service with systemd-analyze" in node.installed
     assert "enabled gpuwatch.socket, gpuwatch.service; not started in that root" in node.installed
     manifest = json.loads((node.venv / "share/gpuwatch/installed.json").read_text())
-    assert [f["target"] for f in manifest["files"]] == ["/etc/systemd/system/gpuwatch.service"]
-    assert manifest["enabled"] == ["gpuwatch.service"] and manifest["link"] == "/usr/local/bin/gpuwatch"
+    assert [f["target"] for f in manifest["files"]] == [
+        "/etc/systemd/system/gpuwatch.socket",
+        "/etc/systemd/system/gpuwatch.service",
+    ]
+    assert manifest["enabled"] == ["gpuwatch.socket", "gpuwatch.service"]
+    assert manifest["link"] == "/usr/local/bin/gpuwatch"
+    socket_wants = node.prefix / "etc/systemd/system/sockets.target.wants/gpuwatch.socket"
+    assert os.readlink(socket_wants) == "/etc/systemd/system/gpuwatch.socket"  # the port is held from boot
 
 
 def test_the_package_index_page_is_the_readme(node: Node) -> None:
