@@ -264,6 +264,23 @@ def load_latest(
     return None
 
 
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The step of the checkpoint `latest` names, from its manifest alone (nothing verified, no state read).
+
+    What a restore from a host snapshot compares with: a snapshot older than the disk's newest is not
+    the one to resume from. None when there is no `latest` or its manifest is unreadable.
+    """
+    directory = Path(directory)
+    name = _read_latest(directory) if directory.is_dir() else None
+    if name is None or not _STEP_DIR.match(name):
+        return None
+    try:
+        step = json.loads((directory / name / MANIFEST).read_bytes()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 # -- saving ----------------------------------------------------------------------------------------
 
 

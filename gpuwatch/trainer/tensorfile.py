@@ -113,11 +113,11 @@ def plan(state: Any) -> FlatState | None:
     Nothing is copied: the sources are views of the state's own tensors (a non-contiguous one is
     made contiguous on its device).
     """
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     if torch is None:
         return None
     records: list[TensorRecord] = []
-    sources: list[torch.Tensor] = []
+    sources: list[Any] = []
     index_of: dict[tuple[Any, ...], int] = {}
     offset = 0
 
@@ -128,8 +128,8 @@ def plan(state: Any) -> FlatState | None:
                 return None
             if type(obj) not in (torch.Tensor, torch.nn.Parameter) or not _plain(torch, obj):
                 raise _NotFlat(f"{type(obj).__name__} with layout {obj.layout}")
-            key = (obj.device, obj.dtype, obj.untyped_storage().data_ptr(), obj.storage_offset())
-            key += (tuple(obj.shape), tuple(obj.stride()))
+            where = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()))
+            key = (obj.device, obj.dtype, *where)
             if key in index_of:
                 return ("tensor", index_of[key])
             tensor = obj.detach().resolve_conj().resolve_neg()
@@ -445,7 +445,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def read_chunks_into(
-    fd: int, targets: Callable[[int, int], list[memoryview]], chunks: Sequence[Chunk]
+    fd: int, targets: Callable[[int, int], list[memoryview]], chunks: Sequence[Chunk], base: int = 0
 ) -> list[tuple[Chunk, int]]:
     """Read each chunk into the buffers `targets(offset, length)` gives, in parallel; each chunk with the crc read.
 
@@ -455,14 +455,16 @@ def read_chunks_into(
 
     def one(c: Chunk) -> tuple[Chunk, int]:
         buffers = targets(c.offset, c.length)
-        _preadv_all(fd, buffers, c.offset, c.length)
+        _preadv_all(fd, buffers, base + c.offset, c.length)
         return c, crc_of(buffers)
 
     return _parallel(one, list(chunks), min(workers(), len(chunks)))
 
 
-def read_flat(fd: int, size: int, chunks: Sequence[Chunk], map_location: Any = None) -> Any:
+def read_flat(fd: int, size: int, chunks: Sequence[Chunk], map_location: Any = None, *, base: int = 0) -> Any:
     """The state in the flat file `fd` of `size` bytes, every chunk verified against `chunks` before it is returned.
+
+    `base`: where the flat file starts in `fd` (a host snapshot's slot has a header before it).
 
     Raises:
         FlatFileError: a chunk's crc32 differs, the chunks do not tile the file, or the file does not parse.
@@ -470,7 +472,7 @@ def read_flat(fd: int, size: int, chunks: Sequence[Chunk], map_location: Any = N
     check_tiling(chunks, size)
     first = chunks[0]
     prefix = bytearray(first.length)
-    _preadv_all(fd, [memoryview(prefix)], 0, first.length)
+    _preadv_all(fd, [memoryview(prefix)], base, first.length)
     if zlib.crc32(prefix) != first.crc:
         raise FlatFileError(f"crc32 mismatch in bytes 0-{first.length}")
     tree, records, data_off = parse_prefix(memoryview(prefix), size)
@@ -491,7 +493,7 @@ def read_flat(fd: int, size: int, chunks: Sequence[Chunk], map_location: Any = N
             out.append(memoryview(bytearray(end - pos)))
         return out
 
-    for chunk, crc in read_chunks_into(fd, targets, chunks[1:]):
+    for chunk, crc in read_chunks_into(fd, targets, chunks[1:], base):
         if crc != chunk.crc:
             raise FlatFileError(f"crc32 mismatch in bytes {chunk.offset}-{chunk.offset + chunk.length}")
     state = build_state(tree, finish_tensors(records, tensors))
@@ -580,7 +582,8 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, length: int) ->
 
 
 def _parallel(fn: Callable[[Any], Any], items: list[Any], n: int) -> list[Any]:
-    if n <= 1 or len(items) <= 1:
+    """fn over items on n threads; on this thread when one would do (a small state: no pool to start)."""
+    if n <= 1 or len(items) <= 2:
         return [fn(item) for item in items]
     with concurrent.futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpuwatch-io") as pool:
         return list(pool.map(fn, items))
