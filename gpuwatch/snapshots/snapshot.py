@@ -381,8 +381,10 @@ class HostSnapshot:
         """Write the checkpoint of `step` from the host snapshot, in the background (`wait`: before returning).
 
         Replicated state only: rank 0 writes, the others return at once; no collective call. The
-        snapshot of `step` is the one in flight or committed, else one is taken now. With snapshots off,
-        rank 0 saves with save_checkpoint (single writer) instead.
+        snapshot of `step` is the one in flight or committed, else one is taken now (a synchronous copy:
+        make the checkpoint cadence a multiple of K). With snapshots off, rank 0 saves with
+        save_checkpoint (single writer) instead. A later snapshot that needs the slot being written
+        waits for the write, so keep the checkpoint cadence longer than one disk write.
 
         Raises:
             ValueError: the state is sharded (write its checkpoint with DCP), or keep is below 1.
@@ -396,6 +398,8 @@ class HostSnapshot:
             return
         self._join_disk()
         k = self._slot_of(step)
+        if k is None and self.snapshot_now(step):  # K does not divide the checkpoint cadence: one copy now
+            k = self._slot_of(step)
         if k is None:
             save_checkpoint(directory, step, self._state_fn(), keep=keep, single_writer=True)
             return
