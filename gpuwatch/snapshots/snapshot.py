@@ -164,6 +164,7 @@ class HostSnapshot:
         self.setup_s = 0.0
         self.last_copy_s: float | None = None
         self.last_cost_s: float | None = None
+        self.auto_basis: tuple[float, float] | None = None  # with "auto": (cost_s, step_s) it chose K from
 
     # -- resuming -----------------------------------------------------------------------------------
 
@@ -347,6 +348,7 @@ class HostSnapshot:
             if self._every is None:
                 step_s = statistics.median(self._plain) if self._plain else 0.0
                 self._every = choose_every(job.cost_s, step_s, share=self.share, max_every=self.max_every)
+                self.auto_basis = (job.cost_s, step_s)
                 log.info(
                     "host snapshot of %s costs %.3f s of a %.3f s step: every %d step(s) keeps it under %g %%",
                     _size(self.state_bytes), job.cost_s, step_s, self._every, self.share * 100,
@@ -538,6 +540,7 @@ class HostSnapshot:
             "mean_cost_s": statistics.fmean(self._costs) if self._costs else None,
             "step_s": statistics.median(self._plain) if self._plain else None,
             "device": "cpu" if self._cuda is None else f"cuda:{self._cuda}",
+            "auto_basis": self.auto_basis,
         }
 
     # -- helpers --------------------------------------------------------------------------------------

@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             optim.step()
             step += 1
             link.step(step, loss, grad_norm)
+            if snap is not None:  # before the step is logged: its return bounds the snapshot's lag (K)
+                snap.step(step)
             progress["launches"][-1]["furthest"] = step
             if rank == 0:
                 _save_progress(ckpt_dir, progress)  # every step, so a killed launch still counts its lost steps
             if step_log is not None:
                 step_log.write(step=step)
-            if snap is not None:
-                snap.step(step)
             if step % args.ckpt_every == 0 or step == args.steps:
                 with link.rescue(save):
                     checkpoint()
