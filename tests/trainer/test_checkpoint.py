@@ -18,6 +18,7 @@ from gpuwatch.trainer.checkpoint import (
     LATEST,
     MANIFEST,
     commit_checkpoint,
+    latest_step,
     load_latest,
     new_temp_dir,
     save_checkpoint,
@@ -369,3 +370,63 @@ def test_single_writer_leaves_another_survivors_temp_dir_of_the_same_step(tmp_pa
     save_checkpoint(tmp_path, 7, _state(7), single_writer=True)
 
     assert other.is_dir() and not stale.exists()
+
+
+# -- what earlier versions wrote, and what a flat file cannot hold ---------------------------------
+
+
+def _save_v1(directory: Path, step: int, state: object) -> Path:
+    """A checkpoint exactly as manifest version 1 wrote it: torch.save into state.pt, sha256 per file."""
+    import hashlib
+
+    final = directory / f"step-{step:08d}"
+    final.mkdir(parents=True)
+    torch.save(state, final / "state.pt")
+    data = (final / "state.pt").read_bytes()
+    files = {"state.pt": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    manifest = {"version": 1, "step": step, "t": 0.0, "state_file": "state.pt", "files": files}
+    (final / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (directory / LATEST).write_text(f"{final.name}\n")
+    return final
+
+
+def test_a_checkpoint_written_by_manifest_version_1_still_loads_and_verifies(tmp_path: Path) -> None:
+    path = _save_v1(tmp_path, 20, _state(20))
+
+    assert verify_checkpoint(path) is None
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 20 and torch.equal(loaded.state["w"], _state(20)["w"])
+
+    save_checkpoint(tmp_path, 30, _state(30))  # a new save beside it, in the new format
+    _flip_byte(tmp_path / "step-00000030" / "state.flat", offset=8192 + 5)
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 20  # falls back to the old one, which verifies
+    assert loaded.skipped[0][0] == "step-00000030" and loaded.skipped[0][1].startswith("crc32 mismatch for state.flat")
+
+    _flip_byte(path / "state.pt")
+    assert verify_checkpoint(path) == "sha256 mismatch for state.pt"
+
+
+class _Note:
+    """A custom object: not a plain value, so the state goes through torch.save."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def test_a_state_with_custom_objects_is_saved_with_torch_save_and_crc32(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, 4, {"w": torch.ones(3), "note": _Note("hi")})
+
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["state_file"] == "state.pt" and "crc32" in manifest["files"]["state.pt"]
+    loaded = load_latest(tmp_path, weights_only=False)
+    assert loaded is not None and loaded.state["note"].text == "hi"
+
+
+def test_latest_step_reads_the_manifest_only(tmp_path: Path) -> None:
+    assert latest_step(tmp_path) is None
+    _save_steps(tmp_path, 3, 8)
+    (tmp_path / "step-00000008" / "state.flat").unlink()  # not read: the step comes from the manifest
+    assert latest_step(tmp_path) == 8
+    (tmp_path / LATEST).write_text("../elsewhere\n")
+    assert latest_step(tmp_path) is None
