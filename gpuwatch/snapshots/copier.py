@@ -10,8 +10,9 @@ The state's tensors are copied where they live, while the next step's forward an
   for it on the host.
 
 Tensors the optimizer does not own (buffers such as BatchNorm's running stats, which the forward
-updates in place) are cloned at the boundary, on their device, and copied from the clone. Then
-the copier checksums the slot (crc32 per chunk, a pool of threads) and commits it.
+updates in place) are cloned at the boundary, on their device, and copied from the clone. The copy
+goes chunk by chunk (64 MiB), each chunk's crc32 computed on a pool of threads as soon as its bytes
+are in, so the checksums end shortly after the copy; then the copier commits the slot.
 
 Test-only hook: with GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT=<step> in the environment, the
 process SIGKILLs itself after the snapshot of that step is copied and checksummed, just before its
@@ -20,16 +21,19 @@ slot's commit: the torn slot a death mid-copy leaves. Never set it outside a tes
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpuwatch.snapshots.slot import Slot, chunk_size_for
+from gpuwatch.trainer import tensorfile
 from gpuwatch.trainer.tensorfile import FlatState
 
 if TYPE_CHECKING:
@@ -146,9 +150,8 @@ class CopyJob:
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            self._copy()
-            self.copy_s = time.perf_counter() - started
-            self._commit()
+            crcs = self._copy_and_checksum()
+            self._commit(crcs)
         except BaseException as exc:  # reported by the training thread at the next boundary
             self.error = exc
         finally:
@@ -157,37 +160,57 @@ class CopyJob:
             self.worker_s = time.perf_counter() - started
             self.committed.set()
 
-    def _copy(self) -> None:
+    def _copy_and_checksum(self) -> list[int]:
+        """Copy chunk by chunk; each chunk's crc32 runs on the pool as soon as its bytes are in (pipelined)."""
         torch = sys.modules["torch"]
+        started = time.perf_counter()
+        self._chunk = chunk_size_for(self.flat.size)
+        ranges = tensorfile.chunk_ranges(self.flat.data_off, self.flat.size, self._chunk)
+        spans = [(r.offset, r.nbytes, s) for r, s in zip(self.flat.records, self._sources, strict=True) if r.nbytes]
+        view = self.slot.payload_view(self.flat.size)
+        pool = _pool()
         self.slot.write_prefix(self.flat.prefix)
-        pairs = [(r, s) for r, s in zip(self.flat.records, self._sources, strict=True) if r.nbytes]
-        if self.cuda is None:
-            for record, source in pairs:
-                self.slot.payload_tensor(record.offset, record.nbytes).copy_(source)
-            self.copied.set()
-            return
-        with torch.cuda.device(self.cuda):
-            stream = _side_stream(torch, self.cuda)
-            with torch.cuda.stream(stream):
+        futures = [pool.submit(_crc, view, ranges[0], None)]
+        context = torch.cuda.device(self.cuda) if self.cuda is not None else contextlib.nullcontext()
+        with context:
+            stream = _side_stream(torch, self.cuda) if self.cuda is not None else None
+            if stream is not None:
                 stream.wait_event(self._ready)
-                for record, source in pairs:
-                    if source.device.type != "cpu":
-                        self.slot.payload_tensor(record.offset, record.nbytes).copy_(source, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            self._done_event = done
+            for offset, length in ranges[1:]:
+                ready = self._copy_range(torch, stream, spans, offset, length)
+                futures.append(pool.submit(_crc, view, (offset, length), ready))
+            if stream is not None:
+                self._done_event = torch.cuda.Event()
+                self._done_event.record(stream)
             self.copied.set()
-            done.synchronize()
+            crcs = [f.result() for f in futures]
+        self.copy_s = time.perf_counter() - started
+        return crcs
 
-    def _commit(self) -> None:
-        chunk = chunk_size_for(self.flat.size)
-        crcs = self.slot.checksums(self.flat.size, self.flat.data_off, chunk)
+    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int) -> Any:
+        """Copy what belongs in payload [offset, offset + length); on CUDA the event that says when it is in."""
+        for piece in tensorfile.pieces(spans, offset, length):
+            dst = self.slot.payload_tensor(offset + piece.at, piece.length)
+            if piece.source is None:
+                dst.zero_()  # padding: the file's bytes, so the checksum and a disk copy are the same
+            elif stream is None:
+                dst.copy_(piece.source[piece.start : piece.start + piece.length])
+            elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
+                with torch.cuda.stream(stream):
+                    dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _commit(self, crcs: list[int]) -> None:
         self.slot.commit(
             step=self.step,
             seq=self.seq,
             payload_len=self.flat.size,
             data_off=self.flat.data_off,
-            chunk=chunk,
+            chunk=self._chunk,
             crcs=crcs,
             world_size=self.world_size,
             rank=self.rank,
@@ -201,6 +224,25 @@ class CopyJob:
                 sys.stderr.write(f"{DIE_BEFORE_COMMIT_ENV}={self.step}: dying before the slot's commit\n")
                 sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> int:
+    """crc32 of view[offset:offset + length] once `ready` (a CUDA event, or None) says its bytes are in."""
+    if ready is not None:
+        ready.synchronize()  # releases the GIL
+    offset, length = rng
+    return zlib.crc32(view[offset : offset + length])
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The checksum threads, one pool for the process (zlib.crc32 releases the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(tensorfile.workers(), thread_name_prefix="gpuwatch-crc")
+    return _POOL
 
 
 _STREAMS: dict[int, Any] = {}

@@ -324,7 +324,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
 
 
 @dataclass
-class _Piece:
+class Piece:
     """Part of a chunk: a range of one source (a uint8 tensor) or of the prefix bytes, or zero padding."""
 
     at: int  # offset inside the chunk
@@ -339,20 +339,20 @@ def _spans(flat: FlatState) -> list[tuple[int, int, Any]]:
     return spans + [(r.offset, r.nbytes, s) for r, s in zip(flat.records, flat.sources, strict=True) if r.nbytes]
 
 
-def _pieces(spans: Sequence[tuple[int, int, Any]], offset: int, length: int) -> list[_Piece]:
-    """What the file holds in [offset, offset + length), in order; gaps are zero padding."""
-    pieces: list[_Piece] = []
+def pieces(spans: Sequence[tuple[int, int, Any]], offset: int, length: int) -> list[Piece]:
+    """What the file holds in [offset, offset + length), in order; gaps are zero padding (source None)."""
+    found: list[Piece] = []
     end = offset + length
     pos = offset
     for start, size, source in _overlapping(spans, offset, end):
         a, b = max(start, pos), min(start + size, end)
         if a > pos:
-            pieces.append(_Piece(pos - offset, a - pos, None, 0))
-        pieces.append(_Piece(a - offset, b - a, source, a - start))
+            found.append(Piece(pos - offset, a - pos, None, 0))
+        found.append(Piece(a - offset, b - a, source, a - start))
         pos = b
     if pos < end:
-        pieces.append(_Piece(pos - offset, end - pos, None, 0))
-    return pieces
+        found.append(Piece(pos - offset, end - pos, None, 0))
+    return found
 
 
 def _overlapping(spans: Sequence[tuple[int, int, Any]], lo: int, hi: int) -> Iterator[tuple[int, int, Any]]:
@@ -399,7 +399,7 @@ def write_flat(fd: int, flat: FlatState, chunk: int = CHUNK) -> list[Chunk]:
         offset, length = rng
         bounce = free.pop()
         try:
-            _fill(bounce, _pieces(spans, offset, length))
+            _fill(bounce, pieces(spans, offset, length))
             view = bounce.view(length)
             crc = zlib.crc32(view)
             _pwrite_all(fd, view, offset)
@@ -427,7 +427,7 @@ def write_buffer(fd: int, buffer: memoryview, chunks: Sequence[tuple[int, int]])
     return _parallel(one, list(chunks), min(workers(), len(chunks)))
 
 
-def _fill(bounce: _Bounce, pieces: list[_Piece]) -> None:
+def _fill(bounce: _Bounce, pieces: list[Piece]) -> None:
     for piece in pieces:
         dst = bounce.tensor[piece.at : piece.at + piece.length]
         if piece.source is None:
