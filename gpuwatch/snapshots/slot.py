@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import stat
@@ -32,6 +33,8 @@ from gpuwatch.trainer import tensorfile
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("gpuwatch.snapshots")
 
 MAGIC = b"GWSNAP01"
 VERSION = 1
@@ -116,6 +119,7 @@ class Slot:
         self.size = 0
         self.payload_capacity = 0
         self._registered: int | None = None  # the address registered with CUDA (cudaHostRegister)
+        self.pin_failed = False
 
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)
@@ -126,7 +130,8 @@ class Slot:
         Raises:
             OSError: no room in the shared-memory file system (ENOSPC), or mapping failed.
         """
-        if self.map is not None and payload_len <= self.payload_capacity and pin == (self._registered is not None):
+        pinned = self._registered is not None or self.pin_failed
+        if self.map is not None and payload_len <= self.payload_capacity and pin == pinned:
             return 0.0
         started = time.monotonic()
         self.release()
@@ -195,14 +200,26 @@ class Slot:
             self._invalidate_on_disk()
 
     def _pin(self) -> None:
-        """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are async DMA."""
+        """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are DMA transfers.
+
+        When CUDA refuses (a locked-memory limit, an old driver), the slot stays pageable: the copies
+        still run on the copier's thread, only slower (the driver stages them). Said once in the log.
+        """
         torch = sys.modules.get("torch")
         if torch is None or self.map is None or not torch.cuda.is_available():
             return
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        code = int(torch.cuda.cudart().cudaHostRegister(address, self.size, 0))
+        try:
+            code = int(torch.cuda.cudart().cudaHostRegister(address, self.size, 0))
+        except Exception as exc:  # no cudart binding in this torch build
+            code, reason = -1, f"{type(exc).__name__}: {exc}"
+        else:
+            reason = f"CUDA error {code}"
         if code != 0:
-            raise OSError(f"cudaHostRegister of {self.size} bytes failed (CUDA error {code})")
+            log.warning("slot %s: cudaHostRegister of %d bytes failed (%s): copies go unpinned", self.name,
+                        self.size, reason)  # fmt: skip
+            self.pin_failed = True
+            return
         self._registered = address
 
     def release(self) -> None:
