@@ -476,7 +476,7 @@ def _sizes(ctx: Context, cuda: bool) -> tuple[float, ...]:
 
 
 def _label(gib: float) -> str:
-    return f"{gib:g} GiB" if gib >= 1 else f"{gib * 1024:g} MiB"
+    return f"{gib:g} GiB" if gib >= 0.1 else f"{gib * 1024:g} MiB"
 
 
 def _shm_short(root: str, nbytes: int) -> str | None:

@@ -594,16 +594,19 @@ def _load_flat(file: Path, name: str, entry: dict[str, Any], map_location: Any) 
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise _Invalid(f"cannot read {name}: {exc}") from None
+    direct_fd = tensorfile.open_direct(file)
     try:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        return tensorfile.read_flat(fd, os.fstat(fd).st_size, chunks, map_location)
+        return tensorfile.read_flat(fd, os.fstat(fd).st_size, chunks, map_location, direct_fd=direct_fd)
     except tensorfile.FlatFileError as exc:
         raise _Invalid(f"{str(exc).replace('crc32 mismatch', 'crc32 mismatch for ' + name, 1)}") from None
     except OSError as exc:
         raise _Invalid(f"cannot read {name}: {exc}") from None
     finally:
         os.close(fd)
+        if direct_fd is not None:
+            os.close(direct_fd)
 
 
 def _read_latest(directory: Path) -> str | None:
