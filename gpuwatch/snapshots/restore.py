@@ -1,17 +1,22 @@
 """Reading committed slots back: which steps a rank can restore, and the state of one of them.
 
-A slot is read with pread (the kernel copies from shared memory into fresh tensors, several
-chunks at once) and every chunk's crc32 is checked on the bytes read, so a slot that changes while
-it is read, or was torn, is refused as a whole. Only regular files of this uid are opened, without
-following links.
+The rank's own slot is mapped copy-on-write and its tensors are views of the mapping (no copy:
+memory speed is the checksum's speed; an update of the restored state copies only the pages it
+writes, the slot stays as committed). The file is never written again: when a later snapshot needs
+that slot, its name is unlinked and a new file made (HostSnapshot). Another rank's slot (replicated
+state) is read with pread into fresh tensors instead, since its owner will write into it again. Either
+way every chunk's crc32 is checked before the state is handed out, so a torn or changed slot is
+refused as a whole. Only regular files of this uid are opened, without following links.
 """
 
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import stat
 import sys
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +24,7 @@ from gpuwatch.snapshots.layout import parse_slot_name
 from gpuwatch.snapshots.slot import HEADER_LEN, SlotHeader, read_header
 from gpuwatch.trainer import tensorfile
 
-_OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,10 @@ def header_of(dir_fd: int, name: str) -> SlotHeader | None:
         os.close(fd)
 
 
-def _open_own(dir_fd: int, name: str) -> int | None:
+def _open_own(dir_fd: int, name: str, mode: int = os.O_RDONLY) -> int | None:
     """An fd of `name` when it is a regular file of this uid (never through a link), else None."""
     try:
-        fd = os.open(name, _OPEN, dir_fd=dir_fd)
+        fd = os.open(name, _OPEN | mode, dir_fd=dir_fd)
     except OSError:
         return None
     st = os.fstat(fd)
@@ -79,8 +84,44 @@ def _open_own(dir_fd: int, name: str) -> int | None:
     return fd
 
 
+def map_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
+    """The state in one of this rank's committed slots, as views of its private mapping, every chunk verified first."""
+    fd = _open_own(dir_fd, candidate.name)
+    if fd is None:
+        return None, "cannot open it"
+    try:
+        header = read_header(fd)
+        if header is None or header.seq != candidate.header.seq or header.step != candidate.header.step:
+            return None, "rewritten since it was listed"
+        # Copy-on-write, so the slot stays as committed; not MAP_POPULATE, which would copy every page now.
+        size = HEADER_LEN + header.payload_len
+        memory = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        return None, f"cannot map it: {exc}"
+    finally:
+        os.close(fd)
+    view = memoryview(memory)[HEADER_LEN : HEADER_LEN + header.payload_len]
+    try:
+        chunks = header.chunks()
+        crcs = tensorfile._parallel(_crc_in(view), chunks, tensorfile.workers())
+        for chunk, crc in zip(chunks, crcs, strict=True):
+            if crc != chunk.crc:
+                return None, f"crc32 mismatch in bytes {chunk.offset}-{chunk.offset + chunk.length}"
+        tree, records, _ = tensorfile.parse_prefix(bytes(view[: header.data_off]), header.payload_len)
+        tensors = tensorfile.views_of(memory, HEADER_LEN, records)
+        return tensorfile.build_state(tree, tensorfile.finish_tensors(records, tensors)), None
+    except tensorfile.FlatFileError as exc:
+        return None, str(exc)
+    finally:
+        view.release()
+
+
+def _crc_in(view: memoryview) -> Any:
+    return lambda c: zlib.crc32(view[c.offset : c.offset + c.length])
+
+
 def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
-    """The state in a committed slot, verified chunk by chunk; (None, reason) when it does not verify."""
+    """The state in a committed slot, copied into fresh tensors and verified chunk by chunk; (None, reason) if not."""
     fd = _open_own(dir_fd, candidate.name)
     if fd is None:
         return None, "cannot open it"

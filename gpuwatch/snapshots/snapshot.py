@@ -58,7 +58,7 @@ from gpuwatch.snapshots.layout import (
     snapshot_root,
     user_dir_name,
 )
-from gpuwatch.snapshots.restore import Candidate, candidates, header_of, like, localize, read_state
+from gpuwatch.snapshots.restore import Candidate, candidates, header_of, like, localize, map_state, read_state
 from gpuwatch.snapshots.slot import Slot, SlotHeader
 from gpuwatch.trainer import tensorfile
 from gpuwatch.trainer.checkpoint import latest_step, load_latest, save_checkpoint, save_flat_buffer
@@ -154,6 +154,7 @@ class HostSnapshot:
         self._plain: deque[float] = deque(maxlen=_INTERVALS)  # step intervals with no snapshot in flight
         self._costs: deque[float] = deque(maxlen=_INTERVALS)
         self._cuda: int | None = None
+        self._aliased: int | None = None  # the own slot the restored state is a mapping of
         self._disk_lock = threading.Lock()
         self._disk_thread: threading.Thread | None = None
         self._disk_slot: int | None = None
@@ -203,8 +204,9 @@ class HostSnapshot:
         for candidate in found:
             by_step.setdefault(candidate.header.step, []).append(candidate)
         for step in common_steps(by_step):
-            state, where = self._read_one(by_step.get(step, []))
+            state, where, mapped = self._read_one(by_step.get(step, []))
             if everyone(state is not None):
+                self._aliased = mapped.slot if mapped is not None else None  # never to be written in place again
                 self._resumed(step)
                 if like_state is not None:
                     state = like(state, like_state)
@@ -219,14 +221,17 @@ class HostSnapshot:
         found = candidates(self._dir_fd, rank=self.rank, world_size=self.world_size, replicated=self.replicated)
         return [c for c in found if at_least is None or c.header.step >= at_least]
 
-    def _read_one(self, options: list[Candidate]) -> tuple[Any, str]:
-        assert self._dir_fd is not None or not options
+    def _read_one(self, options: list[Candidate]) -> tuple[Any, str, Candidate | None]:
+        """The state of the first option that verifies; where it was; the own slot it is mapped from (else None)."""
+        dir_fd = self._dir_fd
         for candidate in options:
-            state, reason = read_state(self._dir_fd, candidate)  # type: ignore[arg-type]
+            assert dir_fd is not None
+            own = candidate.rank == self.rank
+            state, reason = map_state(dir_fd, candidate) if own else read_state(dir_fd, candidate)
             if state is not None:
-                return state, str(self.directory / candidate.name)
+                return state, str(self.directory / candidate.name), candidate if own else None
             log.warning("host snapshot %s (step %d) not used: %s", candidate.name, candidate.header.step, reason)
-        return None, ""
+        return None, "", None
 
     def resumed_from(self, step: int | None) -> None:
         """Say which step the job resumed from when it loaded the state itself (resume() does this)."""
@@ -306,6 +311,8 @@ class HostSnapshot:
                 return
             cuda = _cuda_device(flat)
             k = self._target_slot()
+            if k == self._aliased:
+                self._replace_slot(k)
             slot = self._slot(k)
             setup_s = slot.ensure(flat.size, pin=cuda is not None)
             if setup_s:
@@ -559,6 +566,16 @@ class HostSnapshot:
             assert self._dir_fd is not None
             slot = self._slots[k] = Slot(self._dir_fd, slot_name(self.rank, k))
         return slot
+
+    def _replace_slot(self, k: int) -> None:
+        """Unlink slot k's file (the restored state is a private mapping of it) so the next write gets a new one."""
+        assert self._dir_fd is not None
+        slot = self._slots.pop(k, None)
+        if slot is not None:
+            slot.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot_name(self.rank, k), dir_fd=self._dir_fd)
+        self._aliased = None
 
     def _own_header(self, k: int) -> SlotHeader | None:
         if not self.enabled or self._dir_fd is None:

@@ -290,6 +290,25 @@ def empty_tensors(records: Sequence[TensorRecord]) -> list[torch.Tensor]:
     return tensors
 
 
+def views_of(buffer: Any, base: int, records: Sequence[TensorRecord]) -> list[torch.Tensor]:
+    """Tensors that are views of `buffer` (a mapped flat file starting at `base`), one per record: no copy."""
+    import torch
+
+    tensors = []
+    for r in records:
+        dtype = getattr(torch, r.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise FlatFileError(f"unknown dtype {r.dtype}")
+        numel = math.prod(r.shape)
+        if any(n < 0 for n in r.shape) or numel * torch.empty((), dtype=dtype).element_size() != r.nbytes:
+            raise FlatFileError(f"a tensor record's size does not match its shape {r.shape}")
+        if not numel:
+            tensors.append(torch.empty(r.shape, dtype=dtype))
+            continue
+        tensors.append(torch.frombuffer(buffer, dtype=dtype, count=numel, offset=base + r.offset).view(r.shape))
+    return tensors
+
+
 def _paged_empty(torch: Any, shape: tuple[int, ...], dtype: Any, numel: int) -> Any:
     """A CPU tensor on its own anonymous mapping: page aligned, freed with the tensor (it holds the mapping)."""
     memory = mmap.mmap(-1, _align(numel * torch.empty((), dtype=dtype).element_size(), PAGE))

@@ -276,3 +276,30 @@ def test_a_bad_cadence_is_one_clear_error(value: Any) -> None:
     with pytest.raises(ValueError, match="snapshot cadence must be a positive integer or 'auto'"):
         parse_every(value)
     assert parse_every("auto") is None and parse_every("7") == 7 and parse_every(3) == 3
+
+
+def test_training_on_from_a_mapped_restore_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The restored optimizer state is a copy-on-write mapping of the slot: later snapshots must not touch it."""
+    reference_net, reference_optim = _trainer()
+    for step in range(1, 13):
+        _train_step(reference_net, reference_optim, step)
+
+    net, optim = _trainer()
+    snap = _snapshot(tmp_path, net, optim, every=2)
+    _run(snap, net, optim, range(1, 7))
+    snap.close(remove=False)
+
+    net, optim = _trainer(seed=99)
+    again = _snapshot(tmp_path, net, optim, every=2)
+    restored = again.restore()
+    assert restored is not None and restored.step == 6
+    net.load_state_dict(restored.state["model"])
+    optim.load_state_dict(restored.state["optim"])  # CPU: its tensors stay views of the slot's mapping
+    del restored
+    _run(again, net, optim, range(7, 13))  # snapshots of 8, 10, 12: both slots rewritten, the mapped one replaced
+    again.close(remove=False)
+
+    _assert_same(_state(net, optim), _state(reference_net, reference_optim))
+    final = _snapshot(tmp_path, *_trainer()).restore()
+    assert final is not None and final.step == 12
+    _assert_same(final.state, _state(reference_net, reference_optim))
