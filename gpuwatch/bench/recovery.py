@@ -81,6 +81,7 @@ def run(ctx: Context) -> Section:
     device = torch.device("cuda:0" if cuda else "cpu")
     section = Section("recovery")
     section.figures = {"device": str(device), "workdir": str(ctx.workdir), "sizes": {}}
+    errors: list[str] = []
     step_s = ctx.pick(0.25 if cuda else 0.2, 0.05)
     ckpt_every, kill_after = int(ctx.pick(20, 4)), int(ctx.pick(34, 7))
     with bench_daemon(ctx, "recovery", interval_s=1.0) as daemon:
@@ -93,7 +94,7 @@ def run(ctx: Context) -> Section:
             entry["floor"] = disk_floor(ctx.workdir / "floor", int(gib * 2**30))
             entry["checkpoint"] = checkpoint_throughput(ctx.workdir / "ckpt", gib, device, legacy=i == 0)
             progress(f"recovery {label}: host snapshot cost per step")
-            entry["snapshot"] = snapshot_cost(ctx, gib, device, step_s)
+            entry["snapshot"] = _guarded(errors, snapshot_cost, ctx, gib, device, step_s)
             jobs = ctx.workdir / f"jobs-{i}"
             trial = Trial(
                 ctx, gib, jobs, launch_args, step_s, ckpt_every, kill_after, kill_after + 4, ctx.pick(300, 180)
@@ -101,10 +102,7 @@ def run(ctx: Context) -> Section:
             entry["paths"] = {}
             for name, path in RECOVERY_PATHS.items():
                 progress(f"recovery {label}: SIGKILL after step {kill_after}, relaunch from {name}")
-                try:
-                    entry["paths"][name] = path(trial)
-                except Skip as exc:
-                    entry["paths"][name] = {"skipped": str(exc)}
+                entry["paths"][name] = _guarded(errors, path, trial)
             section.figures["sizes"][label] = entry
             section.rows += _rows(label, entry)
     section.notes.append(
@@ -113,7 +111,21 @@ def run(ctx: Context) -> Section:
     )
     if not cuda:
         section.notes.append("on the CPU: the snapshot copy competes with the step for cores; the H200 sizes differ")
+    if errors:  # the other figures are in the table and the JSON; the run still says it failed
+        section.status, section.reason = "error", "; ".join(errors)
     return section
+
+
+def _guarded(errors: list[str], measure: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """One measurement's figures; a Skip is its reason, a failure its one-line error (the others still run)."""
+    try:
+        return measure(*args)
+    except Skip as exc:
+        return {"skipped": str(exc)}
+    except Exception as exc:  # one measurement that breaks must not lose the others' figures
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        errors.append(message)
+        return {"error": message}
 
 
 # -- the disk's floor and the checkpoints' throughput ---------------------------------------------------
@@ -425,8 +437,8 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
         legacy = ckpt["legacy"]
         before = _pair(legacy["save_gib_s"], legacy["load_gib_s"])
         rows.append(Row(f"{label}: before (torch.save + sha256): save / load", before))
-    if "skipped" in snap:
-        rows.append(Row(f"{label}: host snapshot", f"skipped: {snap['skipped']}"))
+    if "skipped" in snap or "error" in snap:
+        rows.append(Row(f"{label}: host snapshot", _why(snap)))
     else:
         rows += [
             Row(f"{label}: step time (no snapshot)", snap["step_s"], "s"),
@@ -435,14 +447,18 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
             target(f"{label}: rescue written from host memory", snap["rescue_s"], "s", RESCUE_WINDOW_S),
         ]
     for name, result in entry["paths"].items():
-        if "skipped" in result:
-            rows.append(Row(f"{label}: relaunch from {name}", f"skipped: {result['skipped']}"))
+        if "skipped" in result or "error" in result:
+            rows.append(Row(f"{label}: relaunch from {name}", _why(result)))
             continue
         rows += [
             Row(f"{label}: SIGKILL → first resumed step ({name})", result["fault_to_step_s"], "s"),
             Row(f"{label}: steps lost ({name}{_every(result)})", result["steps_lost"], "steps"),
         ]
     return rows
+
+
+def _why(result: dict[str, Any]) -> str:
+    return f"skipped: {result['skipped']}" if "skipped" in result else f"error: {result['error']}"
 
 
 def _every(result: dict[str, Any]) -> str:
