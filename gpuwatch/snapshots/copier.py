@@ -11,7 +11,7 @@ The state's tensors are copied where they live, while the next step's forward an
 
 Tensors the optimizer does not own (buffers such as BatchNorm's running stats, which the forward
 updates in place) are cloned at the boundary, on their device, and copied from the clone. The copy
-goes chunk by chunk (64 MiB), each chunk's crc32 computed on a pool of threads as soon as its bytes
+goes chunk by chunk (16 MiB), each chunk's crc32 computed on a pool of threads as soon as its bytes
 are in, so the checksums end shortly after the copy; then the copier commits the slot.
 
 Test-only hook: with GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT=<step> in the environment, the

@@ -68,7 +68,7 @@ class SlotHeader:
 
 
 def chunk_size_for(payload_len: int) -> int:
-    """64 MiB chunks, larger when the payload would need more chunks than the header holds."""
+    """16 MiB chunks (tensorfile.CHUNK), larger when the payload would need more chunks than the header holds."""
     size = tensorfile.CHUNK
     while payload_len // size + 2 > _MAX_CHUNKS:
         size *= 2

@@ -432,7 +432,10 @@ class HostSnapshot:
         Raises:
             CheckpointError: the checkpoint could not be written.
         """
-        self._join_disk()
+        try:
+            self._join_disk()
+        except CheckpointError as exc:  # an earlier background write's failure must not stop the rescue
+            log.error("%s", exc)
         if self._slot_of(last) is None:
             self.snapshot_now(last)
         k = self._slot_of(last)
@@ -493,8 +496,8 @@ class HostSnapshot:
             if self._job is not None and self.enabled:
                 self._finish(self._job)
             self._join_disk()
-        except CheckpointError as exc:  # at exit (perhaps after another error): say it, do not mask that one
-            log.error("%s", exc)
+        except Exception as exc:  # at exit, perhaps after another error (a lost GPU): say it, do not mask that one
+            log.error("host snapshot of rank %s at close: %s: %s", self.rank, type(exc).__name__, exc)
         finally:
             for hook in self._hooks:
                 hook.remove()

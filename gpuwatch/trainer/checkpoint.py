@@ -8,7 +8,7 @@ directory under a final name. `load_latest` trusts nothing: it verifies the mani
 `latest` names and, when that fails, of each older `step-*` in turn, and says which it skipped.
 
 A state of plain tensors and containers (a state dict) is written as a flat tensor file,
-`state.flat` (gpuwatch.trainer.tensorfile): raw tensor bytes in 64 MiB chunks, written with O_DIRECT
+`state.flat` (gpuwatch.trainer.tensorfile): raw tensor bytes in 16 MiB chunks, written with O_DIRECT
 by a pool of threads, each chunk's crc32 in the manifest; a load reads and checksums the chunks in
 parallel and returns nothing before all match. That runs at the disk's speed where torch.save's
 zip writer and a sha256 pass ran at a fraction of it. Anything else (custom objects) still goes
@@ -70,7 +70,7 @@ log = logging.getLogger("gpuwatch.trainer")
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
-MANIFEST_VERSION = 2  # 1: sha256 per file; 2: crc32 per 64 MiB chunk ("crc32": [[offset, length, crc], ...])
+MANIFEST_VERSION = 2  # 1: sha256 per file; 2: crc32 per 16 MiB chunk ("crc32": [[offset, length, crc], ...])
 FLAT_STATE = "state.flat"
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
