@@ -122,10 +122,11 @@ def plan(state: Any) -> FlatState | None:
     sources: list[Any] = []
     index_of: dict[tuple[Any, ...], int] = {}
     offset = 0
+    after_large = False
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            nonlocal offset
+            nonlocal offset, after_large
             if not isinstance(obj, torch.Tensor):
                 return None
             if type(obj) not in (torch.Tensor, torch.nn.Parameter) or not _plain(torch, obj):
@@ -136,7 +137,9 @@ def plan(state: Any) -> FlatState | None:
                 return ("tensor", index_of[key])
             tensor = obj.detach().resolve_conj().resolve_neg()
             flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-            offset = _align(offset, PAGE if flat.numel() >= DIRECT_MIN else TENSOR_ALIGN)
+            large = flat.numel() >= DIRECT_MIN
+            offset = _align(offset, PAGE if large or after_large else TENSOR_ALIGN)  # a large one has its pages
+            after_large = large
             records.append(
                 TensorRecord(
                     dtype=str(obj.dtype).removeprefix("torch."),
@@ -499,7 +502,7 @@ def read_flat(
     tree, records, data_off = parse_prefix(memoryview(prefix), size)
     tensors = empty_tensors(records)
     spans = sorted(((r.offset, r.nbytes, t) for r, t in zip(records, tensors, strict=True) if r.nbytes), key=_first)
-    views = [(start, nbytes, (byte_view(t), t.data_ptr())) for start, nbytes, t in spans]
+    views = [(start, *_read_view(t, nbytes)) for start, nbytes, t in spans]
 
     def one(c: Chunk) -> tuple[Chunk, int]:
         buffers = []
@@ -521,6 +524,13 @@ def read_flat(
     if map_location not in (None, "cpu"):
         state = _moved(state, map_location)
     return state
+
+
+def _read_view(tensor: Any, nbytes: int) -> tuple[int, tuple[memoryview, int]]:
+    """What a read fills for a tensor: its bytes; a large one's whole pages (its mapping has them, the file pads)."""
+    length = _align(nbytes, PAGE) if nbytes >= DIRECT_MIN else nbytes
+    view = memoryview((ctypes.c_char * length).from_address(tensor.data_ptr())).cast("B")
+    return length, (view, tensor.data_ptr())
 
 
 def _read_into(fd: int, direct_fd: int | None, view: memoryview, address: int, offset: int) -> list[memoryview]:
