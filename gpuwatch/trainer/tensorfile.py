@@ -93,10 +93,6 @@ class FlatState:
     data_off: int
     size: int
 
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records)
-
     def chunk_ranges(self, chunk: int = CHUNK) -> list[tuple[int, int]]:
         """The (offset, length) ranges the file's chunks cover: the prefix, then the data in `chunk` pieces."""
         return chunk_ranges(self.data_off, self.size, chunk)
@@ -344,14 +340,6 @@ def crc_of(buffers: Sequence[Any], crc: int = 0) -> int:
     for buf in buffers:
         crc = zlib.crc32(buf, crc)
     return crc
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable memoryview over a contiguous CPU tensor's bytes (no copy; keep the tensor alive)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 @dataclass
