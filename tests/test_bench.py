@@ -67,6 +67,16 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
     assert figures["footprint"]["gpuwatch_1s"]["rss_mb"] > 0
     assert figures["footprint"]["gpuwatch_30s"]["cpu_s_per_hour"] >= 0
     _check_interference(figures["interference"], sections["interference"]["notes"])
+    recovery = figures["recovery"]["sizes"]["16 MiB"]  # the quick size
+    assert recovery["floor"]["write"] > 0 and recovery["floor"]["read"] > 0
+    assert recovery["checkpoint"]["save_gib_s"] > 0 and recovery["checkpoint"]["load_gib_s"] > 0
+    assert recovery["checkpoint"]["legacy"]["save_gib_s"] > 0
+    assert recovery["snapshot"]["step_s"] > 0 and recovery["snapshot"]["every_for_1pct"] >= 1
+    assert recovery["snapshot"]["rescue_s"] > 0
+    paths = recovery["paths"]
+    assert [paths[name]["source"] for name in ("disk", "snapshot")] == ["disk", "memory"]
+    for result in paths.values():
+        assert result["fault_to_step_s"] > 0 and 0 <= result["steps_lost"] <= 4, result
 
 
 def _check_interference(figures: dict[str, Any], notes: list[str]) -> None:

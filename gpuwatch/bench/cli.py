@@ -25,8 +25,8 @@ import click
 from gpuwatch import __version__
 from gpuwatch.command_error import FiniteFloatRange, OneLineCommand, fail
 
-# In the order they run: the long footprint and the trainer job come last.
-SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation", "interference")
+# In the order they run: the long footprint and the trainer jobs come last.
+SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation", "interference", "recovery")
 DEFAULT_SIM_GPUS = 8
 TABLE_WIDTH = 150  # when stdout is not a terminal (a file, CI): rich would wrap at 80
 

@@ -16,7 +16,13 @@ prints a JSON summary as its last line.
 
 `progress.json` in the checkpoint directory carries what the summary needs across launches:
 one entry per launch with its world size, the step it resumed from and the furthest step it
-reached. Without torchrun (no RANK in the environment) it runs as a single process.
+reached; `steps.jsonl` is the job's own step log (rank 0): a line per launch (the step it resumed
+from, and whether out of host memory or the disk) and a line per finished step, with the time.
+Without torchrun (no RANK in the environment) it runs as a single process.
+
+`--snapshot-every K|auto` keeps host-memory snapshots (gpuwatch.snapshots): a relaunch on the same
+node resumes from the newest one every rank holds before it reads the disk, each rank saying where
+its state came from; the periodic checkpoint and the rescue are written from the snapshot.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ if TYPE_CHECKING:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from gpuwatch.snapshots import HostSnapshot
+
 PROGRESS = "progress.json"
+STEP_LOG = "steps.jsonl"
 _IN, _HIDDEN = 32, 64
 _SEED = 1234
 
@@ -84,26 +93,36 @@ def main(argv: list[str] | None = None) -> int:
         abort_after_s=args.abort_after,
         allow_drills=args.allow_drills,
     )
-    with link:
-        resumed_from = _resume(ckpt_dir, net, optim, rank)
+    snap = _host_snapshot(args.snapshot_every, ckpt_dir, net, optim)
+    with link, snap or contextlib.nullcontext():
+        resumed_from, source = _resume(ckpt_dir, net, optim, rank, snap)
         step = resumed_from or 0
         model = DistributedDataParallel(net, device_ids=[local_rank] if use_cuda else None)
         progress = _load_progress(ckpt_dir)
         progress["launches"].append({"world_size": world, "resumed_from": resumed_from, "furthest": step})
+        step_log = _StepLog(ckpt_dir / STEP_LOG) if rank == 0 else None
+        if step_log is not None:
+            step_log.write(launch=len(progress["launches"]) - 1, resumed_from=resumed_from, source=source)
         if rank == 0:
             _save_progress(ckpt_dir, progress)
             micro_batches = -(-len(range(0, args.global_batch, world)) // args.micro_batch)
             print(f"rank 0: world {world}, global batch {args.global_batch}, {micro_batches} micro-batch(es) per rank")
 
-        def checkpoint() -> None:
-            save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()})
+        def checkpoint(wait: bool = False) -> None:
+            if snap is not None:  # rank 0 writes it from host memory, in the background unless stopping
+                snap.checkpoint(ckpt_dir, step, wait=wait)
+            else:
+                save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()})
             if rank == 0:
                 _save_progress(ckpt_dir, progress)
 
         def rescue_save(last: int) -> None:
             """A peer is gone: this survivor saves the last completed step alone (DDP: its state is everyone's)."""
-            state = {"model": net.state_dict(), "optim": optim.state_dict()}
-            path = save_checkpoint(ckpt_dir, last, state, single_writer=True)
+            if snap is not None:  # committed in host memory first, then written from it
+                path = snap.rescue(ckpt_dir, last)
+            else:
+                state = {"model": net.state_dict(), "optim": optim.state_dict()}
+                path = save_checkpoint(ckpt_dir, last, state, single_writer=True)
             print(f"rank {rank}: rescued step {last} into {path}", file=sys.stderr, flush=True)
 
         save = None if args.no_rescue else rescue_save
@@ -122,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rank == 0:
                         print(f"rank 0: stopping at step {step}: {link.stop_reason}", flush=True)
                     if saved_step != step:
-                        checkpoint()
+                        checkpoint(wait=True)
                     dist.barrier()
                     dist.destroy_process_group()
                     link.exit_for_resume()
@@ -132,9 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             optim.step()
             step += 1
             link.step(step, loss, grad_norm)
+            if snap is not None:  # before the step is logged: its return bounds the snapshot's lag (K)
+                snap.step(step)
             progress["launches"][-1]["furthest"] = step
             if rank == 0:
                 _save_progress(ckpt_dir, progress)  # every step, so a killed launch still counts its lost steps
+            if step_log is not None:
+                step_log.write(step=step)
             if step % args.ckpt_every == 0 or step == args.steps:
                 with link.rescue(save):
                     checkpoint()
@@ -165,7 +188,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--abort-after", type=float, default=5.0, help="TrainerLink abort_after_s (s)")
     parser.add_argument("--gloo-timeout", type=float, default=30.0, help="gloo collective timeout (s), CPU only")
     parser.add_argument("--allow-drills", action="store_true", help="accept gpuwatch drill --fault-rank (XID 31)")
+    parser.add_argument(
+        "--snapshot-every", metavar="K|auto", help="host-memory snapshot every K steps (auto: by measured cost)"
+    )
     args = parser.parse_args(argv)
+    if args.snapshot_every is not None:
+        from gpuwatch.snapshots.cadence import parse_every
+
+        try:
+            parse_every(args.snapshot_every)
+        except ValueError as exc:
+            parser.error(f"--snapshot-every: {exc}")
     for name in ("steps", "global_batch", "micro_batch", "ckpt_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -188,8 +221,37 @@ def _default_single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def _resume(ckpt_dir: Path, net: torch.nn.Module, optim: torch.optim.Optimizer, rank: int) -> int | None:
-    """Load the newest verified checkpoint into `net` and `optim`; its step, or None when starting fresh."""
+def _host_snapshot(
+    every: str | None, ckpt_dir: Path, net: torch.nn.Module, optim: torch.optim.Optimizer
+) -> HostSnapshot | None:
+    """The rank's host snapshot with --snapshot-every; its job id outside torchrun and launch: the checkpoint dir's."""
+    if every is None:
+        return None
+    import hashlib
+
+    from gpuwatch.snapshots import HostSnapshot
+
+    job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("GPUWATCH_JOB_ID")
+    job_id = job_id or "example-" + hashlib.sha256(str(ckpt_dir.resolve()).encode()).hexdigest()[:16]
+
+    def state() -> dict[str, Any]:
+        return {"model": net.state_dict(), "optim": optim.state_dict()}
+
+    return HostSnapshot(state, every=every, optimizer=optim, replicated=True, job_id=job_id)
+
+
+def _resume(
+    ckpt_dir: Path, net: torch.nn.Module, optim: torch.optim.Optimizer, rank: int, snap: HostSnapshot | None
+) -> tuple[int | None, str | None]:
+    """Load the newest state into `net` and `optim`: its step and source ("memory", "disk"), or (None, None)."""
+    if snap is not None:
+        restored = snap.resume(ckpt_dir)
+        if restored is None:
+            return None, None
+        print(f"rank {rank}: resuming from step {restored.step} ({restored.source}: {restored.where})", flush=True)
+        net.load_state_dict(restored.state["model"])
+        optim.load_state_dict(restored.state["optim"])
+        return restored.step, restored.source
     loaded = load_latest(ckpt_dir)
     if rank == 0:
         for name, reason in loaded.skipped if loaded else ():
@@ -199,10 +261,21 @@ def _resume(ckpt_dir: Path, net: torch.nn.Module, optim: torch.optim.Optimizer, 
         elif os.environ.get("GPUWATCH_RESUME") == "1":
             print(f"rank 0: GPUWATCH_RESUME=1 but no checkpoint in {ckpt_dir}: starting at step 0")
     if loaded is None:
-        return None
+        return None, None
     net.load_state_dict(loaded.state["model"])
     optim.load_state_dict(loaded.state["optim"])
-    return loaded.step
+    return loaded.step, "disk"
+
+
+class _StepLog:
+    """The job's own step log (JSON lines, appended): a line per launch and one per finished step, with the time."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1)  # line buffered: a SIGKILL loses no finished line
+
+    def write(self, **fields: Any) -> None:
+        self._file.write(json.dumps({**fields, "t": time.time()}) + "\n")
 
 
 def _batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from gpuwatch.trainer.checkpoint import (
     LATEST,
     MANIFEST,
     commit_checkpoint,
+    latest_step,
     load_latest,
     new_temp_dir,
     save_checkpoint,
@@ -47,9 +48,11 @@ def test_round_trip(tmp_path: Path) -> None:
     assert (tmp_path / LATEST).read_text() == "step-00000007\n"
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["step"] == 7
-    assert manifest["state_file"] == "state.pt"
-    assert manifest["files"]["state.pt"]["size"] == (path / "state.pt").stat().st_size
-    assert len(manifest["files"]["state.pt"]["sha256"]) == 64
+    assert manifest["state_file"] == "state.flat"  # a state dict goes to a flat tensor file
+    size = (path / "state.flat").stat().st_size
+    assert manifest["files"]["state.flat"]["size"] == size
+    chunks = manifest["files"]["state.flat"]["crc32"]  # [offset, length, crc] tiling the file
+    assert chunks[0][0] == 0 and sum(length for _, length, _ in chunks) == size
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-00000007"]  # no temp dir left
 
     loaded = load_latest(tmp_path)
@@ -58,6 +61,12 @@ def test_round_trip(tmp_path: Path) -> None:
     assert torch.equal(loaded.state["w"], torch.full((4, 4), 7.0))
     assert loaded.state["note"] == "at 7"
     assert verify_checkpoint(path) is None
+
+
+def _first_chunk(path: Path) -> int:
+    """Where the first chunk of a checkpoint's flat state file ends (its header and structure)."""
+    chunks = json.loads((path / MANIFEST).read_text())["files"]["state.flat"]["crc32"]
+    return int(chunks[0][1])
 
 
 def test_without_torch_state_is_pickled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,27 +86,28 @@ def test_empty_or_missing_directory_has_no_checkpoint(tmp_path: Path) -> None:
 
 def test_corrupt_newest_is_skipped_with_reason(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _save_steps(tmp_path, 20, 40)
-    _flip_byte(tmp_path / "step-00000040" / "state.pt")
+    _flip_byte(tmp_path / "step-00000040" / "state.flat")
 
     with caplog.at_level(logging.WARNING, logger="gpuwatch.trainer"):
         loaded = load_latest(tmp_path)
 
     assert loaded is not None
     assert loaded.step == 20
-    assert loaded.skipped == [("step-00000040", "sha256 mismatch for state.pt")]
-    assert "step-00000040: sha256 mismatch for state.pt" in caplog.text
+    reason = f"crc32 mismatch for state.flat in bytes 0-{_first_chunk(tmp_path / 'step-00000040')}"
+    assert loaded.skipped == [("step-00000040", reason)]
+    assert f"step-00000040: {reason}" in caplog.text
 
 
 def test_truncated_file_is_a_size_mismatch(tmp_path: Path) -> None:
     _save_steps(tmp_path, 1, 2)
-    state = tmp_path / "step-00000002" / "state.pt"
+    state = tmp_path / "step-00000002" / "state.flat"
     size = state.stat().st_size
     os.truncate(state, size // 2)
 
     loaded = load_latest(tmp_path)
 
     assert loaded is not None and loaded.step == 1
-    assert loaded.skipped == [("step-00000002", f"size mismatch for state.pt (manifest {size}, file {size // 2})")]
+    assert loaded.skipped == [("step-00000002", f"size mismatch for state.flat (manifest {size}, file {size // 2})")]
 
 
 def test_partial_checkpoints_are_skipped(tmp_path: Path) -> None:
@@ -144,9 +154,9 @@ def test_manifest_for_another_step_does_not_verify(tmp_path: Path) -> None:
 
 def test_nothing_verifies_raises(tmp_path: Path) -> None:
     _save_steps(tmp_path, 1)
-    _flip_byte(tmp_path / "step-00000001" / "state.pt")
+    _flip_byte(tmp_path / "step-00000001" / "state.flat")
 
-    with pytest.raises(CheckpointError, match="step-00000001: sha256 mismatch for state.pt"):
+    with pytest.raises(CheckpointError, match="step-00000001: crc32 mismatch for state.flat"):
         load_latest(tmp_path)
 
 
@@ -242,7 +252,7 @@ def test_dcp_recipe_from_the_module_docstring(tmp_path: Path) -> None:
 
     shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
     _flip_byte(shard, offset=0)
-    assert verify_checkpoint(path) == f"sha256 mismatch for {shard.name}"
+    assert verify_checkpoint(path) == f"crc32 mismatch for {shard.name} in bytes 0-{shard.stat().st_size}"
 
 
 def test_commit_of_an_empty_temp_dir_fails(tmp_path: Path) -> None:
@@ -343,7 +353,7 @@ def test_single_writer_keeps_a_verified_checkpoint_and_replaces_a_damaged_one(tm
     save_checkpoint(tmp_path, 7, {"other": 1}, single_writer=True)
     assert first.stat().st_ino == inode  # kept: another survivor's save is as good as ours
 
-    _flip_byte(first / "state.pt")
+    _flip_byte(first / "state.flat")
     save_checkpoint(tmp_path, 7, _state(7), single_writer=True)
     assert verify_checkpoint(first) is None
     loaded = load_latest(tmp_path)
@@ -360,3 +370,63 @@ def test_single_writer_leaves_another_survivors_temp_dir_of_the_same_step(tmp_pa
     save_checkpoint(tmp_path, 7, _state(7), single_writer=True)
 
     assert other.is_dir() and not stale.exists()
+
+
+# -- what earlier versions wrote, and what a flat file cannot hold ---------------------------------
+
+
+def _save_v1(directory: Path, step: int, state: object) -> Path:
+    """A checkpoint exactly as manifest version 1 wrote it: torch.save into state.pt, sha256 per file."""
+    import hashlib
+
+    final = directory / f"step-{step:08d}"
+    final.mkdir(parents=True)
+    torch.save(state, final / "state.pt")
+    data = (final / "state.pt").read_bytes()
+    files = {"state.pt": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    manifest = {"version": 1, "step": step, "t": 0.0, "state_file": "state.pt", "files": files}
+    (final / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    (directory / LATEST).write_text(f"{final.name}\n")
+    return final
+
+
+def test_a_checkpoint_written_by_manifest_version_1_still_loads_and_verifies(tmp_path: Path) -> None:
+    path = _save_v1(tmp_path, 20, _state(20))
+
+    assert verify_checkpoint(path) is None
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 20 and torch.equal(loaded.state["w"], _state(20)["w"])
+
+    save_checkpoint(tmp_path, 30, _state(30))  # a new save beside it, in the new format
+    _flip_byte(tmp_path / "step-00000030" / "state.flat", offset=8192 + 5)
+    loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 20  # falls back to the old one, which verifies
+    assert loaded.skipped[0][0] == "step-00000030" and loaded.skipped[0][1].startswith("crc32 mismatch for state.flat")
+
+    _flip_byte(path / "state.pt")
+    assert verify_checkpoint(path) == "sha256 mismatch for state.pt"
+
+
+class _Note:
+    """A custom object: not a plain value, so the state goes through torch.save."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def test_a_state_with_custom_objects_is_saved_with_torch_save_and_crc32(tmp_path: Path) -> None:
+    path = save_checkpoint(tmp_path, 4, {"w": torch.ones(3), "note": _Note("hi")})
+
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["state_file"] == "state.pt" and "crc32" in manifest["files"]["state.pt"]
+    loaded = load_latest(tmp_path, weights_only=False)
+    assert loaded is not None and loaded.state["note"].text == "hi"
+
+
+def test_latest_step_reads_the_manifest_only(tmp_path: Path) -> None:
+    assert latest_step(tmp_path) is None
+    _save_steps(tmp_path, 3, 8)
+    (tmp_path / "step-00000008" / "state.flat").unlink()  # not read: the step comes from the manifest
+    assert latest_step(tmp_path) == 8
+    (tmp_path / LATEST).write_text("../elsewhere\n")
+    assert latest_step(tmp_path) is None

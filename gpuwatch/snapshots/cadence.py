@@ -1,0 +1,56 @@
+"""How often to snapshot: the fewest steps between snapshots that keep their cost under a share of the step.
+
+A snapshot costs the step what the training thread waits for (starting it, the optimizer's wait for
+the copy, the next boundary's wait for the commit), plus on a CUDA device the time the compute stream
+stalls on the copy, plus on the CPU the copier's own time (it competes with the training for cores).
+Every K steps, that is cost / (K × step time) of the run; K is the smallest integer that keeps it
+at or under the share. A death with no survivor then loses at most K steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+TARGET_SHARE = 0.01
+MAX_EVERY = 10_000
+AUTO = "auto"
+
+
+def choose_every(cost_s: float, step_s: float, *, share: float = TARGET_SHARE, max_every: int = MAX_EVERY) -> int:
+    """The cadence (steps between snapshots) that keeps `cost_s` per snapshot within `share` of a `step_s` step.
+
+    Args:
+        cost_s: what one snapshot costs the training (seconds).
+        step_s: the step time without snapshots (seconds).
+        share: the budget, e.g. 0.01 for 1 % of the step time.
+        max_every: the largest cadence returned (a tiny step with a large state would ask for more).
+
+    Raises:
+        ValueError: share is not in (0, 1], or max_every is below 1.
+    """
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], not {share}")
+    if max_every < 1:
+        raise ValueError(f"max_every must be at least 1, not {max_every}")
+    if cost_s <= 0:
+        return 1
+    if step_s <= 0:
+        return max_every
+    return min(max_every, max(1, math.ceil(cost_s / (share * step_s) - 1e-9)))
+
+
+def parse_every(value: int | str) -> int | None:
+    """`every` as given: a positive int, or "auto" (None: measured at the first snapshot).
+
+    Raises:
+        ValueError: neither a positive integer nor "auto" (one line naming the value).
+    """
+    if value == AUTO:
+        return None
+    if isinstance(value, str):
+        if not value.isdigit():
+            raise ValueError(f"snapshot cadence must be a positive integer or 'auto', not {value!r}")
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"snapshot cadence must be a positive integer or 'auto', not {value!r}")
+    return value

@@ -1,0 +1,256 @@
+"""One snapshot in flight: copy the state into a slot off the training thread, checksum it, commit it.
+
+The state's tensors are copied where they live, while the next step's forward and backward run:
+
+* CUDA: the copies are issued on a side stream that first waits for the compute stream at the step
+  boundary; the slot's memory is pinned (cudaHostRegister), so they are DMA transfers. Before the
+  optimizer updates the parameters in place, the compute stream waits for the copy (a GPU-side
+  wait: the host does not block), so the snapshot holds exactly the boundary's state.
+* CPU: a background thread copies (torch's copies release the GIL); the optimizer's update waits
+  for it on the host.
+
+Tensors the optimizer does not own (buffers such as BatchNorm's running stats, which the forward
+updates in place) are cloned at the boundary, on their device, and copied from the clone. The copy
+goes chunk by chunk (16 MiB), each chunk's crc32 computed on a pool of threads as soon as its bytes
+are in, so the checksums end shortly after the copy; then the copier commits the slot.
+
+Test-only hook: with GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT=<step> in the environment, the
+process SIGKILLs itself after the snapshot of that step is copied and checksummed, just before its
+slot's commit: the torn slot a death mid-copy leaves. Never set it outside a test.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpuwatch.snapshots.slot import Slot, chunk_size_for
+from gpuwatch.trainer import tensorfile
+from gpuwatch.trainer.tensorfile import FlatState
+
+if TYPE_CHECKING:
+    import torch
+
+DIE_BEFORE_COMMIT_ENV = "GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT"
+
+
+class CopyJob:
+    """The snapshot of one step into one slot, from the boundary to its commit.
+
+    Args:
+        step: the step the state belongs to.
+        seq: this rank's snapshot sequence number (the slot with the higher one is the newer).
+        slot: where it goes (already sized for flat.size).
+        flat: the state's layout; its sources are the tensors to copy.
+        owned: for each source, whether the optimizer owns it (copied directly) or it must be cloned now.
+        cuda: the CUDA device the sources are on, or None for the CPU path.
+        world_size, rank: recorded in the slot's header.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        seq: int,
+        slot: Slot,
+        flat: FlatState,
+        owned: Sequence[bool],
+        cuda: int | None,
+        world_size: int,
+        rank: int,
+    ) -> None:
+        self.step, self.seq, self.slot, self.flat = step, seq, slot, flat
+        self.cuda, self.world_size, self.rank = cuda, world_size, rank
+        self.copied = threading.Event()  # CPU: the copies are done; CUDA: issued (done_event says when done)
+        self.committed = threading.Event()
+        self.error: BaseException | None = None
+        self.released = False  # the optimizer's update may run (it waited for the copy)
+        self.blocked_s = 0.0  # what the training thread waited for this snapshot (boundary, update, commit)
+        self.stall_s: float | None = None  # CUDA: how long the compute stream waited for the copy
+        self.worker_s = 0.0
+        self.copy_s = 0.0
+        self._stall_events: tuple[Any, Any] | None = None
+        self._done_event: Any = None
+        self._sources: list[torch.Tensor] = []
+        self._prepare(owned)
+        self._thread = threading.Thread(target=self._run, name=f"gpuwatch-snapshot-{step}", daemon=True)
+        self._thread.start()
+
+    # -- the training thread's side ---------------------------------------------------------------
+
+    def _prepare(self, owned: Sequence[bool]) -> None:
+        """At the boundary: clone what the optimizer does not own; on CUDA copy CPU tensors now, mark the stream."""
+        torch = sys.modules["torch"]
+        self.slot.begin()
+        self._sources = [s if own else s.clone() for s, own in zip(self.flat.sources, owned, strict=True)]
+        if self.cuda is None:
+            return
+        for record, source in zip(self.flat.records, self._sources, strict=True):
+            if source.device.type == "cpu" and record.nbytes:
+                self.slot.payload_tensor(record.offset, record.nbytes).copy_(source)
+        self._ready = torch.cuda.Event()
+        self._ready.record(torch.cuda.current_stream(self.cuda))
+
+    def release_for_update(self) -> float:
+        """Before the optimizer updates in place: wait for the copy (CUDA: on the GPU). Seconds the host waited."""
+        if self.released:
+            return 0.0
+        started = time.perf_counter()
+        self.copied.wait()
+        if self.cuda is not None and self._done_event is not None:
+            torch = sys.modules["torch"]
+            stream = torch.cuda.current_stream(self.cuda)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(self._done_event)
+            after.record(stream)
+            self._stall_events = (before, after)
+        self.released = True
+        waited = time.perf_counter() - started
+        self.blocked_s += waited
+        return waited
+
+    def wait_committed(self, timeout: float | None = None) -> float:
+        """Wait for the commit (or the failure); seconds waited."""
+        started = time.perf_counter()
+        self.committed.wait(timeout)
+        waited = time.perf_counter() - started
+        self.blocked_s += waited
+        return waited
+
+    def measure_stall(self) -> bool:
+        """Read the compute stream's wait once the GPU got past it; True when stall_s is known."""
+        if self.stall_s is not None:
+            return True
+        if self._stall_events is None:
+            if self.cuda is None or self.released:
+                self.stall_s = 0.0
+            return self.stall_s is not None
+        before, after = self._stall_events
+        if not after.query():
+            return False
+        self.stall_s = before.elapsed_time(after) / 1e3
+        return True
+
+    @property
+    def cost_s(self) -> float:
+        """What it cost the training (cadence.py): the waits, the GPU stall; on the CPU at least the copier's time."""
+        waits = self.blocked_s + (self.stall_s or 0.0)
+        return waits if self.cuda is not None else max(waits, self.worker_s)
+
+    # -- the copier thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            crcs = self._copy_and_checksum()
+            self._commit(crcs)
+        except BaseException as exc:  # reported by the training thread at the next boundary
+            self.error = exc
+        finally:
+            self._sources = []
+            self.copied.set()
+            self.worker_s = time.perf_counter() - started
+            self.committed.set()
+
+    def _copy_and_checksum(self) -> list[int]:
+        """Copy chunk by chunk; each chunk's crc32 runs on the pool as soon as its bytes are in (pipelined)."""
+        torch = sys.modules["torch"]
+        started = time.perf_counter()
+        self._chunk = chunk_size_for(self.flat.size)
+        ranges = tensorfile.chunk_ranges(self.flat.data_off, self.flat.size, self._chunk)
+        spans = [(r.offset, r.nbytes, s) for r, s in zip(self.flat.records, self._sources, strict=True) if r.nbytes]
+        view = self.slot.payload_view(self.flat.size)
+        pool = _pool()
+        self.slot.write_prefix(self.flat.prefix)
+        futures = [pool.submit(_crc, view, ranges[0], None)]
+        context = torch.cuda.device(self.cuda) if self.cuda is not None else contextlib.nullcontext()
+        with context:
+            stream = _side_stream(torch, self.cuda) if self.cuda is not None else None
+            if stream is not None:
+                stream.wait_event(self._ready)
+            for offset, length in ranges[1:]:
+                ready = self._copy_range(torch, stream, spans, offset, length)
+                futures.append(pool.submit(_crc, view, (offset, length), ready))
+            if stream is not None:
+                self._done_event = torch.cuda.Event()
+                self._done_event.record(stream)
+            self.copied.set()
+            crcs = [f.result() for f in futures]
+        self.copy_s = time.perf_counter() - started
+        return crcs
+
+    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int) -> Any:
+        """Copy what belongs in payload [offset, offset + length); on CUDA the event that says when it is in."""
+        for piece in tensorfile.pieces(spans, offset, length):
+            dst = self.slot.payload_tensor(offset + piece.at, piece.length)
+            if piece.source is None:
+                dst.zero_()  # padding: the file's bytes, so the checksum and a disk copy are the same
+            elif stream is None:
+                dst.copy_(piece.source[piece.start : piece.start + piece.length])
+            elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
+                with torch.cuda.stream(stream):
+                    dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
+        if stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _commit(self, crcs: list[int]) -> None:
+        self.slot.commit(
+            step=self.step,
+            seq=self.seq,
+            payload_len=self.flat.size,
+            data_off=self.flat.data_off,
+            chunk=self._chunk,
+            crcs=crcs,
+            world_size=self.world_size,
+            rank=self.rank,
+            before_commit=self._test_death,
+        )
+
+    def _test_death(self) -> None:
+        """The test-only hook of the module docstring: die between the copy and the commit."""
+        if os.environ.get(DIE_BEFORE_COMMIT_ENV) == str(self.step):
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"{DIE_BEFORE_COMMIT_ENV}={self.step}: dying before the slot's commit\n")
+                sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> int:
+    """crc32 of view[offset:offset + length] once `ready` (a CUDA event, or None) says its bytes are in."""
+    if ready is not None:
+        ready.synchronize()  # releases the GIL
+    offset, length = rng
+    return zlib.crc32(view[offset : offset + length])
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The checksum threads, one pool for the process (zlib.crc32 releases the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(tensorfile.workers(), thread_name_prefix="gpuwatch-crc")
+    return _POOL
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _side_stream(torch: Any, device: int) -> Any:
+    """One copy stream per device for the life of the process (creating one per snapshot would leak)."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream

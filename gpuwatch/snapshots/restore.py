@@ -1,0 +1,190 @@
+"""Reading committed slots back: which steps a rank can restore, and the state of one of them.
+
+The rank's own slot is mapped copy-on-write and its tensors are views of the mapping (no copy:
+memory speed is the checksum's speed; an update of the restored state copies only the pages it
+writes, the slot stays as committed). The file is never written again: when a later snapshot needs
+that slot, its name is unlinked and a new file made (HostSnapshot). Another rank's slot (replicated
+state) is read with pread into fresh tensors instead, since its owner will write into it again. Either
+way every chunk's crc32 is checked before the state is handed out, so a torn or changed slot is
+refused as a whole. Only regular files of this uid are opened, without following links.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import stat
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatch.snapshots.layout import parse_slot_name
+from gpuwatch.snapshots.slot import HEADER_LEN, SlotHeader, read_header
+from gpuwatch.trainer import tensorfile
+
+_OPEN = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A committed slot this rank may restore from."""
+
+    name: str
+    rank: int
+    slot: int
+    header: SlotHeader
+
+
+def candidates(dir_fd: int, *, rank: int, world_size: int, replicated: bool) -> list[Candidate]:
+    """The committed slots in the job directory this rank may load, newest first.
+
+    Sharded state (replicated False): only this rank's own slots, written by a job of the same world
+    size (another world would hold other shards). Replicated state (data parallel): any rank's slot
+    of the job, whatever its world size: each holds the whole state.
+    """
+    found = []
+    for name in os.listdir(dir_fd):
+        parsed = parse_slot_name(name)
+        if parsed is None or name.endswith(".tmp"):
+            continue
+        slot_rank, slot = parsed
+        if not replicated and slot_rank != rank:
+            continue
+        header = header_of(dir_fd, name)
+        if header is None or (not replicated and (header.world_size != world_size or header.rank != rank)):
+            continue
+        found.append(Candidate(name, slot_rank, slot, header))
+    own_first = sorted(found, key=lambda c: (c.rank != rank, c.rank, -c.header.seq))
+    return sorted(own_first, key=lambda c: -c.header.step)
+
+
+def header_of(dir_fd: int, name: str) -> SlotHeader | None:
+    """The committed header of slot file `name` (a regular file of ours), else None."""
+    fd = _open_own(dir_fd, name)
+    if fd is None:
+        return None
+    try:
+        return read_header(fd)
+    finally:
+        os.close(fd)
+
+
+def _open_own(dir_fd: int, name: str, mode: int = os.O_RDONLY) -> int | None:
+    """An fd of `name` when it is a regular file of this uid (never through a link), else None."""
+    try:
+        fd = os.open(name, _OPEN | mode, dir_fd=dir_fd)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def map_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
+    """The state in one of this rank's committed slots, as views of its private mapping, every chunk verified first."""
+    fd = _open_own(dir_fd, candidate.name)
+    if fd is None:
+        return None, "cannot open it"
+    try:
+        header = read_header(fd)
+        if header is None or header.seq != candidate.header.seq or header.step != candidate.header.step:
+            return None, "rewritten since it was listed"
+        # Copy-on-write, so the slot stays as committed; not MAP_POPULATE, which would copy every page now.
+        size = HEADER_LEN + header.payload_len
+        memory = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        return None, f"cannot map it: {exc}"
+    finally:
+        os.close(fd)
+    view = memoryview(memory)[HEADER_LEN : HEADER_LEN + header.payload_len]
+    try:
+        chunks = header.chunks()
+        crcs = tensorfile._parallel(_crc_in(view), chunks, tensorfile.workers())
+        for chunk, crc in zip(chunks, crcs, strict=True):
+            if crc != chunk.crc:
+                return None, f"crc32 mismatch in bytes {chunk.offset}-{chunk.offset + chunk.length}"
+        tree, records, _ = tensorfile.parse_prefix(bytes(view[: header.data_off]), header.payload_len)
+        tensors = tensorfile.views_of(memory, HEADER_LEN, records)
+        return tensorfile.build_state(tree, tensorfile.finish_tensors(records, tensors)), None
+    except tensorfile.FlatFileError as exc:
+        return None, str(exc)
+    finally:
+        view.release()
+
+
+def _crc_in(view: memoryview) -> Any:
+    return lambda c: zlib.crc32(view[c.offset : c.offset + c.length])
+
+
+def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
+    """The state in a committed slot, copied into fresh tensors and verified chunk by chunk; (None, reason) if not."""
+    fd = _open_own(dir_fd, candidate.name)
+    if fd is None:
+        return None, "cannot open it"
+    try:
+        header = read_header(fd)
+        if header is None or header.seq != candidate.header.seq or header.step != candidate.header.step:
+            return None, "rewritten since it was listed"
+        state = tensorfile.read_flat(fd, header.payload_len, header.chunks(), base=HEADER_LEN)
+        after = read_header(fd)
+        if after is None or after.seq != header.seq:
+            return None, "rewritten while it was read"
+        return state, None
+    except tensorfile.FlatFileError as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"cannot read it: {exc}"
+    finally:
+        os.close(fd)
+
+
+def localize(state: Any) -> Any:
+    """`state` with each DTensor replaced by its local shard (a view: no copy); other values as they are."""
+    if _is_dtensor(state):
+        return state.to_local()
+    if isinstance(state, dict):
+        return _same_kind(state, [(k, localize(v)) for k, v in state.items()])
+    if isinstance(state, list):
+        return [localize(v) for v in state]
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return tuple(localize(v) for v in state)
+    return state
+
+
+def like(state: Any, template: Any) -> Any:
+    """`state` (local shards where the template has DTensors) with those shards made DTensors again.
+
+    Each one gets the template's mesh, placements, global shape and stride, on the template's device:
+    what `torch.distributed.checkpoint.state_dict.set_state_dict` takes. Values the template does
+    not have, and every other value, stay as restored.
+    """
+    if _is_dtensor(template):
+        torch = sys.modules["torch"]
+        if not isinstance(state, torch.Tensor):
+            return state
+        local = template.to_local()
+        shard = state.to(device=local.device, dtype=local.dtype)
+        cls = type(template)
+        return cls.from_local(
+            shard, template.device_mesh, template.placements, run_check=False, shape=template.shape,
+            stride=template.stride(),
+        )  # fmt: skip
+    if isinstance(state, dict) and isinstance(template, dict):
+        return _same_kind(state, [(k, like(v, template[k]) if k in template else v) for k, v in state.items()])
+    if isinstance(state, list | tuple) and isinstance(template, list | tuple) and len(state) == len(template):
+        items = [like(s, t) for s, t in zip(state, template, strict=True)]
+        return items if isinstance(state, list) else tuple(items)
+    return state
+
+
+def _same_kind(original: dict[Any, Any], items: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """An OrderedDict stays one (a state dict is); any other mapping becomes a dict."""
+    return collections.OrderedDict(items) if isinstance(original, collections.OrderedDict) else dict(items)
+
+
+def _is_dtensor(value: Any) -> bool:
+    return hasattr(value, "to_local") and hasattr(value, "placements") and hasattr(value, "device_mesh")

@@ -1,0 +1,241 @@
+"""One snapshot slot: a file in the job's shared-memory directory, a header, then a flat tensor file.
+
+    [header: HEADER_LEN bytes][payload: the state as gpuwatch.trainer.tensorfile lays it out]
+
+The header holds the slot's state, its step, the payload's size and the crc32 of each payload
+chunk. A slot is rewritten in this order: state := WRITING; payload bytes; chunk crcs, step and the
+header's own crc; state := COMMITTED. A rank that dies anywhere before the last store leaves a
+slot whose state is not COMMITTED, and a reader never uses it (the two state values differ in every
+byte, so even a torn 4-byte store is neither); a reader also re-checks every chunk's crc as it
+copies the payload out, so bytes changed after the commit are caught too.
+
+The file is created with fallocate, so a full /dev/shm fails at once with ENOSPC instead of
+killing the rank with SIGBUS at its first copy, and mapped with MAP_POPULATE, so the first snapshot
+does not pay the page faults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import stat
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gpuwatch.trainer import tensorfile
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("gpuwatch.snapshots")
+
+MAGIC = b"GWSNAP01"
+VERSION = 1
+WRITING = 0x57524954  # "WRIT"
+COMMITTED = 0xC0FFEE11
+_FIXED = struct.Struct("<8sIIqQQQQIIId")  # magic version state step seq payload data_off chunk n_chunks world rank t
+_STATE_AT = 12  # byte offset of `state` in the header
+_CRC = struct.Struct("<I")
+HEADER_LEN = tensorfile.PAGE
+_MAX_CHUNKS = (HEADER_LEN - _FIXED.size - _CRC.size) // _CRC.size
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """A committed slot's header: the step it holds and where its payload chunks are."""
+
+    step: int
+    seq: int
+    payload_len: int
+    data_off: int
+    chunk: int
+    world_size: int
+    rank: int
+    committed_t: float
+    crcs: tuple[int, ...]
+
+    def chunks(self) -> list[tensorfile.Chunk]:
+        """The payload's chunks with their crcs (offsets relative to the payload)."""
+        ranges = tensorfile.chunk_ranges(self.data_off, self.payload_len, self.chunk)
+        return [tensorfile.Chunk(o, n, c) for (o, n), c in zip(ranges, self.crcs, strict=True)]
+
+
+def chunk_size_for(payload_len: int) -> int:
+    """16 MiB chunks (tensorfile.CHUNK), larger when the payload would need more chunks than the header holds."""
+    size = tensorfile.CHUNK
+    while payload_len // size + 2 > _MAX_CHUNKS:
+        size *= 2
+    return size
+
+
+def read_header(fd: int) -> SlotHeader | None:
+    """The header of the slot file `fd` when it is committed and its own crc matches, else None."""
+    try:
+        raw = os.pread(fd, HEADER_LEN, 0)
+    except OSError:
+        return None
+    if len(raw) < HEADER_LEN:
+        return None
+    magic, version, state, step, seq, payload, data_off, chunk, n, world, rank, t = _FIXED.unpack_from(raw)
+    if magic != MAGIC or version != VERSION or state != COMMITTED or not 0 < n <= _MAX_CHUNKS:
+        return None
+    crc_end = _FIXED.size + n * _CRC.size
+    (stored,) = _CRC.unpack_from(raw, crc_end)
+    if zlib.crc32(raw[:crc_end]) != stored:
+        return None
+    crcs = struct.unpack_from(f"<{n}I", raw, _FIXED.size)
+    header = SlotHeader(step, seq, payload, data_off, chunk, world, rank, t, crcs)
+    try:
+        if len(header.chunks()) != n or os.fstat(fd).st_size < HEADER_LEN + payload:
+            return None
+    except (ValueError, OSError):
+        return None
+    return header
+
+
+class Slot:
+    """A slot file of ours, mapped read-write: where the snapshot copier puts a state, then commits it."""
+
+    def __init__(self, dir_fd: int, name: str) -> None:
+        self.name = name
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        self.fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        try:
+            st = os.fstat(self.fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                raise OSError(f"slot {name} is not a regular file of ours")
+            os.fchmod(self.fd, 0o600)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.map: mmap.mmap | None = None
+        self.size = 0
+        self.payload_capacity = 0
+        self._registered: int | None = None  # the address registered with CUDA (cudaHostRegister)
+        self.pin_failed = False
+
+    def header(self) -> SlotHeader | None:
+        return read_header(self.fd)
+
+    def ensure(self, payload_len: int, *, pin: bool) -> float:
+        """Size the file for `payload_len` bytes (fallocate, map, pin); seconds it took (0 when already so).
+
+        Raises:
+            OSError: no room in the shared-memory file system (ENOSPC), or mapping failed.
+        """
+        pinned = self._registered is not None or self.pin_failed
+        if self.map is not None and payload_len <= self.payload_capacity and pin == pinned:
+            return 0.0
+        started = time.monotonic()
+        self.release()
+        size = HEADER_LEN + tensorfile._align(payload_len, tensorfile.PAGE)
+        self._invalidate_on_disk()
+        os.ftruncate(self.fd, size)
+        os.posix_fallocate(self.fd, 0, size)
+        self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.size, self.payload_capacity = size, size - HEADER_LEN
+        if pin:
+            self._pin()
+        return time.monotonic() - started
+
+    def _invalidate_on_disk(self) -> None:
+        with contextlib.suppress(OSError):
+            if os.fstat(self.fd).st_size >= HEADER_LEN:
+                os.pwrite(self.fd, struct.pack("<I", WRITING), _STATE_AT)
+
+    def begin(self) -> None:
+        """Mark the slot as being written: from here until commit() it is never loaded."""
+        assert self.map is not None
+        struct.pack_into("<I", self.map, _STATE_AT, WRITING)
+
+    def payload_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over payload bytes [offset, offset + nbytes) (pinned when the slot is)."""
+        import torch
+
+        assert self.map is not None
+        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=HEADER_LEN + offset)
+
+    def write_prefix(self, prefix: bytes) -> None:
+        assert self.map is not None
+        self.map[HEADER_LEN : HEADER_LEN + len(prefix)] = prefix
+
+    def payload_view(self, length: int) -> memoryview:
+        assert self.map is not None
+        return memoryview(self.map)[HEADER_LEN : HEADER_LEN + length]
+
+    def checksums(self, payload_len: int, data_off: int, chunk: int) -> list[int]:
+        """crc32 of each payload chunk, computed by a pool of threads (zlib releases the GIL)."""
+        view = self.payload_view(payload_len)
+        ranges = tensorfile.chunk_ranges(data_off, payload_len, chunk)
+        return list(tensorfile._parallel(lambda r: zlib.crc32(view[r[0] : r[0] + r[1]]), ranges, tensorfile.workers()))
+
+    def commit(self, *, step: int, seq: int, payload_len: int, data_off: int, chunk: int, crcs: list[int],
+               world_size: int, rank: int, before_commit: Any = None) -> None:  # fmt: skip
+        """Write the header with the chunk crcs, then (the last store) the COMMITTED state."""
+        assert self.map is not None
+        fixed = _FIXED.pack(MAGIC, VERSION, COMMITTED, step, seq, payload_len, data_off, chunk, len(crcs),
+                            world_size, rank, time.time())  # fmt: skip
+        body = fixed + struct.pack(f"<{len(crcs)}I", *crcs)
+        body_with_writing = body[:_STATE_AT] + struct.pack("<I", WRITING) + body[_STATE_AT + 4 :]
+        self.map[: len(body)] = body_with_writing
+        _CRC.pack_into(self.map, len(body), zlib.crc32(body))
+        if before_commit is not None:
+            before_commit()
+        struct.pack_into("<I", self.map, _STATE_AT, COMMITTED)
+        with contextlib.suppress(OSError):
+            os.utime(self.fd)  # the daemon's grace period counts from a job's last commit
+
+    def invalidate(self) -> None:
+        """Never load this slot again (a newer timeline replaced it)."""
+        if self.map is not None:
+            struct.pack_into("<I", self.map, _STATE_AT, WRITING)
+        else:
+            self._invalidate_on_disk()
+
+    def _pin(self) -> None:
+        """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are DMA transfers.
+
+        When CUDA refuses (a locked-memory limit, an old driver), the slot stays pageable: the copies
+        still run on the copier's thread, only slower (the driver stages them). Said once in the log.
+        """
+        torch = sys.modules.get("torch")
+        if torch is None or self.map is None or not torch.cuda.is_available():
+            return
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        try:
+            code = int(torch.cuda.cudart().cudaHostRegister(address, self.size, 0))
+        except Exception as exc:  # no cudart binding in this torch build
+            code, reason = -1, f"{type(exc).__name__}: {exc}"
+        else:
+            reason = f"CUDA error {code}"
+        if code != 0:
+            log.warning("slot %s: cudaHostRegister of %d bytes failed (%s): copies go unpinned", self.name,
+                        self.size, reason)  # fmt: skip
+            self.pin_failed = True
+            return
+        self._registered = address
+
+    def release(self) -> None:
+        """Unpin and unmap (the file and its contents stay)."""
+        torch = sys.modules.get("torch")
+        if self._registered is not None and torch is not None:
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(self._registered)
+        self._registered = None
+        if self.map is not None:
+            with contextlib.suppress(BufferError):  # a tensor view still alive: the map goes with it
+                self.map.close()
+        self.map = None
+        self.payload_capacity = 0
+
+    def close(self) -> None:
+        self.release()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
