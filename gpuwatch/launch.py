@@ -588,6 +588,9 @@ class _Nproc(click.ParamType):
 @click.option("--master-addr", help="torchrun --master-addr.")
 @click.option("--master-port", type=click.IntRange(1, 65535), help="torchrun --master-port.")
 @click.option("--standalone", is_flag=True, help="Single node (the default when no rendezvous option is given).")
+@click.option(
+    "--in-place", is_flag=True, help="Recover in place: run the workers here, survivors go on (gpuwatch.inplace)."
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True, metavar="-- [-m] SCRIPT [ARGS]...")
 def launch(
     nproc: int | None,
@@ -599,6 +602,7 @@ def launch(
     state_dir: str | None,
     command: tuple[str, ...],
     rdzv_id: str | None,
+    in_place: bool,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -628,6 +632,23 @@ def launch(
             rendezvous=rendezvous_args(job_id=job_id, **rendezvous),
             command=command,
         )
+        if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
+            from gpuwatch.inplace.supervisor import InPlacePlan, InPlaceStopped, Supervisor
+
+            client = DaemonClient(config)
+            in_place_plan = InPlacePlan(
+                job_id, command, config.runtime_dir, nproc, min_nproc, max_restarts,
+                rendezvous["rdzv_endpoint"], rendezvous["nnodes"],
+            )  # fmt: skip
+            try:
+                code = Supervisor(
+                    in_place_plan,
+                    lambda: [(g.index, g.uuid) for g in usable(client.gpus())],
+                    echo=lambda line: click.echo(line, err=True),
+                ).run()
+            except InPlaceStopped as exc:
+                raise LaunchStopped(exc.code, str(exc)) from None
+            sys.exit(code)
         code = Launcher(plan, DaemonClient(config).gpus, echo=lambda line: click.echo(line, err=True)).run()
     except click.UsageError as exc:
         fail(exc.format_message(), command=COMMAND)

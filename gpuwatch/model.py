@@ -230,6 +230,7 @@ class TrainerInfo:
     stop_requested: bool | None = None
     allow_drills: bool | None = None
     ended: str | None = None
+    recovery: str | None = None  # "relaunch" or "in_place" (gpuwatch.trainer.contract)
     updated_t: float | None = None
 
 

@@ -118,6 +118,7 @@ _FIELDS: dict[str, Any] = {
     "stop_requested": _flag,
     "allow_drills": _flag,
     "ended": _ended,
+    "recovery": _text,
 }
 
 

@@ -32,6 +32,9 @@ ENDED_RESUME = "resume"  # exit_for_resume: checkpoint saved, relaunch and resum
 ENDED_ERROR = "error"  # the rank's code raised out of the TrainerLink context
 ENDED_VALUES = (ENDED_FINISHED, ENDED_RESUME, ENDED_ERROR)
 
+RECOVERY_RELAUNCH = "relaunch"  # a fault ends the job's ranks; the launcher relaunches and they load
+RECOVERY_IN_PLACE = "in_place"  # the survivors go on in the same processes (gpuwatch.inplace)
+
 _REPORT_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(_REPORT_SUFFIX)}$")
 
 
@@ -75,6 +78,7 @@ class TrainerReport(AllocatorFigures):
     stop_requested: bool
     allow_drills: bool  # the rank accepts the fault-rank drill
     ended: str | None  # null while the process runs, else how it ended (ENDED_*)
+    recovery: str  # RECOVERY_RELAUNCH or RECOVERY_IN_PLACE: how the job recovers from a fault
 
 
 class StatusGpu(TypedDict):

@@ -51,6 +51,7 @@ from gpuwatch.trainer.contract import (
     ENDED_FINISHED,
     ENDED_RESUME,
     EXIT_RESUME,
+    RECOVERY_RELAUNCH,
     RUNTIME_DIR_ENV,
     STATUS_FILE,
     TRAINERS_DIR,
@@ -127,6 +128,7 @@ class TrainerLink:
         self.job_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("GPUWATCH_JOB_ID") or None
         self._cuda_device = _torch_cuda_device(self.local_rank or 0)
         self.gpu_uuid = gpu_uuid or _gpu_uuid(self._cuda_device, self.local_rank or 0)
+        self.recovery = RECOVERY_RELAUNCH  # "in_place" when gpuwatch.inplace drives the job
         self.last_loss: float | None = None
         self.stop_reason: str | None = None
         self._stop_requested = False
@@ -529,6 +531,7 @@ class TrainerLink:
             "stop_requested": self._stop_requested,
             "allow_drills": self.allow_drills,
             "ended": self._ended,
+            "recovery": self.recovery,
         }
 
     def _memory_stats(self) -> AllocatorFigures:
