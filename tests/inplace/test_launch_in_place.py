@@ -125,7 +125,8 @@ def test_a_killed_rank_leaves_the_survivors_stepping_and_a_replacement_joins(
     stderr = _finish(run)
     assert "killed by SIGKILL: the others go on" in stderr and "replacement 1/3: a rank joins" in stderr, stderr
     print(
-        f"\nin place, SIGKILL: survivors' next step {took:.2f} s after the death; replacement joined, state {join_s:.2f} s"
+        f"\nin place, SIGKILL: survivors' next step {took:.2f} s after the death;"
+        f" replacement joined, state {join_s:.2f} s"
     )
 
 
