@@ -72,14 +72,15 @@ class InPlaceRun:
 
 
 def launch_in_place(
-    node: DaemonProcess, workdir: Path, steps: int, *launch_args: str, step_sleep: float = 0.05
+    node: DaemonProcess, workdir: Path, steps: int, *launch_args: str, step_sleep: float = 0.05, ckpt_every: int = 1000
 ) -> InPlaceRun:
     logs = workdir / "ckpt"
     command = [
         sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
         "--in-place", *launch_args,
         "--", "-m", "gpuwatch.trainer.example", "--in-place", "--ckpt-dir", str(logs), "--steps", str(steps),
-        "--step-sleep", str(step_sleep), "--report-interval", "0.2", "--gloo-timeout", "20", "--ckpt-every", "1000",
+        "--step-sleep", str(step_sleep), "--report-interval", "0.2", "--gloo-timeout", "20",
+        "--ckpt-every", str(ckpt_every),
     ]  # fmt: skip
     process = subprocess.Popen(
         command, env=launch_env(), cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

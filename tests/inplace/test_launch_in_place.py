@@ -76,11 +76,11 @@ def _grows_back(run: InPlaceRun, survivors: list[int]) -> tuple[int, float]:
     return joiner, float(joined["change"]["seconds"])
 
 
-def _finish(run: InPlaceRun) -> str:
-    """Stop the job (SIGTERM to the launcher, passed to the ranks); its stderr, which must show no checkpoint read."""
+def _finish(run: InPlaceRun, *, loads: bool = False) -> str:
+    """Stop the job (SIGTERM to the launcher, passed to the ranks); its stderr, which shows no checkpoint read."""
     run.process.send_signal(signal.SIGTERM)
     _, stderr = run.output()
-    assert "loaded checkpoint" not in stderr, stderr  # nothing was read from disk
+    assert loads or "loaded checkpoint" not in stderr, stderr  # nothing was read from disk
     return stderr
 
 
@@ -154,3 +154,18 @@ def _report(node: DaemonProcess, pid: int) -> dict[str, object]:
         return dict(json.loads((node.runtime_dir / "trainers" / f"{pid}.json").read_text()))
     except (OSError, ValueError):
         return {}
+
+
+def test_with_no_survivor_the_replacement_loads_the_checkpoint(tmp_path: Path) -> None:
+    """A single-rank job whose rank dies: nobody holds the state, so the new rank loads (the old path)."""
+    with sim_node(tmp_path / "one", gpus=1) as one:
+        run = launch_in_place(one, tmp_path, 100_000, ckpt_every=10)
+        run.wait_for("step 25", lambda lines: any(ln["step"] >= 25 for ln in lines))
+        (victim,) = {ln["pid"] for ln in run.steps()}
+        os.kill(victim, signal.SIGKILL)
+        furthest = max(ln["step"] for ln in run.steps())
+        run.wait_for("a new rank", lambda lines: any(ln["pid"] != victim for ln in lines))
+        first = min((ln for ln in run.steps() if ln["pid"] != victim), key=lambda ln: ln["step"])
+        stderr = _finish(run, loads=True)
+    assert first["change"]["source"] == "checkpoint" and first["step"] == furthest // 10 * 10 + 1, first
+    assert f"loaded checkpoint step {furthest // 10 * 10}" in stderr, stderr
