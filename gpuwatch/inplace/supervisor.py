@@ -121,6 +121,7 @@ class Supervisor:
         self._count = 0
         self._stop = threading.Event()
         self._received: int | None = None
+        self._stop_called = False
         self._daemon_down = False
 
     def run(self) -> int:
@@ -155,7 +156,8 @@ class Supervisor:
                 target=self._coordinate, args=(address,), name="gpuwatch-inplace-coordinator", daemon=True
             )
             coordinator.start()
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        in_main = threading.current_thread() is threading.main_thread()  # a bench runs it on a thread of its own
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM) if in_main}
         try:
             return self._supervise()
         finally:
@@ -225,6 +227,9 @@ class Supervisor:
         env[STORE_ENV] = self.address
         env[MEMBER_ENV] = member
         env.setdefault("OMP_NUM_THREADS", "1")
+        # NCCL: abort the communicator on an error but do not end the process (3, torch's default, ends it;
+        # torchrun's 1 aborts and ends it): the survivor must live through its peer's death.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         try:
             process = subprocess.Popen([self.python, *self.plan.command], env=env, start_new_session=True)
         except OSError as exc:
@@ -326,6 +331,11 @@ class Supervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._received = signum
 
+    def stop(self) -> None:
+        """End the job from another thread: the workers get SIGTERM, and run() returns 0 once they are gone."""
+        self._stop_called = True
+        self._received = signal.SIGTERM
+
     def _shut_down(self) -> int:
         signum = self._received
         assert signum is not None
@@ -341,6 +351,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 worker.process.kill()
                 worker.process.wait()
+        if self._stop_called:
+            return 0
         raise InPlaceStopped(128 + signum, f"stopped by {signal.Signals(signum).name}")
 
 
