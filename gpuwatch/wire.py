@@ -181,6 +181,7 @@ class Trainer(Body):
     stop_requested: Omittable[bool] = None
     allow_drills: Omittable[bool] = None
     ended: Omittable[str] = None
+    recovery: Omittable[str] = None  # "relaunch" or "in_place", as the rank's report says
     updated_t: Omittable[float] = None
 
 

@@ -1,5 +1,9 @@
 """measure_in_place: what a rank's death costs an in-place job, and what a join costs, at a given state size.
 
+    python -m gpuwatch.inplace.bench --gib 0.1 0.5 2 [--backend nccl] [--workdir DIR]
+
+prints one JSON line per state size (the dict below).
+
 For `gpuwatch bench --only recovery` (its in-place column). A job of `gpuwatch.inplace.bench_worker`
 ranks runs under the in-place supervisor (in this process, on a thread), with fake GPUs on the CPU
 (3 gloo ranks) or this machine's GPUs (NCCL, one rank each). Once every rank has taken 5 steps, the
@@ -14,8 +18,11 @@ last rank is SIGKILLed; the figures come from the job's own step logs:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
+import tempfile
 import signal
 import statistics
 import threading
@@ -164,3 +171,24 @@ def _step_time(lines: list[dict[str, Any]], pid: int, world: int) -> float | Non
     times = sorted(ln["t"] for ln in lines if ln["pid"] == pid and ln["world"] == world)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return round(statistics.median(gaps), 4) if gaps else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure at each --gib state size; one JSON line each."""
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.inplace.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, nargs="+", default=[0.1, 0.5, 2.0], help="state sizes (GiB)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--ranks", type=int, help="default: 3 on gloo, every GPU on nccl")
+    parser.add_argument("--workdir", help="default: a temporary directory")
+    args = parser.parse_args(argv)
+    if any(not gib > 0 for gib in args.gib):
+        parser.error("--gib sizes must be positive")
+    with tempfile.TemporaryDirectory(prefix="gpuwatch-inplace-bench-") as tmp:
+        for gib in args.gib:
+            figures = measure_in_place(int(gib * (1 << 30)), Path(args.workdir or tmp), args.backend, ranks=args.ranks)
+            print(json.dumps({"state_gib": gib, **figures}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

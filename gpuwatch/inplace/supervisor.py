@@ -263,7 +263,11 @@ class Supervisor:
     def _exited(self, worker: _Worker, code: int) -> None:
         """Publish the exit at once (the survivors wait for it), then decide about the GPU."""
         worker.code = code
-        append_event(self.store, GONE, member=worker.member, code=code)
+        try:
+            append_event(self.store, GONE, member=worker.member, code=code)
+        except Exception as exc:  # the launcher hosting the store is gone: nobody can decide the membership
+            self._terminate_workers()
+            raise InPlaceStopped(EXIT_STOPPED, f"the job's store at {self.address} is gone ({exc})") from None
         where = f"GPU {worker.index} ({worker.uuid})"
         if code == 0:
             self.finished = True
@@ -339,6 +343,13 @@ class Supervisor:
     def _shut_down(self) -> int:
         signum = self._received
         assert signum is not None
+        self._terminate_workers()
+        if self._stop_called:
+            return 0
+        raise InPlaceStopped(128 + signum, f"stopped by {signal.Signals(signum).name}")
+
+    def _terminate_workers(self) -> None:
+        """SIGTERM to every live worker's session, SIGKILL after _STOP_GRACE_S."""
         for worker in self._live():
             try:
                 os.killpg(worker.process.pid, signal.SIGTERM)
@@ -351,9 +362,6 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 worker.process.kill()
                 worker.process.wait()
-        if self._stop_called:
-            return 0
-        raise InPlaceStopped(128 + signum, f"stopped by {signal.Signals(signum).name}")
 
 
 def _min_nodes(nnodes: str | None) -> int:

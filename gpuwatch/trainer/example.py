@@ -297,7 +297,7 @@ def _main_in_place(args: argparse.Namespace) -> int:
 
     import torch
 
-    from gpuwatch.inplace import InPlaceJob, checksum
+    from gpuwatch.inplace import InPlaceJob, NotInPlace, checksum
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -326,7 +326,11 @@ def _main_in_place(args: argparse.Namespace) -> int:
         report_interval_s=args.report_interval, abort_after_s=args.abort_after, allow_drills=args.allow_drills
     )
     with link, (log_dir / f"steps.{os.getpid()}.jsonl").open("a") as step_log:
-        job = InPlaceJob(net, optim, link, load=load, save=save, collective_timeout_s=args.gloo_timeout)
+        try:
+            job = InPlaceJob(net, optim, link, load=load, save=save, collective_timeout_s=args.gloo_timeout)
+        except NotInPlace as exc:
+            print(f"python -m gpuwatch.trainer.example: error: --in-place: {exc}", file=sys.stderr)
+            return 2
         generation = None
         while job.step < args.steps:
             loss, grad_norm = job.train_step(

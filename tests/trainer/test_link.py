@@ -22,7 +22,7 @@ from gpuwatch.trainer import EXIT_RESUME, TrainerLink, bench_step
 CONTRACT_FIELDS = {
     "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
-    "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended",
+    "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended", "recovery",
 }  # fmt: skip
 FAST = 0.02
 
@@ -96,6 +96,7 @@ def test_report_has_the_contract_fields(tmp_path: Path) -> None:
     assert report["stop_requested"] is False
     assert abs(float(report["t"]) - time.time()) < 5  # type: ignore[arg-type]
     assert (report["first_step"], report["allow_drills"], report["ended"]) == (1, False, None)
+    assert report["recovery"] == "relaunch"  # gpuwatch.inplace.InPlaceJob sets "in_place"
     final = _read_report(path)  # left on close, for the daemon to read and remove
     assert final is not None and (final["ended"], final["step"], final["first_step"]) == ("finished", 4, 1)
     assert [p.name for p in (tmp_path / "trainers").iterdir()] == [path.name]  # no temp file left
