@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import tempfile
 import signal
 import statistics
+import sys
+import tempfile
 import threading
 import time
 import uuid
