@@ -69,6 +69,7 @@ T = TypeVar("T")
 
 _WATCH_S = 0.02  # how often the watcher reads the newest generation
 _STATUS_S = 0.25  # how often it looks at status.json's mtime
+_CUDA_FAULT_WORDS = ("cuda error", "illegal memory access", "cublas_status", "cudnn_status", "ecc error", "xid")
 _COLLECTIVE_WORDS = ("gloo", "nccl", "connection", "process group", "processgroup", "timed out", "aborted", "peer")
 
 
@@ -212,7 +213,7 @@ class InPlaceJob:
                 assert self.ddp is not None
                 result = fn(self.ddp)
             except Exception as exc:
-                if not _is_collective_failure(exc) and not self._aborted_for:
+                if not (_is_collective_failure(exc) or (self._aborted_for and not _is_cuda_fault(exc))):
                     raise
                 failure = f"{type(exc).__name__}: {_first_line(exc)}"  # not exc: its frames hold the old group
             finally:
@@ -371,16 +372,9 @@ class InPlaceJob:
     # -- the watcher thread ---------------------------------------------------------------------
 
     def _wants_leave(self) -> bool:
-        """Leave on a quarantine of this rank's own GPU; a stop signal about another GPU is not ours."""
-        if self._quarantined:
-            return True
         link = self._link
-        if link is None or not link.stop_requested:
-            return False
-        reason = link.stop_reason or ""
-        if reason.startswith("gpuwatch quarantined") or reason == "signal SIGTERM":
-            return True
-        return not self._status_path.exists()  # no daemon to ask: a stop signal is for this rank
+        reason = link.stop_reason if link is not None and link.stop_requested else None
+        return leaves(reason, quarantined=self._quarantined, status_file=self._status_path.exists())
 
     def _watch(self) -> None:
         next_status = 0.0
@@ -424,6 +418,25 @@ class InPlaceJob:
         self._quarantined = quarantined_in(status, self._gpu_uuid)
 
 
+def leaves(stop_reason: str | None, *, quarantined: bool, status_file: bool) -> bool:
+    """Whether a rank leaves the job: its own GPU is quarantined; a stop signal about another GPU is not its.
+
+    Args:
+        stop_reason: TrainerLink.stop_reason when a stop was requested, else None.
+        quarantined: status.json quarantines this rank's GPU.
+        status_file: status.json exists (a daemon runs). Today's daemon signals every rank of a job
+            when one GPU is quarantined; the in-place rule signals only that GPU's ranks. Either
+            way status.json says whose GPU it is; without a daemon a stop signal is for this rank.
+    """
+    if quarantined:
+        return True
+    if stop_reason is None:
+        return False
+    if stop_reason.startswith("gpuwatch quarantined") or stop_reason == "signal SIGTERM":
+        return True
+    return not status_file
+
+
 def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -433,11 +446,19 @@ def _visible_uuid() -> str | None:
     return entries[0] if len(entries) == 1 and entries[0].startswith("GPU-") else None
 
 
-def _is_collective_failure(exc: BaseException) -> bool:
-    if isinstance(exc, dist.DistError):
+def _is_cuda_fault(exc: BaseException) -> bool:
+    """This rank's own CUDA error (an XID, an illegal address, ECC): its state may be bad, so it must not go on."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if isinstance(accelerator_error, type) and isinstance(exc, accelerator_error):
         return True
-    text = str(exc).lower()
-    return any(word in text for word in _COLLECTIVE_WORDS)
+    return any(word in str(exc).lower() for word in _CUDA_FAULT_WORDS)
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A peer's failure seen in a collective (gloo's or NCCL's errors), not this rank's own CUDA fault."""
+    if _is_cuda_fault(exc):
+        return False
+    return isinstance(exc, dist.DistError) or any(word in str(exc).lower() for word in _COLLECTIVE_WORDS)
 
 
 def _first_line(exc: BaseException) -> str:
