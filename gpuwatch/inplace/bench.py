@@ -10,6 +10,7 @@ ranks runs under the in-place supervisor (in this process, on a thread), with fa
 last rank is SIGKILLed; the figures come from the job's own step logs:
 
 * fault_to_next_step_s: the SIGKILL to the survivors' first completed step in the smaller group;
+* death_seen_s: the SIGKILL to the launcher's seeing the process gone (the kernel frees its memory first);
 * steps_lost: the survivors' furthest step before the fault + 1 - the first step after it (0: none);
 * rejoin_s: the replacement's process start to its first completed step (interpreter, torch, the
   rendezvous and the state it receives); join_pause_s: how long the survivors paused for that join
@@ -69,7 +70,8 @@ def measure_in_place(
         max_restarts=1,
         daemon_poll_s=0.2,
     )
-    supervisor = Supervisor(plan, lambda: gpus, echo=lambda line: None)
+    said: list[tuple[float, str]] = []
+    supervisor = Supervisor(plan, lambda: gpus, echo=lambda line: said.append((time.time(), line)))
     result: list[BaseException | int] = []
     thread = threading.Thread(target=lambda: result.append(_run(supervisor)), name="bench-in-place", daemon=True)
     thread.start()
@@ -85,6 +87,7 @@ def measure_in_place(
             logs, timeout_s, thread, "the survivors' next step", lambda ls: _after(ls, killed, survivors, n - 1)
         )
         first = min(after, key=lambda ln: ln["t"])
+        seen = next((t for t, line in said if "killed by SIGKILL" in line), None)
         before = max(ln["step"] for ln in _lines(logs) if ln["pid"] == first["pid"] and ln["t"] <= killed)
         joined = _wait(
             logs, timeout_s, thread, "the replacement's join", lambda ls: _joiner(ls, survivors | {victim}, n)
@@ -105,6 +108,7 @@ def measure_in_place(
         "ranks": n,
         "state_bytes": state_bytes,
         "fault_to_next_step_s": round(first["t"] - killed, 3),
+        "death_seen_s": round(seen - killed, 3) if seen is not None else None,
         "steps_lost": before + 1 - first["step"],
         "rejoin_s": round(joiner_first["t"] - joiner_first["started"], 3),
         "join_pause_s": round(max(pause), 3) if pause else None,

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import json
 import logging
 import os
+import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -153,6 +154,7 @@ class InPlaceJob:
         self._quarantined = False
         self._in_collective = False
         self._aborted_for = 0
+        self._group_sockets: dict[int, int] = {}  # fd -> inode of the current gloo group's connections
         self._gpu_uuid = link.gpu_uuid if link is not None else _visible_uuid()
         runtime_dir = (
             link.runtime_dir if link is not None else Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
@@ -247,12 +249,15 @@ class InPlaceJob:
         """A collective failed: close the group at once, say so, wait for the next generation, form it.
 
         Closing first matters: a survivor may be blocked receiving from this rank (alive, so gloo
-        sees no error) rather than from the dead one; this rank's closed sockets free it at once.
+        sees no error) rather than from the dead one. gloo has no abort (torch 2.13), and its
+        connections close only when the last reference to the group goes (DDP's hooks on the
+        module's parameters keep one), so this rank shuts down the group's own sockets: a peer
+        waiting on it gets "connection closed" at once.
         """
         failed_in = self.generation
         log.warning("member %s: collective failed in generation %d: %s", self.member, failed_in, failure)
+        _shut_down_sockets(self._group_sockets)
         self._destroy_group()
-        gc.collect()  # the DDP reducer and the failed work hold the group: its sockets close with the last reference
         append_event(self._store, FAILED, member=self.member, gen=failed_in)
         deadline = time.monotonic() + self._membership_timeout_s
         while latest_generation(self._store) <= failed_in:
@@ -274,10 +279,13 @@ class InPlaceJob:
     def _reform(self, target: int, since: float) -> None:
         """Leave the old group, meet the members of the newest generation, form its group, sync the state."""
         self._destroy_group()
+        marks = [time.monotonic()]
         generation = self._rendezvous(target)
         if self.member not in generation.members:
             self._leave(generation)
+        marks.append(time.monotonic())
         rank, world = generation.members.index(self.member), len(generation.members)
+        sockets_before = _sockets()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"pg/{generation.number}", self._store),
@@ -285,9 +293,12 @@ class InPlaceJob:
             world_size=world,
             timeout=self._timeout,
         )
+        self._group_sockets = {fd: ino for fd, ino in _sockets().items() if sockets_before.get(fd) != ino}
         self._gen = generation
         self._aborted_for = 0
+        marks.append(time.monotonic())
         source, moved = self._sync_state(generation)
+        marks.append(time.monotonic())
         self.ddp = DistributedDataParallel(
             self.model,
             device_ids=[self._device.index] if self._device.type == "cuda" else None,
@@ -296,7 +307,12 @@ class InPlaceJob:
         )
         if self._link is not None:
             self._link.rank, self._link.world_size = rank, world
+        marks.append(time.monotonic())
         self.last_change = Change(generation.number, generation.reason, source, time.monotonic() - since, moved)
+        log.debug(
+            "member %s: generation %d: before %.3f s, rendezvous %.3f s, group %.3f s, state %.3f s, DDP %.3f s",
+            self.member, generation.number, marks[0] - since, *(b - a for a, b in zip(marks, marks[1:], strict=False)),
+        )  # fmt: skip
         log.info(
             "member %s: generation %d (%s): rank %d of %d, state %s, %.2f s",
             self.member, generation.number, generation.reason, rank, world, source, self.last_change.seconds,
@@ -435,6 +451,38 @@ def leaves(stop_reason: str | None, *, quarantined: bool, status_file: bool) -> 
     if stop_reason.startswith("gpuwatch quarantined") or stop_reason == "signal SIGTERM":
         return True
     return not status_file
+
+
+def _sockets() -> dict[int, int]:
+    """This process's socket file descriptors and their inodes (Linux /proc; empty elsewhere)."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        with contextlib.suppress(OSError, ValueError):
+            st = os.stat(f"/proc/self/fd/{name}")
+            if stat.S_ISSOCK(st.st_mode):
+                found[int(name)] = st.st_ino
+    return found
+
+
+def _shut_down_sockets(sockets: dict[int, int]) -> None:
+    """Shut down the group's connections (only those still the same sockets: a reused number is left alone)."""
+    now = _sockets()
+    for fd, inode in sockets.items():
+        if now.get(fd) != inode:
+            continue
+        with contextlib.suppress(OSError):
+            dup = socket.socket(fileno=os.dup(fd))
+            try:
+                # Connections only: gloo's listener thread ends the process when its accept() fails.
+                if dup.type == socket.SOCK_STREAM and not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    dup.getpeername()  # raises for a socket that is not connected
+                    dup.shutdown(socket.SHUT_RDWR)  # acts on the socket itself: gloo's own descriptor sees it
+            finally:
+                dup.close()
 
 
 def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
