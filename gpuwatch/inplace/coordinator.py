@@ -34,7 +34,6 @@ class Coordinator:
     gone: set[str] = field(default_factory=set)
     finished: set[str] = field(default_factory=set)
     failed: dict[int, set[str]] = field(default_factory=dict)
-    started_by_node: dict[int, set[str]] = field(default_factory=dict)
 
     def apply(self, events: Iterable[dict[str, Any]]) -> None:
         """Fold events (as protocol.append_event wrote them) into the view."""
@@ -45,7 +44,6 @@ class Coordinator:
             elif kind == JOIN:
                 if member not in self.up and member not in self.gone:
                     self.up.append(member)
-                self.started_by_node.setdefault(int(event.get("node", 0)), set()).add(member)
             elif kind == LEAVE:
                 self.leaving.add(member)
             elif kind == GONE:
@@ -81,7 +79,7 @@ class Coordinator:
         if len(self.nodes) < self.expected_nodes:
             return None
         expected = sum(self.nodes.values())
-        accounted = [m for m in self.up] + [m for m in self.gone if m not in self.up]
+        accounted = [*self.up, *(m for m in self.gone if m not in self.up)]
         if len(accounted) < expected or not self.up:
             return None
         return self._publish(tuple(self.up), tuple(self.up), (), (), "first generation", now, fresh=True)

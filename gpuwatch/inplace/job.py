@@ -48,6 +48,7 @@ from gpuwatch.inplace.protocol import (
     JOIN,
     LEAVE,
     MEMBER_ENV,
+    NODE_ENV,
     STORE_ENV,
     Generation,
     append_event,
@@ -169,7 +170,7 @@ class InPlaceJob:
         self._watcher = threading.Thread(target=self._watch, name="gpuwatch-inplace-watch", daemon=True)
         self._watcher.start()
         started = time.monotonic()
-        append_event(self._store, JOIN, member=self.member, node=int(os.environ.get("GPUWATCH_INPLACE_NODE", "0")))
+        append_event(self._store, JOIN, member=self.member, node=int(os.environ.get(NODE_ENV, "0")))
         self._reform(self._first_generation_with_me(), since=started)
 
     # -- what the training loop reads -----------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 STORE_ENV = "GPUWATCH_INPLACE_STORE"  # host:port of the job's store
 MEMBER_ENV = "GPUWATCH_INPLACE_MEMBER"  # this worker's member id, unique for the job's life
+NODE_ENV = "GPUWATCH_INPLACE_NODE"  # the index of the launcher that started the worker
 JOB_ENV = "GPUWATCH_JOB_ID"
 
 JOIN, LEAVE, GONE, FAILED, NODE = "join", "leave", "gone", "failed", "node"

@@ -39,6 +39,7 @@ from gpuwatch.inplace.protocol import (
     JOB_ENV,
     MEMBER_ENV,
     NODE,
+    NODE_ENV,
     STORE_ENV,
     append_event,
     job_prefix,
@@ -220,8 +221,8 @@ class Supervisor:
             LOCAL_WORLD_SIZE="1",
             RANK=str(rank),
             WORLD_SIZE=str(world),
-            GPUWATCH_INPLACE_NODE=str(self.node),
         )
+        env[NODE_ENV] = str(self.node)
         env[RUNTIME_DIR_ENV] = self.plan.runtime_dir
         env[JOB_ENV] = self.plan.job_id
         env[STORE_ENV] = self.address
