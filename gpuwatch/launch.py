@@ -633,19 +633,21 @@ def launch(
             command=command,
         )
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
-            from gpuwatch.inplace.supervisor import InPlacePlan, InPlaceStopped, Supervisor
+            from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
 
             client = DaemonClient(config)
+
+            def gpu_views() -> list[GpuView]:
+                gpus = client.gpus()
+                ok = {g.uuid for g in usable(gpus)}
+                return [GpuView(g.index, g.uuid, g.uuid in ok, g.epoch) for g in gpus]
+
             in_place_plan = InPlacePlan(
                 job_id, command, config.runtime_dir, nproc, min_nproc, max_restarts,
                 rendezvous["rdzv_endpoint"], rendezvous["nnodes"],
             )  # fmt: skip
             try:
-                code = Supervisor(
-                    in_place_plan,
-                    lambda: [(g.index, g.uuid) for g in usable(client.gpus())],
-                    echo=lambda line: click.echo(line, err=True),
-                ).run()
+                code = Supervisor(in_place_plan, gpu_views, echo=lambda line: click.echo(line, err=True)).run()
             except InPlaceStopped as exc:
                 raise LaunchStopped(exc.code, str(exc)) from None
             sys.exit(code)

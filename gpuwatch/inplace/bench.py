@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.inplace.supervisor import InPlacePlan, Supervisor
+from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, Supervisor
 
 _STEADY_STEPS = 5
 
@@ -124,12 +124,14 @@ def _run(supervisor: Supervisor) -> BaseException | int:
         return exc
 
 
-def _gpus(backend: str, ranks: int | None) -> list[tuple[int, str]]:
+def _gpus(backend: str, ranks: int | None) -> list[GpuView]:
     if backend == "gloo":
-        return [(i, f"GPU-bench-cpu-{i}") for i in range(ranks or 3)]
+        return [GpuView(i, f"GPU-bench-cpu-{i}", True, 0) for i in range(ranks or 3)]
     import torch
 
-    found = [(i, _uuid(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())]
+    found = [
+        GpuView(i, _uuid(torch.cuda.get_device_properties(i).uuid), True, 0) for i in range(torch.cuda.device_count())
+    ]
     return found[: ranks or len(found)]
 
 

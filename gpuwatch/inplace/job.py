@@ -156,6 +156,7 @@ class InPlaceJob:
         self._in_collective = False
         self._aborted_for = 0
         self._group_sockets: dict[int, int] = {}  # fd -> inode of the current gloo group's connections
+        self._pending: tuple[int, float] | None = None  # (generation, since): to form at the next step's start
         self._gpu_uuid = link.gpu_uuid if link is not None else _visible_uuid()
         runtime_dir = (
             link.runtime_dir if link is not None else Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
@@ -208,13 +209,19 @@ class InPlaceJob:
             failure = None
             try:
                 self._in_collective = True
+                if self._pending is not None:  # a new generation to form (after a failure or at a boundary)
+                    target, since = self._pending
+                    self._pending = None
+                    self._reform(target, since)
                 agreed = self._boundary()
                 if agreed > self.generation:
-                    self._in_collective = False
-                    self._reform(agreed, since=before)
+                    self._pending = (agreed, before)
                     continue
                 assert self.ddp is not None
                 result = fn(self.ddp)
+                self._settle()
+            except TimeoutError:
+                raise  # no membership formed in membership_timeout_s: nothing left to wait for
             except Exception as exc:
                 if not (_is_collective_failure(exc) or (self._aborted_for and not _is_cuda_fault(exc))):
                     raise
@@ -227,6 +234,18 @@ class InPlaceJob:
         self.optimizer.step()
         self._step += 1
         return result
+
+    def _settle(self) -> None:
+        """Make sure the step's collectives really ended before the state changes.
+
+        An aborted NCCL collective may return instead of raising, leaving garbage in the gradients;
+        and DDP's all-reduce may still be running on the GPU when fn returns. So on NCCL, wait for
+        the stream, then treat an abort during the step as the failure it is.
+        """
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+        if self._aborted_for:
+            raise RuntimeError(f"the process group was aborted during the step (generation {self._aborted_for})")
 
     def close(self) -> None:
         """Stop the watcher and destroy the process group (idempotent)."""
@@ -244,10 +263,13 @@ class InPlaceJob:
             append_event(self._store, LEAVE, member=self.member)
         seen = torch.tensor([max(self._latest, self.generation)], dtype=torch.int64, device=self._device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        return int(seen.item())
+        agreed = int(seen.item())
+        if self._aborted_for:  # the aborted all-reduce returned: its value means nothing
+            raise RuntimeError(f"the process group was aborted at the boundary (generation {self._aborted_for})")
+        return agreed
 
     def _after_failure(self, failure: str, since: float) -> None:
-        """A collective failed: close the group at once, say so, wait for the next generation, form it.
+        """A collective failed: close the group at once, say so, wait for the next generation (formed next).
 
         Closing first matters: a survivor may be blocked receiving from this rank (alive, so gloo
         sees no error) rather than from the dead one. gloo has no abort (torch 2.13), and its
@@ -264,8 +286,8 @@ class InPlaceJob:
         while latest_generation(self._store) <= failed_in:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no new generation after generation {failed_in} failed: {failure}")
-            time.sleep(_WATCH_S / 2)
-        self._reform(latest_generation(self._store), since=since)
+            time.sleep(_WATCH_S / 4)
+        self._pending = (latest_generation(self._store), since)
 
     def _first_generation_with_me(self) -> int:
         deadline = time.monotonic() + self._membership_timeout_s
@@ -382,6 +404,7 @@ class InPlaceJob:
 
     def _destroy_group(self) -> None:
         self.ddp = None
+        self._gen = None  # the watcher aborts only a group that exists
         if dist.is_initialized():
             with contextlib.suppress(Exception):  # a group whose peer is gone may fail to shut down cleanly
                 dist.destroy_process_group()
@@ -391,6 +414,8 @@ class InPlaceJob:
     def _wants_leave(self) -> bool:
         link = self._link
         reason = link.stop_reason if link is not None and link.stop_requested else None
+        if reason is not None and not self._quarantined:
+            self._check_status()  # the daemon writes status.json before it signals: read it now, not at the next poll
         return leaves(reason, quarantined=self._quarantined, status_file=self._status_path.exists())
 
     def _watch(self) -> None:

@@ -20,8 +20,10 @@ Workers run in sessions of their own; SIGINT and SIGTERM to the launcher are pas
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -51,8 +53,20 @@ from gpuwatch.inplace.protocol import (
 from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
 
 EXIT_STOPPED = 3
-UsableGpus = Callable[[], list[tuple[int, str]]]
-"""(index, uuid) of the GPUs usable now, by index; raises GpuwatchError when the daemon cannot be asked."""
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """One GPU as the daemon sees it now: whether a job may use it, and its quarantine epoch."""
+
+    index: int
+    uuid: str
+    usable: bool  # neither quarantined nor unhealthy
+    epoch: int  # grows with every quarantine: a higher one than at a worker's start means quarantined since
+
+
+GpuList = Callable[[], list[GpuView]]
+"""The node's GPUs by index; raises GpuwatchError when the daemon cannot be asked."""
 
 _POLL_S = 0.02
 _REPLACE_AFTER_S = 1.0  # a dead worker's GPU: let the daemon judge it before a replacement starts there
@@ -96,8 +110,8 @@ class _Gpus:
     """What the launcher knows about each GPU it used: replacements due, GPUs left for a quarantine."""
 
     replace_at: dict[str, float] = field(default_factory=dict)  # uuid -> when a replacement may start
-    left: set[str] = field(default_factory=set)  # exit 75: wait for the daemon to release it
-    seen_unusable: set[str] = field(default_factory=set)
+    left: dict[str, int] = field(default_factory=dict)  # exit 75: uuid -> its epoch when the worker started
+    epoch_at_start: dict[str, int] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)
 
 
@@ -107,12 +121,12 @@ class Supervisor:
     def __init__(
         self,
         plan: InPlacePlan,
-        usable_gpus: UsableGpus,
+        gpu_list: GpuList,
         echo: Callable[[str], None] = print,
         python: str = sys.executable,
     ) -> None:
         self.plan = plan
-        self.usable_gpus = usable_gpus
+        self.gpu_list = gpu_list
         self.echo = echo
         self.python = python
         self.workers: list[_Worker] = []
@@ -123,6 +137,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._received: int | None = None
         self._stop_called = False
+        self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
         self._daemon_down = False
 
     def run(self) -> int:
@@ -136,7 +151,7 @@ class Supervisor:
         self.address = address
         self.store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
         self.node = self.store.add("nodes", 1) - 1
-        gpus = self.usable_gpus()
+        gpus = [g for g in self.gpu_list() if g.usable]
         want = len(gpus) if self.plan.nproc is None else min(self.plan.nproc, len(gpus))
         if want < self.plan.min_nproc:
             raise InPlaceStopped(
@@ -145,12 +160,12 @@ class Supervisor:
         chosen = gpus[:want]
         self.echo(
             f"gpuwatch launch: in place: job {self.plan.job_id}, node {self.node}, {want} rank(s) on GPU "
-            + ",".join(str(i) for i, _ in chosen)
+            + ",".join(str(g.index) for g in chosen)
             + ("" if hosting else f", store at {address}")
         )
         append_event(self.store, NODE, node=self.node, workers=want)
-        for rank, (index, uuid) in enumerate(chosen):
-            self._start(index, uuid, rank=rank, world=want)
+        for rank, gpu in enumerate(chosen):
+            self._start(gpu, rank=rank, world=want)
         coordinator = None
         if hosting:
             coordinator = threading.Thread(
@@ -194,7 +209,7 @@ class Supervisor:
         )
         coordinator = Coordinator(expected_nodes=_min_nodes(self.plan.nnodes))
         seen = 0
-        while not self._stop.wait(_POLL_S / 2):
+        while not self._stop.wait(_POLL_S / 4):
             try:
                 events = read_events(store, seen)
             except Exception:  # the store goes with the launcher at the end
@@ -211,7 +226,9 @@ class Supervisor:
 
     # -- workers --------------------------------------------------------------------------------
 
-    def _start(self, index: int, uuid: str, *, rank: int = 0, world: int = 1) -> None:
+    def _start(self, gpu: GpuView, *, rank: int = 0, world: int = 1) -> None:
+        index, uuid = gpu.index, gpu.uuid
+        self.gpus.epoch_at_start[uuid] = gpu.epoch
         member = f"n{self.node}.g{index}.{self._count}"
         self._count += 1
         env = dict(os.environ)
@@ -235,8 +252,12 @@ class Supervisor:
             process = subprocess.Popen([self.python, *self.plan.command], env=env, start_new_session=True)
         except OSError as exc:
             raise InPlaceStopped(2, f"cannot start {self.python}: {exc.strerror or exc}") from None
-        self.workers.append(_Worker(member, index, uuid, process))
+        worker = _Worker(member, index, uuid, process)
+        self.workers.append(worker)
         self.gpus.used.add(uuid)
+        # A thread blocked in waitpid per worker: its exit is known the moment it happens, at no cost meanwhile.
+        waiter = threading.Thread(target=lambda: self._exits.put((worker, process.wait())), daemon=True)
+        waiter.start()
 
     def _live(self) -> list[_Worker]:
         return [w for w in self.workers if w.code is None]
@@ -244,9 +265,11 @@ class Supervisor:
     def _supervise(self) -> int:
         next_daemon = time.monotonic() + self.plan.daemon_poll_s
         while True:
-            for worker in self._live():
-                code = worker.process.poll()
-                if code is not None:
+            with contextlib.suppress(queue.Empty):
+                worker, code = self._exits.get(timeout=_POLL_S)
+                self._exited(worker, code)
+                while True:  # others that ended at the same time
+                    worker, code = self._exits.get_nowait()
                     self._exited(worker, code)
             if self._received is not None:
                 return self._shut_down()
@@ -259,7 +282,6 @@ class Supervisor:
                 self._grow()
                 if not self._live() and not self.finished and not self._replacement_due() and self._job_has_no_member():
                     raise InPlaceStopped(EXIT_STOPPED, "no rank of the job is left and no usable GPU to restart on")
-            time.sleep(_POLL_S)
 
     def _exited(self, worker: _Worker, code: int) -> None:
         """Publish the exit at once (the survivors wait for it), then decide about the GPU."""
@@ -273,7 +295,7 @@ class Supervisor:
         if code == 0:
             self.finished = True
         elif code == EXIT_RESUME:
-            self.gpus.left.add(worker.uuid)
+            self.gpus.left[worker.uuid] = self.gpus.epoch_at_start.get(worker.uuid, 0)
             self.echo(f"gpuwatch launch: in place: {worker.member} on {where} left (exit 75): the others go on")
         else:
             self.gpus.replace_at[worker.uuid] = time.monotonic() + _REPLACE_AFTER_S
@@ -284,41 +306,36 @@ class Supervisor:
         if self.finished:
             return
         try:
-            gpus = self.usable_gpus()
+            gpus = [g for g in self.gpu_list() if g.usable]
         except GpuwatchError as exc:
             if not self._daemon_down:
                 self.echo(f"gpuwatch launch: in place: {exc}: no GPU joins until the daemon answers")
             self._daemon_down = True
             return
         self._daemon_down = False
-        usable = {uuid for _, uuid in gpus}
-        self.gpus.seen_unusable |= self.gpus.used - usable
         busy = {w.uuid for w in self._live()}
         room = len(gpus) if self.plan.nproc is None else self.plan.nproc - len(busy)
-        for index, uuid in gpus:
+        for gpu in gpus:
+            uuid = gpu.uuid
             if uuid in busy or room <= 0:
                 continue
             if uuid in self.gpus.left:
-                if uuid not in self.gpus.seen_unusable:
-                    continue  # left for a quarantine the daemon has not shown yet: not released
-                self.gpus.left.discard(uuid)
-                self.gpus.seen_unusable.discard(uuid)
+                if gpu.epoch <= self.gpus.left[uuid]:
+                    continue  # not quarantined and released since its worker left (a stop signal alone)
+                del self.gpus.left[uuid]
                 why = "released"
             elif uuid in self.gpus.replace_at:
-                if time.monotonic() < self.gpus.replace_at[uuid]:
-                    continue
-                if self.restarts >= self.plan.max_restarts:
+                if time.monotonic() < self.gpus.replace_at[uuid] or self.restarts >= self.plan.max_restarts:
                     continue
                 del self.gpus.replace_at[uuid]
                 self.restarts += 1
                 why = f"replacement {self.restarts}/{self.plan.max_restarts}"
-            elif uuid in self.gpus.used and uuid not in self.gpus.seen_unusable:
-                continue
+            elif uuid in self.gpus.used:
+                continue  # its worker finished
             else:
-                self.gpus.seen_unusable.discard(uuid)
                 why = "usable"
-            self.echo(f"gpuwatch launch: in place: GPU {index} ({uuid}) {why}: a rank joins")
-            self._start(index, uuid)
+            self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")
+            self._start(gpu)
             room -= 1
 
     def _replacement_due(self) -> bool:

@@ -359,10 +359,10 @@ def _main_in_place(args: argparse.Namespace) -> int:
                 save(job.step)
             if args.step_sleep > 0:
                 time.sleep(args.step_sleep)
-        rank, world = job.rank, job.world_size
+        rank, summary = job.rank, {"steps_done": job.step, "generations": job.generation, "world_size": job.world_size}
         job.close()
     if rank == 0:
-        print(json.dumps({"steps_done": job.step, "generations": job.generation, "world_size": world}), flush=True)
+        print(json.dumps(summary), flush=True)
     return 0
 
 

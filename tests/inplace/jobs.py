@@ -6,10 +6,14 @@ rank, world, step, parameter checksum): the tests read their figures there, from
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,21 +58,47 @@ class InPlaceRun:
             if self.process.poll() is not None:
                 raise AssertionError(f"launch exited {self.process.returncode} waiting for {what}: {self.output()}")
             time.sleep(0.05)
-        self.process.kill()
-        raise AssertionError(f"not within {timeout_s} s: {what}: {self.output(5)}")
+        raise AssertionError(f"not within {timeout_s} s: {what}: {self.output(0.1)}")
 
     def output(self, timeout_s: float = 60) -> tuple[str, str]:
-        """The launcher's stdout and the end of its stderr, once it exited (killed after `timeout_s`)."""
+        """The launcher's stdout and the end of its stderr once it exited (stopped if it does not in time)."""
         try:
             out, err = self.process.communicate(timeout=timeout_s)
-        except Exception:
-            self.process.kill()
+        except subprocess.TimeoutExpired:
+            self.stop()
             out, err = self.process.communicate()
         return out, err[-6000:]
+
+    def stop(self) -> None:
+        """SIGTERM to the launcher, which ends its ranks; still there 40 s later: SIGKILL to it and its ranks."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            for pid in {line["pid"] for line in self.steps()}:  # the ranks run in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def ranks_at(self, step: int, world: int) -> list[dict[str, Any]]:
         """One line per pid that logged `step` at world size `world`."""
         return [line for line in self.steps() if line["step"] == step and line["world"] == world]
+
+
+def post(node: DaemonProcess, path: str, body: dict[str, Any]) -> float:
+    """POST `body` to the daemon's API with its token (what `gpuwatch quarantine` does, without the CLI's
+    start-up); the time (time.time()) just before the request, so the decision lies after it."""
+    request = urllib.request.Request(
+        node.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {node.token}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    sent = time.time()
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200, response.read()
+    return sent
 
 
 def launch_in_place(

@@ -23,6 +23,7 @@ from tests.inplace.jobs import (
     assert_no_step_lost_or_repeated,
     first_after,
     launch_in_place,
+    post,
     sim_node,
 )
 
@@ -88,8 +89,7 @@ def test_a_quarantined_gpu_leaves_the_survivors_go_on_and_it_rejoins_on_release(
     node: DaemonProcess, tmp_path: Path
 ) -> None:
     run, pids = _running(node, tmp_path)
-    decided = time.time()
-    assert node.cli("quarantine", "1", "--reason", "test").returncode == 0
+    decided = post(node, "/v1/gpus/1/quarantine", {"reason": "test"})
     survivors = [pids[0], pids[2]]
     took = _survivors_go_on(run, decided, survivors)
     assert took <= NEXT_STEP_S, took
@@ -99,8 +99,7 @@ def test_a_quarantined_gpu_leaves_the_survivors_go_on_and_it_rejoins_on_release(
         time.sleep(0.1)
     assert (report["ended"], report["recovery"]) == ("resume", "in_place")  # left with 75, after the others
 
-    released = time.time()
-    assert node.cli("release", "1", "--force").returncode == 0
+    released = post(node, "/v1/gpus/1/release", {"reason": "test", "force": True})
     joiner, join_s = _grows_back(run, survivors)
     first = min((ln for ln in run.steps() if ln["pid"] == joiner), key=lambda ln: ln["t"])
     stderr = _finish(run)

@@ -7,14 +7,13 @@ in the same processes; the release brings it back to 4 with the state from a pee
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpuwatch.bench.daemon_process import DaemonProcess, free_port
-from tests.inplace.jobs import assert_no_step_lost_or_repeated, first_after, launch_in_place, sim_node
+from tests.inplace.jobs import assert_no_step_lost_or_repeated, first_after, launch_in_place, post, sim_node
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +37,7 @@ def test_two_nodes_shrink_from_4_to_3_ranks_in_place_and_grow_back_to_4(
         on_b = {r["gpu"]: r["pid"] for r in b.get("/v1/trainers")["ranks"]}
         leaving = on_b[1]
         before = {ln["pid"] for ln in run.steps()}
-        decided = time.time()
-        assert b.cli("quarantine", "1", "--reason", "test").returncode == 0
+        decided = post(b, "/v1/gpus/1/quarantine", {"reason": "test"})
         run.wait_for("3 ranks", lambda lines: len({ln["pid"] for ln in lines if ln["world"] == 3}) == 3)
         survivors = sorted(before - {leaving})
         lines = run.steps()
@@ -47,7 +45,7 @@ def test_two_nodes_shrink_from_4_to_3_ranks_in_place_and_grow_back_to_4(
         assert {ln["pid"] for ln in lines if ln["world"] == 3} == set(survivors)
         assert first["t"] - decided <= 3.0 and first["change"]["source"] == "held", first
 
-        assert b.cli("release", "1", "--force").returncode == 0
+        post(b, "/v1/gpus/1/release", {"reason": "test", "force": True})
         run.wait_for(
             "4 ranks again",
             lambda lines: len({ln["pid"] for ln in lines if ln["generation"] >= 3 and ln["world"] == 4}) == 4,
