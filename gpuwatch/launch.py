@@ -633,6 +633,13 @@ def launch(
             command=command,
         )
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
+            torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
+            given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
+            given += ["--rdzv-backend"] if rendezvous["rdzv_backend"] not in (None, "c10d") else []
+            if given:
+                fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
+            if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
+                fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
 
             client = DaemonClient(config)

@@ -147,10 +147,6 @@ class Supervisor:
             InPlaceStopped: too few usable GPUs, no member left and no GPU to restart on, interrupted.
             GpuwatchError: the daemon could not be asked before the first start.
         """
-        store, address, hosting = self._open_store()
-        self.address = address
-        self.store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
-        self.node = self.store.add("nodes", 1) - 1
         gpus = [g for g in self.gpu_list() if g.usable]
         want = len(gpus) if self.plan.nproc is None else min(self.plan.nproc, len(gpus))
         if want < self.plan.min_nproc:
@@ -158,6 +154,10 @@ class Supervisor:
                 EXIT_STOPPED, f"{len(gpus)} usable GPU(s) on this node, fewer than --min-nproc {self.plan.min_nproc}"
             )
         chosen = gpus[:want]
+        store, address, hosting = self._open_store()
+        self.address = address
+        self.store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
+        self.node = self.store.add("nodes", 1) - 1
         self.echo(
             f"gpuwatch launch: in place: job {self.plan.job_id}, node {self.node}, {want} rank(s) on GPU "
             + ",".join(str(g.index) for g in chosen)
