@@ -29,8 +29,6 @@ import datetime
 import json
 import logging
 import os
-import socket
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +54,7 @@ from gpuwatch.inplace.protocol import (
     latest_generation,
     read_generation,
 )
+from gpuwatch.inplace.sockets import shut_down, socket_inodes
 from gpuwatch.inplace.transfer import DEFAULT_CHUNK_BYTES, Stateful, send_state
 from gpuwatch.trainer.contract import (
     DEFAULT_RUNTIME_DIR,
@@ -279,7 +278,7 @@ class InPlaceJob:
         """
         failed_in = self.generation
         log.warning("member %s: collective failed in generation %d: %s", self.member, failed_in, failure)
-        _shut_down_sockets(self._group_sockets)
+        shut_down(self._group_sockets)
         self._destroy_group()
         append_event(self._store, FAILED, member=self.member, gen=failed_in)
         deadline = time.monotonic() + self._membership_timeout_s
@@ -308,7 +307,7 @@ class InPlaceJob:
             self._leave(generation)
         marks.append(time.monotonic())
         rank, world = generation.members.index(self.member), len(generation.members)
-        sockets_before = _sockets()
+        sockets_before = socket_inodes()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"pg/{generation.number}", self._store),
@@ -316,7 +315,7 @@ class InPlaceJob:
             world_size=world,
             timeout=self._timeout,
         )
-        self._group_sockets = {fd: ino for fd, ino in _sockets().items() if sockets_before.get(fd) != ino}
+        self._group_sockets = {fd: ino for fd, ino in socket_inodes().items() if sockets_before.get(fd) != ino}
         self._gen = generation
         self._aborted_for = 0
         marks.append(time.monotonic())
@@ -477,38 +476,6 @@ def leaves(stop_reason: str | None, *, quarantined: bool, status_file: bool) -> 
     if stop_reason.startswith("gpuwatch quarantined") or stop_reason == "signal SIGTERM":
         return True
     return not status_file
-
-
-def _sockets() -> dict[int, int]:
-    """This process's socket file descriptors and their inodes (Linux /proc; empty elsewhere)."""
-    found: dict[int, int] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        with contextlib.suppress(OSError, ValueError):
-            st = os.stat(f"/proc/self/fd/{name}")
-            if stat.S_ISSOCK(st.st_mode):
-                found[int(name)] = st.st_ino
-    return found
-
-
-def _shut_down_sockets(sockets: dict[int, int]) -> None:
-    """Shut down the group's connections (only those still the same sockets: a reused number is left alone)."""
-    now = _sockets()
-    for fd, inode in sockets.items():
-        if now.get(fd) != inode:
-            continue
-        with contextlib.suppress(OSError):
-            dup = socket.socket(fileno=os.dup(fd))
-            try:
-                # Connections only: gloo's listener thread ends the process when its accept() fails.
-                if dup.type == socket.SOCK_STREAM and not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    dup.getpeername()  # raises for a socket that is not connected
-                    dup.shutdown(socket.SHUT_RDWR)  # acts on the socket itself: gloo's own descriptor sees it
-            finally:
-                dup.close()
 
 
 def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
