@@ -632,6 +632,9 @@ class _Nproc(click.ParamType):
 @click.option("--master-addr", help="torchrun --master-addr.")
 @click.option("--master-port", type=click.IntRange(1, 65535), help="torchrun --master-port.")
 @click.option("--standalone", is_flag=True, help="Single node (the default when no rendezvous option is given).")
+@click.option(
+    "--in-place", is_flag=True, help="Recover in place: run the workers here, survivors go on (gpuwatch.inplace)."
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True, metavar="-- [-m] SCRIPT [ARGS]...")
 def launch(
     nproc: int | None,
@@ -643,6 +646,7 @@ def launch(
     state_dir: str | None,
     command: tuple[str, ...],
     rdzv_id: str | None,
+    in_place: bool,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -677,6 +681,32 @@ def launch(
             rendezvous=rendezvous_args(job_id=job_id, **rendezvous),
             command=command,
         )
+        if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
+            torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
+            given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
+            given += ["--rdzv-backend"] if rendezvous["rdzv_backend"] not in (None, "c10d") else []
+            if given:
+                fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
+            if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
+                fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
+            from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
+
+            client = DaemonClient(config)
+
+            def gpu_views() -> list[GpuView]:
+                gpus = client.gpus()
+                ok = {g.uuid for g in usable(gpus)}
+                return [GpuView(g.index, g.uuid, g.uuid in ok, g.epoch) for g in gpus]
+
+            in_place_plan = InPlacePlan(
+                job_id, command, config.runtime_dir, nproc, min_nproc, max_restarts,
+                rendezvous["rdzv_endpoint"], rendezvous["nnodes"],
+            )  # fmt: skip
+            try:
+                code = Supervisor(in_place_plan, gpu_views, echo=lambda line: click.echo(line, err=True)).run()
+            except InPlaceStopped as exc:
+                raise LaunchStopped(exc.code, str(exc)) from None
+            sys.exit(code)
         code = Launcher(plan, DaemonClient(config).gpus, echo=lambda line: click.echo(line, err=True)).run()
     except click.UsageError as exc:
         fail(exc.format_message(), command=COMMAND)

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointError: checkpoints exist but none verifies, or a save failed.
     """
     args = _parse_args(argv)
+    if args.in_place:
+        return _main_in_place(args)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -191,6 +193,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--snapshot-every", metavar="K|auto", help="host-memory snapshot every K steps (auto: by measured cost)"
     )
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="recover in place (gpuwatch.inplace; run under gpuwatch launch --in-place)",
+    )
+    parser.add_argument("--step-log", help="--in-place: directory of the per-rank step logs (default: --ckpt-dir)")
     args = parser.parse_args(argv)
     if args.snapshot_every is not None:
         from gpuwatch.snapshots.cadence import parse_every
@@ -348,6 +356,87 @@ def _summary(progress: dict[str, Any], step: int) -> dict[str, Any]:
         "world_sizes": [launch["world_size"] for launch in launches],
         "lost_steps": lost,
     }
+
+
+def _main_in_place(args: argparse.Namespace) -> int:
+    """The same training under gpuwatch.inplace: survivors go on in the same process, joiners get the state from a peer.
+
+    Each rank appends one JSON line per step to `steps.<pid>.jsonl` (pid, member, generation, rank,
+    world, step, a parameter checksum, and on the first step of a generation how the rank got there),
+    so a test or a bench reads the job's own account. Rank 0 alone writes the periodic checkpoint
+    (no collective), which only a generation with no state holder reads (the `load` callback).
+    """
+    import logging
+
+    import torch
+
+    from gpuwatch.inplace import InPlaceJob, NotInPlace, checksum
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ckpt_dir = Path(args.ckpt_dir)
+    log_dir = Path(args.step_log or ckpt_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(_SEED)
+    net = torch.nn.Sequential(torch.nn.Linear(_IN, _HIDDEN), torch.nn.ReLU(), torch.nn.Linear(_HIDDEN, 1)).to(device)
+    optim = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    def load() -> int | None:
+        loaded = load_latest(ckpt_dir)
+        if loaded is None:
+            return None
+        net.load_state_dict(loaded.state["model"])
+        optim.load_state_dict(loaded.state["optim"])
+        print(f"loaded checkpoint step {loaded.step} ({loaded.path})", file=sys.stderr, flush=True)
+        return loaded.step
+
+    def save(step: int) -> None:
+        save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()}, single_writer=True)
+
+    link = TrainerLink(
+        report_interval_s=args.report_interval, abort_after_s=args.abort_after, allow_drills=args.allow_drills
+    )
+    with link, (log_dir / f"steps.{os.getpid()}.jsonl").open("a") as step_log:
+        try:
+            job = InPlaceJob(net, optim, link, load=load, save=save, collective_timeout_s=args.gloo_timeout)
+        except NotInPlace as exc:
+            print(f"python -m gpuwatch.trainer.example: error: --in-place: {exc}", file=sys.stderr)
+            return 2
+        generation = None
+        while job.step < args.steps:
+            loss, grad_norm = job.train_step(
+                lambda ddp: _forward_backward(
+                    ddp, job.step, args.global_batch, args.micro_batch, job.rank, job.world_size, device
+                )
+            )
+            link.step(job.step, loss, grad_norm)
+            line: dict[str, Any] = {
+                "t": time.time(),
+                "pid": os.getpid(),
+                "member": job.member,
+                "generation": job.generation,
+                "rank": job.rank,
+                "world": job.world_size,
+                "step": job.step,
+                "checksum": checksum(net),
+            }
+            if job.generation != generation and job.last_change is not None:
+                change = job.last_change
+                line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
+                generation = job.generation
+            step_log.write(json.dumps(line) + "\n")
+            step_log.flush()
+            if job.rank == 0 and (job.step % args.ckpt_every == 0 or job.step == args.steps):
+                save(job.step)
+            if args.step_sleep > 0:
+                time.sleep(args.step_sleep)
+        rank, summary = job.rank, {"steps_done": job.step, "generations": job.generation, "world_size": job.world_size}
+        job.close()
+    if rank == 0:
+        print(json.dumps(summary), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

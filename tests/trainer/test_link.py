@@ -112,6 +112,7 @@ def test_report_has_the_contract_fields(tmp_path: Path, runtime: RuntimeDir) -> 
     assert report["stop_requested"] is False
     assert abs(float(report["t"]) - time.time()) < 5  # type: ignore[arg-type]
     assert (report["first_step"], report["allow_drills"], report["ended"]) == (1, False, None)
+    assert report["recovery"] == "relaunch"  # gpuwatch.inplace.InPlaceJob sets "in_place"
     final = _read_report(runtime)  # left on close, for the daemon to read and remove
     assert final is not None and (final["ended"], final["step"], final["first_step"]) == ("finished", 4, 1)
 

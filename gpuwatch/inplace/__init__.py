@@ -1,0 +1,14 @@
+"""Recovery in place: a data-parallel job whose survivors go on in the same processes when a rank
+leaves, dies or hangs, and whose returning GPUs get the state from a peer, never from disk.
+
+Trainer side: `InPlaceJob` (gpuwatch.inplace.job), stdlib and torch only, like gpuwatch.trainer.
+Launcher side: `gpuwatch launch --in-place` (gpuwatch.inplace.supervisor) runs the workers and
+hosts the job's store. `measure_in_place` (gpuwatch.inplace.bench) times it for `gpuwatch bench`.
+"""
+
+from __future__ import annotations
+
+from gpuwatch.inplace.job import Change, InPlaceJob, NotInPlace
+from gpuwatch.inplace.transfer import checksum, send_state
+
+__all__ = ["Change", "InPlaceJob", "NotInPlace", "checksum", "send_state"]

@@ -1,0 +1,398 @@
+"""`gpuwatch launch --in-place`: run one worker per usable GPU and keep the job going through faults.
+
+torchrun's rule, one worker failed so stop them all, is what an in-place job must not have, so
+this launcher runs the node's workers itself with torch's own parts: a TCPStore for the job (the
+launcher hosts it, or connects to the one at --rdzv-endpoint on another node, as torchrun's c10d
+rendezvous does), one worker per GPU with CUDA_VISIBLE_DEVICES set to that GPU's UUID, and the
+membership in generations (gpuwatch.inplace.coordinator, run by the launcher that hosts the store).
+
+* A worker exits: its exit is published at once (`gone`), so the survivors form the next
+  generation without waiting for any timeout. A worker that died is replaced on the same GPU when
+  the daemon still calls it usable (counted against --max-restarts); one that left because its GPU
+  was quarantined (exit 75) is not, until the daemon releases that GPU.
+* Every second the daemon's GPU list is read: a released GPU (or one that became usable) with no
+  worker gets one, which joins the job and takes the state from a peer.
+* When no member is left at all, new workers start on the usable GPUs and the first of them loads
+  the newest checkpoint (relaunch and load, the old path); with no usable GPU it stops (exit 3).
+
+Workers run in sessions of their own; SIGINT and SIGTERM to the launcher are passed to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from gpuwatch.errors import GpuwatchError
+from gpuwatch.inplace.coordinator import Coordinator
+from gpuwatch.inplace.protocol import (
+    GONE,
+    JOB_ENV,
+    MEMBER_ENV,
+    NODE,
+    NODE_ENV,
+    STORE_ENV,
+    append_event,
+    job_prefix,
+    latest_generation,
+    publish_generation,
+    read_events,
+    read_generation,
+)
+from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
+
+EXIT_STOPPED = 3
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """One GPU as the daemon sees it now: whether a job may use it, and its quarantine epoch."""
+
+    index: int
+    uuid: str
+    usable: bool  # neither quarantined nor unhealthy
+    epoch: int  # grows with every quarantine: a higher one than at a worker's start means quarantined since
+
+
+GpuList = Callable[[], list[GpuView]]
+"""The node's GPUs by index; raises GpuwatchError when the daemon cannot be asked."""
+
+_POLL_S = 0.02
+_REPLACE_AFTER_S = 1.0  # a dead worker's GPU: let the daemon judge it before a replacement starts there
+_STOP_GRACE_S = 30.0
+
+
+class InPlaceStopped(Exception):
+    """The launcher's end other than success: one line, and the exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """What an in-place launch needs: the job, its command, limits and where the job's store is."""
+
+    job_id: str
+    command: tuple[str, ...]
+    runtime_dir: str
+    nproc: int | None = None  # None: every usable GPU
+    min_nproc: int = 1
+    max_restarts: int = 3
+    endpoint: str | None = None  # host:port of the job's store (multi-node); None: a local store
+    nnodes: str | None = None  # "N" or "MIN:MAX": the first generation waits for MIN launchers
+    daemon_poll_s: float = 1.0
+
+
+@dataclass
+class _Worker:
+    member: str
+    index: int
+    uuid: str
+    process: subprocess.Popen[bytes]
+    code: int | None = None
+
+
+@dataclass
+class _Gpus:
+    """What the launcher knows about each GPU it used: replacements due, GPUs left for a quarantine."""
+
+    replace_at: dict[str, float] = field(default_factory=dict)  # uuid -> when a replacement may start
+    left: dict[str, int] = field(default_factory=dict)  # exit 75: uuid -> its epoch when the worker started
+    epoch_at_start: dict[str, int] = field(default_factory=dict)
+    used: set[str] = field(default_factory=set)
+
+
+class Supervisor:
+    """One node's launcher of an in-place job (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: InPlacePlan,
+        gpu_list: GpuList,
+        echo: Callable[[str], None] = print,
+        python: str = sys.executable,
+    ) -> None:
+        self.plan = plan
+        self.gpu_list = gpu_list
+        self.echo = echo
+        self.python = python
+        self.workers: list[_Worker] = []
+        self.gpus = _Gpus()
+        self.restarts = 0
+        self.finished = False
+        self._count = 0
+        self._stop = threading.Event()
+        self._received: int | None = None
+        self._stop_called = False
+        self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
+        self._daemon_down = False
+
+    def run(self) -> int:
+        """Run the job until it finishes; 0 on success.
+
+        Raises:
+            InPlaceStopped: too few usable GPUs, no member left and no GPU to restart on, interrupted.
+            GpuwatchError: the daemon could not be asked before the first start.
+        """
+        gpus = [g for g in self.gpu_list() if g.usable]
+        want = len(gpus) if self.plan.nproc is None else min(self.plan.nproc, len(gpus))
+        if want < self.plan.min_nproc:
+            raise InPlaceStopped(
+                EXIT_STOPPED, f"{len(gpus)} usable GPU(s) on this node, fewer than --min-nproc {self.plan.min_nproc}"
+            )
+        chosen = gpus[:want]
+        store, address, hosting = self._open_store()
+        self.address = address
+        self.store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
+        self.node = self.store.add("nodes", 1) - 1
+        self.echo(
+            f"gpuwatch launch: in place: job {self.plan.job_id}, node {self.node}, {want} rank(s) on GPU "
+            + ",".join(str(g.index) for g in chosen)
+            + ("" if hosting else f", store at {address}")
+        )
+        append_event(self.store, NODE, node=self.node, workers=want)
+        for rank, gpu in enumerate(chosen):
+            self._start(gpu, rank=rank, world=want)
+        coordinator = None
+        if hosting:
+            coordinator = threading.Thread(
+                target=self._coordinate, args=(address,), name="gpuwatch-inplace-coordinator", daemon=True
+            )
+            coordinator.start()
+        in_main = threading.current_thread() is threading.main_thread()  # a bench runs it on a thread of its own
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM) if in_main}
+        try:
+            return self._supervise()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._stop.set()
+            if coordinator is not None:
+                coordinator.join(timeout=2)
+
+    # -- the store ------------------------------------------------------------------------------
+
+    def _open_store(self) -> tuple[dist.TCPStore, str, bool]:
+        """Host the job's store (a local one, or at the endpoint when it is free here), else connect to it."""
+        timeout = datetime.timedelta(seconds=600)
+        if self.plan.endpoint is None:
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            return store, f"127.0.0.1:{store.port}", True
+        host, _, port = self.plan.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise InPlaceStopped(2, f"--rdzv-endpoint {self.plan.endpoint!r} is not HOST:PORT")
+        try:
+            store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)
+            return store, self.plan.endpoint, True
+        except (RuntimeError, OSError):  # another node's launcher hosts it
+            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), self.plan.endpoint, False
+
+    def _coordinate(self, address: str) -> None:
+        """The host's thread: read the events, publish each new generation (its own store connection)."""
+        host, _, port = address.rpartition(":")
+        store = dist.PrefixStore(
+            job_prefix(self.plan.job_id),
+            dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=600)),
+        )
+        coordinator = Coordinator(expected_nodes=_min_nodes(self.plan.nnodes))
+        seen = 0
+        while not self._stop.wait(_POLL_S / 4):
+            try:
+                events = read_events(store, seen)
+            except Exception:  # the store goes with the launcher at the end
+                return
+            seen += len(events)
+            coordinator.apply(events)
+            generation = coordinator.next_generation(time.time())
+            if generation is not None:
+                publish_generation(store, generation)
+                self.echo(
+                    f"gpuwatch launch: in place: generation {generation.number}, {len(generation.members)} rank(s)"
+                    f" ({generation.reason})"
+                )
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def _start(self, gpu: GpuView, *, rank: int = 0, world: int = 1) -> None:
+        index, uuid = gpu.index, gpu.uuid
+        self.gpus.epoch_at_start[uuid] = gpu.epoch
+        member = f"n{self.node}.g{index}.{self._count}"
+        self._count += 1
+        env = dict(os.environ)
+        env.update(
+            CUDA_VISIBLE_DEVICES=uuid,
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+        )
+        env[NODE_ENV] = str(self.node)
+        env[RUNTIME_DIR_ENV] = self.plan.runtime_dir
+        env[JOB_ENV] = self.plan.job_id
+        env[STORE_ENV] = self.address
+        env[MEMBER_ENV] = member
+        env.setdefault("OMP_NUM_THREADS", "1")
+        # NCCL: abort the communicator on an error but do not end the process (3, torch's default, ends it;
+        # torchrun's 1 aborts and ends it): the survivor must live through its peer's death.
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        try:
+            process = subprocess.Popen([self.python, *self.plan.command], env=env, start_new_session=True)
+        except OSError as exc:
+            raise InPlaceStopped(2, f"cannot start {self.python}: {exc.strerror or exc}") from None
+        worker = _Worker(member, index, uuid, process)
+        self.workers.append(worker)
+        self.gpus.used.add(uuid)
+        # A thread blocked in waitpid per worker: its exit is known the moment it happens, at no cost meanwhile.
+        waiter = threading.Thread(target=lambda: self._exits.put((worker, process.wait())), daemon=True)
+        waiter.start()
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self.workers if w.code is None]
+
+    def _supervise(self) -> int:
+        next_daemon = time.monotonic() + self.plan.daemon_poll_s
+        while True:
+            with contextlib.suppress(queue.Empty):
+                worker, code = self._exits.get(timeout=_POLL_S)
+                self._exited(worker, code)
+                while True:  # others that ended at the same time
+                    worker, code = self._exits.get_nowait()
+                    self._exited(worker, code)
+            if self._received is not None:
+                return self._shut_down()
+            if not self._live():
+                if self.finished:
+                    self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {self.restarts} restart(s)")
+                    return 0
+            if time.monotonic() >= next_daemon or (not self._live() and not self.finished):
+                next_daemon = time.monotonic() + self.plan.daemon_poll_s
+                self._grow()
+                if not self._live() and not self.finished and not self._replacement_due() and self._job_has_no_member():
+                    raise InPlaceStopped(EXIT_STOPPED, "no rank of the job is left and no usable GPU to restart on")
+
+    def _exited(self, worker: _Worker, code: int) -> None:
+        """Publish the exit at once (the survivors wait for it), then decide about the GPU."""
+        worker.code = code
+        try:
+            append_event(self.store, GONE, member=worker.member, code=code)
+        except Exception as exc:  # the launcher hosting the store is gone: nobody can decide the membership
+            self._terminate_workers()
+            raise InPlaceStopped(EXIT_STOPPED, f"the job's store at {self.address} is gone ({exc})") from None
+        where = f"GPU {worker.index} ({worker.uuid})"
+        if code == 0:
+            self.finished = True
+        elif code == EXIT_RESUME:
+            self.gpus.left[worker.uuid] = self.gpus.epoch_at_start.get(worker.uuid, 0)
+            self.echo(f"gpuwatch launch: in place: {worker.member} on {where} left (exit 75): the others go on")
+        else:
+            self.gpus.replace_at[worker.uuid] = time.monotonic() + _REPLACE_AFTER_S
+            self.echo(f"gpuwatch launch: in place: {worker.member} on {where} {_how(code)}: the others go on")
+
+    def _grow(self) -> None:
+        """Start a worker on each usable GPU without one that may have one: a replacement, a released GPU."""
+        if self.finished:
+            return
+        try:
+            gpus = [g for g in self.gpu_list() if g.usable]
+        except GpuwatchError as exc:
+            if not self._daemon_down:
+                self.echo(f"gpuwatch launch: in place: {exc}: no GPU joins until the daemon answers")
+            self._daemon_down = True
+            return
+        self._daemon_down = False
+        busy = {w.uuid for w in self._live()}
+        room = len(gpus) if self.plan.nproc is None else self.plan.nproc - len(busy)
+        for gpu in gpus:
+            uuid = gpu.uuid
+            if uuid in busy or room <= 0:
+                continue
+            if uuid in self.gpus.left:
+                if gpu.epoch <= self.gpus.left[uuid]:
+                    continue  # not quarantined and released since its worker left (a stop signal alone)
+                del self.gpus.left[uuid]
+                why = "released"
+            elif uuid in self.gpus.replace_at:
+                if time.monotonic() < self.gpus.replace_at[uuid] or self.restarts >= self.plan.max_restarts:
+                    continue
+                del self.gpus.replace_at[uuid]
+                self.restarts += 1
+                why = f"replacement {self.restarts}/{self.plan.max_restarts}"
+            elif uuid in self.gpus.used:
+                continue  # its worker finished
+            else:
+                why = "usable"
+            self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")
+            self._start(gpu)
+            room -= 1
+
+    def _replacement_due(self) -> bool:
+        return bool(self.gpus.replace_at) and self.restarts < self.plan.max_restarts
+
+    def _job_has_no_member(self) -> bool:
+        try:
+            latest = latest_generation(self.store)
+            return latest > 0 and not read_generation(self.store, latest).members
+        except Exception:
+            return True
+
+    # -- stopping -------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._received = signum
+
+    def stop(self) -> None:
+        """End the job from another thread: the workers get SIGTERM, and run() returns 0 once they are gone."""
+        self._stop_called = True
+        self._received = signal.SIGTERM
+
+    def _shut_down(self) -> int:
+        signum = self._received
+        assert signum is not None
+        self._terminate_workers()
+        if self._stop_called:
+            return 0
+        raise InPlaceStopped(128 + signum, f"stopped by {signal.Signals(signum).name}")
+
+    def _terminate_workers(self) -> None:
+        """SIGTERM to every live worker's session, SIGKILL after _STOP_GRACE_S."""
+        for worker in self._live():
+            try:
+                os.killpg(worker.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for worker in self._live():
+            try:
+                worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait()
+
+
+def _min_nodes(nnodes: str | None) -> int:
+    if not nnodes:
+        return 1
+    first = nnodes.split(":", 1)[0]
+    return int(first) if first.isdigit() and int(first) > 0 else 1
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited {code}"

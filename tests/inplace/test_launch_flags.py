@@ -1,0 +1,48 @@
+"""`gpuwatch launch --in-place`: what it refuses (one line, exit 2 or 3) before it starts anything."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpuwatch.client import DaemonClient
+from gpuwatch.launch import launch
+from gpuwatch.wire import Gpu
+
+
+@pytest.fixture(autouse=True)
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    gpus = [Gpu(index=i, uuid=f"GPU-{i}", state="healthy") for i in (0, 1)]
+    monkeypatch.setattr(DaemonClient, "gpus", lambda self: gpus)
+    monkeypatch.delenv("GPUWATCH_JOB_ID", raising=False)
+    yield
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--master-port", "29500"], "--in-place runs its own store: --master-port apply to torchrun only"),
+        (["--rdzv-backend", "etcd", "--rdzv-conf", "a=1"], "--rdzv-conf, --rdzv-backend apply to torchrun only"),
+        (["--nnodes", "2", "--rdzv-id", "j"], "a multi-node --in-place job needs --rdzv-endpoint HOST:PORT"),
+        (
+            ["--rdzv-endpoint", "nowhere", "--nnodes", "2", "--rdzv-id", "j"],
+            "--rdzv-endpoint 'nowhere' is not HOST:PORT",
+        ),
+    ],
+)
+def test_flags_that_do_not_apply_are_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(launch, ["--in-place", "--state-dir", str(tmp_path), *args, "--", "train.py"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith("gpuwatch launch: error: ") and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_too_few_usable_gpus_is_one_line_and_exit_3(tmp_path: Path) -> None:
+    result = CliRunner().invoke(launch, ["--in-place", "--min-nproc", "3", "--state-dir", str(tmp_path), "--", "t.py"])
+    assert (result.exit_code, result.stderr) == (
+        3,
+        "gpuwatch launch: error: 2 usable GPU(s) on this node, fewer than --min-nproc 3\n",
+    )
