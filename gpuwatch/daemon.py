@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -55,6 +56,8 @@ from gpuwatch.remediation_metrics import RemediationCollector
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.runtime_metrics import RuntimeCollector
 from gpuwatch.slurm import Drainer, SlurmCollector
+from gpuwatch.snapshots.layout import snapshot_root
+from gpuwatch.snapshots.prune import prune as prune_snapshots
 from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import JOURNAL_NAME, Store
 
@@ -62,6 +65,7 @@ log = logging.getLogger("gpuwatch.daemon")
 
 
 LIVE_BACKENDS = frozenset({"nvml", "dcgm"})
+SNAPSHOT_PRUNE_EVERY_S = 60.0  # how often dead jobs' host snapshots are looked for (they go after their grace)
 
 
 def setup_logging(level: str) -> None:
@@ -154,6 +158,7 @@ class Daemon:
             config, self.monitor, self.store, scheduler=self.scheduler, clock=clock, stop=self.stop_event
         )
         self._last_prune = 0.0
+        self._last_snapshot_prune = 0.0
         self._sample_thread = threading.Thread(target=self._sample_every_interval, name="gpuwatch-sample", daemon=True)
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
@@ -219,6 +224,7 @@ class Daemon:
         systemd.watchdog()
 
     def prune_if_due(self) -> None:
+        """Old findings, decisions and incidents every hour; dead jobs' host snapshots every minute."""
         now = self.clock()
         if now - self._last_prune > 3600:
             self._last_prune = now
@@ -226,6 +232,12 @@ class Daemon:
                 self.store.prune(now - self.config.findings_retention_days * 86400)
             except StoreError as exc:  # a full disk must not skip the watchdog ping after it
                 log.warning("cannot prune old findings: %s", exc)
+        if now - self._last_snapshot_prune > SNAPSHOT_PRUNE_EVERY_S:
+            self._last_snapshot_prune = now
+            ranks, _ = self.remediation.ranks()
+            live = {(r.uid, r.job) for r in ranks if r.uid is not None and r.job}
+            for path in prune_snapshots(Path(snapshot_root()), live, time.time()):
+                log.info("removed %s: host snapshot of a job with no live rank", path)
 
     def app(self) -> ASGIApp:
         """The Host check, the body limit, /metrics and /healthz at once; the API behind them from its first

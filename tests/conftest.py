@@ -19,6 +19,10 @@ _NO_CONFIG = Path(tempfile.mkdtemp(prefix="gpuwatch-tests-")) / "empty.toml"
 _NO_CONFIG.write_text("")
 atexit.register(shutil.rmtree, _NO_CONFIG.parent, True)
 os.environ["GPUWATCH_CONFIG"] = str(_NO_CONFIG)
+# Host snapshots of the tests' jobs, and what the tests' daemons prune, stay out of the machine's /dev/shm.
+_SNAPSHOTS = _NO_CONFIG.parent / "shm"
+_SNAPSHOTS.mkdir()
+os.environ["GPUWATCH_SNAPSHOT_ROOT"] = str(_SNAPSHOTS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,7 +12,8 @@ $GPUWATCH_BENCH_RECOVERY_GIB, comma-separated) it measures, on the disk the benc
 * for every entry of RECOVERY_PATHS, a real job under `gpuwatch launch` (beside a bench daemon)
   killed with SIGKILL (what the kill_rank drill sends) after a given step: the seconds from the kill
   to the relaunch's first finished step and the steps lost, from the job's own step log. Another way
-  to recover (in place, from a peer) is one more entry of RECOVERY_PATHS returning the same keys.
+  to recover is one more entry of RECOVERY_PATHS returning the same keys: `in_place` kills one of a
+  job's ranks and times its survivors' next step (gpuwatch.inplace; two ranks at least).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def run(ctx: Context) -> Section:
             )
             entry["paths"] = {}
             for name, path in RECOVERY_PATHS.items():
-                progress(f"recovery {label}: SIGKILL after step {kill_after}, relaunch from {name}")
+                progress(f"recovery {label}: SIGKILL after step {kill_after}, recovery by {name}")
                 entry["paths"][name] = _guarded(errors, path, trial)
             section.figures["sizes"][label] = entry
             section.rows += _rows(label, entry)
@@ -323,7 +324,27 @@ def relaunch_from_snapshot(trial: Trial) -> dict[str, Any]:
     return _killed_job(trial, "snapshot", ["--snapshot-every", "auto"])
 
 
-RECOVERY_PATHS: dict[str, RecoveryPath] = {"disk": relaunch_from_disk, "snapshot": relaunch_from_snapshot}
+def in_place(trial: Trial) -> dict[str, Any]:
+    """A job that recovers in place (gpuwatch.inplace): one of its ranks killed, the survivors go on.
+
+    It needs two ranks: on the CPU three gloo ranks, on a GPU machine NCCL on every GPU (at least two).
+    """
+    import torch
+
+    from gpuwatch.inplace.bench import measure_in_place
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise Skip("in place needs two GPUs (NCCL refuses two ranks on one); the CPU's gloo figures stand for it")
+    result = measure_in_place(int(trial.gib * 2**30), trial.workdir / "in_place", backend, timeout_s=trial.timeout_s)
+    return {**result, "fault_to_step_s": result["fault_to_next_step_s"], "source": "peers' memory"}
+
+
+RECOVERY_PATHS: dict[str, RecoveryPath] = {
+    "disk": relaunch_from_disk,
+    "snapshot": relaunch_from_snapshot,
+    "in_place": in_place,
+}
 
 
 def _killed_job(trial: Trial, name: str, extra: list[str]) -> dict[str, Any]:
@@ -454,6 +475,10 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
             Row(f"{label}: SIGKILL → first resumed step ({name})", result["fault_to_step_s"], "s"),
             Row(f"{label}: steps lost ({name}{_every(result)})", result["steps_lost"], "steps"),
         ]
+        if result.get("rejoin_s") is not None:
+            rows.append(
+                Row(f"{label}: a replacement joins from its peers (start → its first step)", result["rejoin_s"], "s")
+            )
     return rows
 
 

@@ -202,3 +202,38 @@ def test_prune_follows_no_symlink_and_leaves_other_users_files_alone(
     assert f"{root / f'gpuwatch-{other + 2}'} is not a directory (a symlink or a file): left alone" in text
     assert f"{user_dir / 'job-linked'} is not a directory (a symlink or a file): left alone" in text
     assert f"{dead / 'rank-00000.slot1'} is not a slot file of uid {uid}: left alone" in text
+
+
+def test_the_running_daemon_prunes_a_dead_jobs_slots_and_keeps_a_live_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wired as in production: each minute the daemon prunes, with its own ranks as the live jobs."""
+    from gpuwatch.snapshots.layout import job_dir_name, user_dir_name
+    from tests.helpers import start_sim_node
+    from tests.reporting import FakeRank
+
+    root = tmp_path / "shm"
+    monkeypatch.setenv("GPUWATCH_SNAPSHOT_ROOT", str(root))
+    uid = os.getuid()
+    user_dir = root / user_dir_name(uid)
+    dead, live = user_dir / job_dir_name("gone"), user_dir / job_dir_name("running")
+    for job in (dead, live):
+        job.mkdir(parents=True, mode=0o700)
+        (job / "rank-00000.slot0").write_bytes(b"x")
+        old = os.stat(job).st_mtime - 3600
+        for path in (job / "rank-00000.slot0", job):
+            os.utime(path, (old, old))
+    user_dir.chmod(0o700)
+    node = start_sim_node(tmp_path, gpus=1)
+    rank = FakeRank()
+    try:
+        rank.report(node.daemon.config.runtime_dir, t=node.clock.t, job_id="running", rank=0, step=5,
+                    gpu_uuid=node.daemon.monitor.statics[0].uuid)  # fmt: skip
+        node.daemon.monitor.tick()
+        node.daemon.prune_if_due()
+    finally:
+        rank.kill()
+        rank.wait()
+        node.close()
+    assert not dead.exists(), "a dead job's slots outlived the grace period"
+    assert (live / "rank-00000.slot0").exists(), "a running job's slots were pruned"
