@@ -9,21 +9,28 @@ at or under the share. A death with no survivor then loses at most K steps.
 
 from __future__ import annotations
 
-import math
-
 TARGET_SHARE = 0.01
 MAX_EVERY = 10_000
 AUTO = "auto"
 
 
-def choose_every(cost_s: float, step_s: float, *, share: float = TARGET_SHARE, max_every: int = MAX_EVERY) -> int:
+def choose_every(
+    cost_s: float,
+    step_s: float,
+    *,
+    share: float = TARGET_SHARE,
+    max_every: int = MAX_EVERY,
+    background_s: float = 0.0,
+) -> int:
     """The cadence (steps between snapshots) that keeps `cost_s` per snapshot within `share` of a `step_s` step.
 
     Args:
-        cost_s: what one snapshot costs the training (seconds).
+        cost_s: what one snapshot costs the training (seconds), but for waiting on its commit.
         step_s: the step time without snapshots (seconds).
         share: the budget, e.g. 0.01 for 1 % of the step time.
         max_every: the largest cadence returned (a tiny step with a large state would ask for more).
+        background_s: the snapshot's own time off the step (a CUDA copy, the checksums, the commit): a
+            snapshot due before that time is up waits for the rest, so that wait counts at a short cadence.
 
     Raises:
         ValueError: share is not in (0, 1], or max_every is below 1.
@@ -32,11 +39,14 @@ def choose_every(cost_s: float, step_s: float, *, share: float = TARGET_SHARE, m
         raise ValueError(f"share must be in (0, 1], not {share}")
     if max_every < 1:
         raise ValueError(f"max_every must be at least 1, not {max_every}")
-    if cost_s <= 0:
+    if cost_s <= 0 and background_s <= 0:
         return 1
     if step_s <= 0:
         return max_every
-    return min(max_every, max(1, math.ceil(cost_s / (share * step_s) - 1e-9)))
+    for every in range(1, max_every + 1):
+        if cost_s + max(0.0, background_s - every * step_s) <= share * every * step_s + 1e-12:
+            return every
+    return max_every
 
 
 def parse_every(value: int | str) -> int | None:

@@ -75,6 +75,7 @@ class CopyJob:
         self.blocked_s = 0.0  # what the training thread waited for this snapshot (boundary, update, commit)
         self.stall_s: float | None = None  # CUDA: how long the compute stream waited for the copy
         self.worker_s = 0.0
+        self.commit_wait_s = 0.0  # the part of blocked_s spent waiting for the commit (a cadence shorter than it)
         self.copy_s = 0.0
         self._stall_events: tuple[Any, Any] | None = None
         self._done_event: Any = None
@@ -123,6 +124,7 @@ class CopyJob:
         self.committed.wait(timeout)
         waited = time.perf_counter() - started
         self.blocked_s += waited
+        self.commit_wait_s += waited
         return waited
 
     def measure_stall(self) -> bool:

@@ -354,8 +354,14 @@ class HostSnapshot:
             self._costs.append(job.cost_s)
             if self._every is None:
                 step_s = statistics.median(self._plain) if self._plain else 0.0
-                self._every = choose_every(job.cost_s, step_s, share=self.share, max_every=self.max_every)
-                self.auto_basis = (job.cost_s, step_s)
+                if job.cuda is not None:  # the copy runs off the step: its commit wait only counts at a short cadence
+                    cost_s, background_s = job.cost_s - job.commit_wait_s, job.worker_s
+                else:  # on the CPU the copier competes with the training for cores: its whole time is the cost
+                    cost_s, background_s = job.cost_s, 0.0
+                self._every = choose_every(
+                    cost_s, step_s, share=self.share, max_every=self.max_every, background_s=background_s
+                )
+                self.auto_basis = (cost_s, step_s)
                 log.info(
                     "host snapshot of %s costs %.3f s of a %.3f s step: every %d step(s) keeps it under %g %%",
                     _size(self.state_bytes), job.cost_s, step_s, self._every, self.share * 100,

@@ -267,6 +267,11 @@ def test_choose_every_keeps_the_cost_under_the_share() -> None:
     assert choose_every(0.0, 1.0) == 1
     assert choose_every(100.0, 0.001) == 10_000  # capped
     assert choose_every(0.3, 1.0, share=0.1) == 3
+    # A CUDA copy off the step: 0.25 s in the background of a 0.25 s step, no wait of its own. Every step would
+    # make each boundary wait out the rest of the last copy; from every other step on, nothing waits.
+    assert choose_every(0.0, 0.25, background_s=0.25) == 1
+    assert choose_every(0.0, 0.25, background_s=0.4) == 2
+    assert choose_every(0.008, 0.25, background_s=0.25) == 4  # 8 ms each: 4 steps keep it under 1 %
     with pytest.raises(ValueError, match="share"):
         choose_every(1.0, 1.0, share=0.0)
 
