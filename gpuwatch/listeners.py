@@ -21,8 +21,8 @@ from pathlib import Path
 
 from gpuwatch import systemd
 from gpuwatch.config import Config
-from gpuwatch.control.socket_path import address
 from gpuwatch.errors import ConfigError
+from gpuwatch.unixsock import address
 
 log = logging.getLogger("gpuwatch.daemon")
 

@@ -280,3 +280,16 @@ def run_gpuwatch(
         cwd=cwd,
         check=False,
     )
+
+
+def last_json(text: str) -> Any:
+    """The last line of `text` that is JSON, else all of it parsed, else None (a command's --json answer)."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from gpuwatch.control import peer, socket_path
 from gpuwatch.control.peer import PeerCred
 from gpuwatch.control.socket_path import NoControlSocket, NotTheDaemon
+from gpuwatch.unixsock import address as unix_address
 
 
 def connect(path: Path, timeout_s: float) -> tuple[socket.socket, PeerCred]:
@@ -29,7 +30,7 @@ def connect(path: Path, timeout_s: float) -> tuple[socket.socket, PeerCred]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
-        with socket_path.address(path) as address:
+        with unix_address(path) as address:
             sock.connect(address)
         server = peer.of(sock)
     except OSError as exc:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 from gpuwatch.errors import DaemonError
-
-SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
 
 
 class NoControlSocket(DaemonError):
@@ -51,17 +47,3 @@ def check(path: Path) -> None:
             f"{directory} is a directory others may write to (uid {dir_info.st_uid}, mode "
             f"{stat.S_IMODE(dir_info.st_mode):04o}): anyone could have put {path.name} there; refusing it"
         )
-
-
-@contextlib.contextmanager
-def address(path: Path) -> Iterator[str]:
-    """The address to bind or connect to: `path`, or for one too long for sun_path the same file reached
-    through its directory's descriptor (/proc/self/fd/N/NAME), valid inside the `with`."""
-    if len(os.fsencode(path)) <= SUN_PATH_MAX:
-        yield str(path)
-        return
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
-    finally:
-        os.close(fd)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwatch.reports.board import ReportBoard
-from gpuwatch.trainer.channel import socket_address
 from gpuwatch.trainer.contract import MAX_REPORT_BYTES
+from gpuwatch.unixsock import address as socket_address
 
 log = logging.getLogger("gpuwatch.reports")
 

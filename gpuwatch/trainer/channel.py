@@ -23,7 +23,6 @@ import mmap
 import os
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 from gpuwatch.trainer.contract import (
@@ -34,12 +33,12 @@ from gpuwatch.trainer.contract import (
     STEP_PAGE_MAGIC,
     step_page_name,
 )
+from gpuwatch.unixsock import address as unix_address
 
 log = logging.getLogger("gpuwatch.trainer")
 
 _CONNECT_TIMEOUT_S = 1.0
 _FINAL_SEND_TIMEOUT_S = 1.0
-_SOCKET_PATH_MAX = 100  # sun_path holds 108 bytes; longer paths go through the directory's descriptor
 
 
 class StepPageWriter:
@@ -129,7 +128,7 @@ class ReportSender:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(_CONNECT_TIMEOUT_S)
         try:
-            with socket_address(self.socket_path) as address:
+            with unix_address(self.socket_path) as address:
                 sock.connect(address)
         except OSError as exc:
             sock.close()
@@ -143,19 +142,6 @@ class ReportSender:
         (log.debug if self._failed else log.warning)("%s", message)
         self._failed = True
         self.close()
-
-
-@contextlib.contextmanager
-def socket_address(path: Path) -> Iterator[str]:
-    """An address for `path` that fits sun_path: itself, or /proc/self/fd/<dir fd>/<name> while open."""
-    if len(os.fsencode(path)) <= _SOCKET_PATH_MAX:
-        yield str(path)
-        return
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
-    finally:
-        os.close(fd)
 
 
 def _memfd() -> int:

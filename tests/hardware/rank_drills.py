@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until
+from gpuwatch.bench.daemon_process import DaemonProcess, child_env, last_json, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def _run_job(trainer: str, args: argparse.Namespace, daemon: DaemonProcess, env:
             cmd = daemon.command("drill", f"--{drill.replace('_', '-')}", gpu, "--yes", "--json")
             t0 = time.time()
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-            verdict = _last_json(done.stdout)
+            verdict = last_json(done.stdout)
             out["drills"].append(
                 {
                     "drill": drill,
@@ -96,7 +96,7 @@ def _run_job(trainer: str, args: argparse.Namespace, daemon: DaemonProcess, env:
             )
         stdout, _ = launch.communicate(timeout=400)
         out["launch_rc"] = launch.returncode
-        out["summary"] = _last_json(stdout)
+        out["summary"] = last_json(stdout)
         out["ok"] = launch.returncode == 0 and all(d["rc"] == 0 for d in out["drills"])
     except Exception as exc:  # report what happened, then stop the job
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -119,18 +119,6 @@ def _both_past(daemon: DaemonProcess, floor: int, launch: subprocess.Popen[str])
         raise RuntimeError(f"the launcher exited {launch.returncode}")
     running = [r for r in daemon.trainer_reports() if r.get("ended") is None and (r.get("step") or 0) >= floor]
     return len(running) >= 2
-
-
-def _last_json(text: str) -> Any:
-    for line in reversed(text.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def _save(results: dict[str, Any], path: str) -> None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until
+from gpuwatch.bench.daemon_process import DaemonProcess, child_env, last_json, wait_until
 
 HANG_IN_SECONDS = {"GPUWATCH_TRAINER_HANG_AFTER_S": "10", "GPUWATCH_TRAINER_STALE_AFTER_S": "5"}
 
@@ -82,7 +82,7 @@ def _drill(
     started = time.time()
     cmd = daemon.command("drill", f"--{drill.replace('_', '-')}", "0", "--yes", "--json")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    verdict = _last_json(done.stdout) or {}
+    verdict = last_json(done.stdout) or {}
     wait_until("the relaunch's first step", lambda: len(_launches(ckpt)) > before, 120, 0.1)
     launches = _launches(ckpt)
     own_lost = launches[before - 1]["furthest"] - (launches[before]["resumed_from"] or 0)
@@ -138,18 +138,6 @@ def _running(launch: subprocess.Popen[bytes]) -> bool:
     if launch.poll() is not None:
         raise RuntimeError(f"gpuwatch launch exited {launch.returncode}")
     return True
-
-
-def _last_json(text: str) -> Any:
-    for line in reversed(text.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def _save(result: dict[str, Any], path: str) -> None:

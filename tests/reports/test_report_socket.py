@@ -28,8 +28,8 @@ from gpuwatch.reports.board import DEAD_KEEP_S, ReportBoard
 from gpuwatch.reports.parse import ReportError
 from gpuwatch.reports.server import FLOOD_DROPS
 from gpuwatch.runtime import RuntimeDir
-from gpuwatch.trainer.channel import socket_address
 from gpuwatch.trainer.contract import MAX_REPORT_BYTES
+from gpuwatch.unixsock import address as socket_address
 from tests.reporting import FakeRank
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
