@@ -33,15 +33,15 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path) -> Non
     assert first.returncode == 0, first.stderr
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "step-00000020\n"
-    state = ckpt / "step-00000020" / "state.pt"
+    state = ckpt / "step-00000020" / "state.flat"
     data = bytearray(state.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # a bit flip on disk: same size, wrong sha256
+    data[len(data) // 2] ^= 0xFF  # a bit flip on disk: same size, wrong checksum
     state.write_bytes(bytes(data))
 
     resumed = _example(tmp_path, 30, GPUWATCH_RESUME="1")
 
     assert resumed.returncode == 0, resumed.stderr
-    assert "rank 0: skipped checkpoint step-00000020: sha256 mismatch for state.pt" in resumed.stdout
+    assert "rank 0: skipped checkpoint step-00000020: crc32 mismatch for state.flat" in resumed.stdout
     assert "rank 0: resuming from step 15" in resumed.stdout
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary == {
