@@ -147,12 +147,8 @@ def test_a_frozen_rank_killed_after_the_hang_leaves_the_survivors_stepping(node:
 
 
 def _report(node: DaemonProcess, pid: int) -> dict[str, object]:
-    import json
-
-    try:
-        return dict(json.loads((node.runtime_dir / "trainers" / f"{pid}.json").read_text()))
-    except (OSError, ValueError):
-        return {}
+    """Rank `pid`'s latest report as the daemon holds it (also after the rank ended), or {}."""
+    return next((r for r in node.trainer_reports() if r["pid"] == pid), {})
 
 
 def test_with_no_survivor_the_replacement_loads_the_checkpoint(tmp_path: Path) -> None:
