@@ -19,6 +19,9 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.runtime import RuntimeDir
+from tests.reporting import ServeReports
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,17 +47,12 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _pids_at_step(proc: subprocess.Popen[str], runtime_dir: Path, step: int) -> list[int]:
+def _pids_at_step(proc: subprocess.Popen[str], runtime: RuntimeDir, step: int) -> list[int]:
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        reports = []
-        for path in (runtime_dir / "trainers").glob("*.json"):
-            try:
-                reports.append(json.loads(path.read_text()))
-            except (FileNotFoundError, ValueError):
-                continue
-        if len(reports) == 2 and all((r["step"] or 0) >= step for r in reports):
-            return [r["pid"] for r in reports]
+        reports = [r.info for r in runtime.read_reports() if r.running]
+        if len(reports) == 2 and all((r.step or 0) >= step for r in reports):
+            return [r.pid for r in reports]
         assert proc.poll() is None, f"torchrun exited {proc.returncode} early: {proc.communicate()}"
         time.sleep(0.05)
     proc.kill()
@@ -75,15 +73,17 @@ def _launches(log: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return launches
 
 
-def test_both_ranks_killed_resume_from_host_memory_within_k_steps_without_reading_the_disk(tmp_path: Path) -> None:
-    (tmp_path / "run").mkdir()
+def test_both_ranks_killed_resume_from_host_memory_within_k_steps_without_reading_the_disk(
+    tmp_path: Path, serve_reports: ServeReports
+) -> None:
+    runtime = serve_reports(tmp_path / "run")
     ckpt = tmp_path / "ckpt"
     args = ["--ckpt-dir", str(ckpt), "--ckpt-every", "10", "--snapshot-every", str(K), "--report-interval", "0.1"]
     first = subprocess.Popen(
         _torchrun(2, "--steps", "100000", *args, "--step-sleep", "0.02"),
         env=_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    for pid in _pids_at_step(first, tmp_path / "run", 26):
+    for pid in _pids_at_step(first, runtime, 26):
         os.kill(pid, signal.SIGKILL)  # both at once: no survivor to rescue anything
     first.communicate(timeout=TIMEOUT_S)
     assert first.returncode != 0
