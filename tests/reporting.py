@@ -28,6 +28,10 @@ from pathlib import Path
 from gpuwatch.trainer.channel import ReportSender, StepPageWriter
 from gpuwatch.trainer.contract import FIRST_STEP_SLOT, FIRST_STEP_T_SLOT, REPORT_SOCKET, STEP_SLOT, STEP_T_SLOT
 {behaviour}
+def answer(word):
+    # One write: a stop's handler that exits between print's two writes would leave half a line.
+    sys.stdout.write(word + "\\n")
+    sys.stdout.flush()
 page = StepPageWriter(os.getpid(), os.environ.get("GPUWATCH_LAUNCH_DIR"))
 sender = None
 print("ready", flush=True)
@@ -39,12 +43,12 @@ for line in sys.stdin:
         page.ints[FIRST_STEP_SLOT] = figures.get("first_step", figures["step"])
         page.floats[STEP_T_SLOT] = figures.get("step_t", time.time())
         page.floats[FIRST_STEP_T_SLOT] = figures.get("first_step_t", page.floats[STEP_T_SLOT])
-        print("sent", flush=True)
+        answer("sent")
         continue
     if sender is None:
         sender = ReportSender(Path(message["runtime_dir"]) / REPORT_SOCKET, page.fd)
     body = {{"pid": os.getpid(), **message["report"]}}
-    print("sent" if sender.send(json.dumps(body).encode(), final=True) else "failed", flush=True)
+    answer("sent" if sender.send(json.dumps(body).encode(), final=True) else "failed")
 time.sleep(120)
 """
 
@@ -65,7 +69,8 @@ class FakeRank(subprocess.Popen[str]):
     def report(self, runtime_dir: str | Path, **fields: Any) -> bool:
         """Send one report (pid filled in unless given), queued at the daemon's socket when this returns.
 
-        False when the process has ended (a stop the test provoked may have ended it first).
+        False when the process has ended (a stop the test provoked may have ended it first), or when
+        the daemon refused the connection (its peer may close before or after the send is queued).
         """
         return self._say({"runtime_dir": str(runtime_dir), "report": fields})
 
@@ -84,7 +89,7 @@ class FakeRank(subprocess.Popen[str]):
         except BrokenPipeError:
             return False
         answer = self.stdout.readline()
-        if not answer:
+        if not answer or answer == "failed\n":
             return False
         assert answer == "sent\n", f"fake rank {self.pid}: {answer!r}"
         return True
