@@ -8,10 +8,9 @@
 * A trainer's own report (TrainerLink) wins where it says something: torch knows its device's UUID.
 
 Anything the daemon may signal must be a trainer (a report, or torchrun's variables in its
-environment). Reports come already attributed (gpuwatch.runtime: the file is `<pid>.json`, its
-owner is root or the process's own user), so one user cannot point the daemon at another user's
-process. The start time from /proc/PID/stat travels with each rank so a recycled PID is never
-signalled.
+environment). Reports come already attributed (gpuwatch.reports: the kernel names each sender's
+pid and uid), so one user cannot point the daemon at another user's process. The start time from
+/proc/PID/stat travels with each rank so a recycled PID is never signalled.
 """
 
 from __future__ import annotations

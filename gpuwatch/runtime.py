@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -26,6 +27,9 @@ from gpuwatch.trainer.contract import REPORT_SOCKET, STATUS_FILE, Status, Status
 log = logging.getLogger("gpuwatch.runtime")
 
 STATUS_REFRESH_S = 30.0  # status.json's `t` is at most this old while the daemon runs
+OLD_REPORTS_DIR = "trainers"
+"""Where releases before the report socket had ranks write report files: a world-writable (1777)
+directory that nothing reads any more, so it is removed at start rather than left for any user to fill."""
 
 
 def write_json_atomic(path: Path, body: Any) -> None:
@@ -97,6 +101,7 @@ class RuntimeDir:
             if st.st_uid != os.geteuid():  # its owner could replace status.json or plant a socket of their own
                 raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, not by the daemon's uid {os.geteuid()}")
             os.chmod(self.path, 0o755)  # ranks of any user read status.json; only the daemon writes here
+            self._remove_old_reports_dir()
             probe = tempfile.NamedTemporaryFile(dir=self.path, prefix=".gpuwatch-probe-")
             probe.close()
             self.server.bind()
@@ -104,6 +109,31 @@ class RuntimeDir:
             where = exc.filename or self.socket_path
             raise ConfigError(f"runtime_dir: cannot prepare {where}: {exc.strerror or exc}") from None
         self.server.start()
+
+    def _remove_old_reports_dir(self) -> None:
+        """Remove an older release's `trainers/` and say so: ranks that still write there report nothing.
+
+        shutil.rmtree works through directory descriptors here, so a link a user planted inside is
+        removed, never followed; a link in its place (the directory is root's) is only unlinked.
+        """
+        old = self.path / OLD_REPORTS_DIR
+        try:
+            st = os.lstat(old)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            files = sum(name.endswith(".json") for _, _, names in os.walk(old) for name in names)
+            shutil.rmtree(old)
+        else:
+            files = 0
+            old.unlink()
+        log.warning(
+            "runtime_dir: removed %s (%d report file(s)) left by an older gpuwatch: ranks now report over %s, "
+            "so a job whose environment has an older gpuwatch reports nothing until it is upgraded",
+            old,
+            files,
+            self.socket_path,
+        )
 
     def version(self) -> object:
         """Changes whenever the runtime dir's metrics may have (the metrics render cache key)."""

@@ -110,10 +110,13 @@ class AllocatorFigures(TypedDict):
 
 
 class TrainerReport(AllocatorFigures):
-    """`trainers/<pid>.json`; null: not known. TrainerLink writes every key (the allocator's after grad_norm_var)."""
+    """One message on `trainers.sock`; null: not known.
+
+    TrainerLink sends every key (the allocator's after grad_norm_var).
+    """
 
     t: float  # Unix seconds of the write
-    pid: int  # must equal the file name
+    pid: int  # must equal the sender's pid, which the kernel names (SO_PEERCRED)
     rank: int | None
     local_rank: int | None
     world_size: int | None

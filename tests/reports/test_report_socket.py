@@ -279,6 +279,42 @@ def test_a_runtime_dir_owned_by_another_user_is_refused(tmp_path: Path) -> None:
         RuntimeDir(planted).prepare()
 
 
+def test_an_older_releases_report_dir_is_removed_and_a_link_in_it_is_never_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    old = tmp_path / "run" / "trainers"
+    (old / "nested").mkdir(parents=True)
+    (old / "4242.json").write_text("{}")
+    (old / "nested" / "x.json").write_text("{}")
+    (old / "escape").symlink_to(outside)  # what a user could plant in a 1777 directory
+
+    rt = RuntimeDir(tmp_path / "run")
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.runtime"):
+        rt.prepare()
+    rt.close()
+    assert not os.path.lexists(old)
+    assert (outside / "keep.txt").read_text() == "keep"
+    (line,) = [r.getMessage() for r in caplog.records if "older gpuwatch" in r.getMessage()]
+    assert f"removed {old} (2 report file(s))" in line and "trainers.sock" in line
+
+
+def test_a_link_in_place_of_the_old_report_dir_is_unlinked_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainers").symlink_to(outside)
+
+    rt = RuntimeDir(tmp_path / "run")
+    rt.prepare()
+    rt.close()
+    assert not os.path.lexists(tmp_path / "run" / "trainers")
+    assert (outside / "keep.txt").read_text() == "keep"
+
+
 def test_a_long_runtime_path_still_binds_and_takes_reports(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60) / "run"
     rt = RuntimeDir(deep)
