@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from gpuwatch.bench.daemon_process import child_env
 from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, load
 from gpuwatch.daemon import Daemon
+from tests.reporting import FakeRank
 
 T0 = 1_800_000_000.0
 HEALTHY_TRACE = Path(__file__).parent / "data" / "h200-healthy-workload.jsonl"  # copy of shared/traces' H200 trace
@@ -63,6 +66,15 @@ class SimNode:
         assert response.status_code == 200, response.text
         return dict(response.json())
 
+    def report(self, process: FakeRank, gpu: int, job: str = "job", **fields: Any) -> bool:
+        """What TrainerLink sends for a rank on `gpu`, stamped with the fake clock unless `t` is given."""
+        body = {"t": self.clock.t, "job_id": job, "gpu_uuid": self.daemon.monitor.statics[gpu].uuid, **fields}
+        return process.report(self.daemon.config.runtime_dir, **body)
+
+    def incidents(self) -> list[dict[str, Any]]:
+        """Every incident the daemon recorded, newest first."""
+        return list(self.client.get("/v1/incidents?limit=1000").json()["incidents"])
+
     def close(self) -> None:
         self.client.close()
         self.daemon.stop()
@@ -77,6 +89,17 @@ def start_sim_node(
     daemon.backend.clock = clock  # type: ignore[attr-defined]  # the sim's scripted events follow test time
     daemon.monitor.tick()
     return SimNode(daemon, clock, TestClient(daemon.app(), base_url="http://127.0.0.1"))
+
+
+def wait_for(what: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    """`what()`'s first truthy answer within `timeout_s` (real time: the daemon's remediation thread acts)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"timed out; last: {what()}")
 
 
 def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:

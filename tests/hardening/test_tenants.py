@@ -94,16 +94,11 @@ def start(ranks: list[FakeRank], uid: int, behaviour: str = MARK_USR1) -> FakeRa
 
 
 def report(sim: SimNode, process: FakeRank, gpu: int, job: str, step: int, **fields: Any) -> bool:
-    body = {"t": sim.clock.t, "job_id": job, "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, "step": step}
-    return process.report(sim.daemon.config.runtime_dir, **body, first_step=1, **fields)
+    return sim.report(process, gpu, job, step=step, first_step=1, **fields)
 
 
 def signalled(rank: FakeRank) -> bool:
     return Path(f"/dev/shm/gw-usr1-{rank.pid}").exists()
-
-
-def incidents(sim: SimNode) -> list[dict[str, Any]]:
-    return list(sim.client.get("/v1/incidents?limit=1000").json()["incidents"])
 
 
 def test_a_frozen_impostor_with_the_victims_job_id_gets_only_itself_stopped(
@@ -119,14 +114,14 @@ def test_a_frozen_impostor_with_the_victims_job_id_gets_only_itself_stopped(
     os.kill(impostor.pid, signal.SIGSTOP)
 
     deadline = time.monotonic() + 30
-    while not any(i["status"] == "stopped" for i in incidents(node)):
+    while not any(i["status"] == "stopped" for i in node.incidents()):
         assert time.monotonic() < deadline, "mallory's frozen process was never found hung"
         node.clock.advance(1.0)
         report(node, victim_rank, 0, "job-v", 100)  # paused at step 100, busy evaluating
         node.daemon.monitor.tick()
         time.sleep(0.05)
 
-    (incident,) = incidents(node)
+    (incident,) = node.incidents()
     assert [(r["pid"], r["uid"]) for r in incident["ranks"]] == [(impostor.pid, mallory)]
     assert incident["uid"] == mallory
     assert impostor.wait(5) == -signal.SIGKILL
@@ -240,13 +235,13 @@ def test_a_flood_of_one_users_incidents_keeps_the_others(
     real.kill()
 
     deadline = time.monotonic() + 20
-    while not any(i["uid"] == victim for i in incidents(node)):
+    while not any(i["uid"] == victim for i in node.incidents()):
         assert time.monotonic() < deadline, "the victim's incident is missing"
         time.sleep(0.1)
     time.sleep(1.0)
-    by_user = [i["uid"] for i in incidents(node)]
+    by_user = [i["uid"] for i in node.incidents()]
     assert by_user.count(mallory) <= USER_INCIDENTS_PER_MIN
-    (victims,) = [i for i in incidents(node) if i["uid"] == victim]
+    (victims,) = [i for i in node.incidents() if i["uid"] == victim]
     assert victims["status"] in {"stopped", "stopping"}, "the victim's resume watch was ended by mallory's flood"
 
 
@@ -273,7 +268,7 @@ def test_a_rank_that_execd_another_program_is_never_signalled(
     time.sleep(1.0)
 
     assert rank.poll() is None, f"pid {rank.pid}, now {program}, was signalled"
-    (incident,) = incidents(node)
+    (incident,) = node.incidents()
     assert all(r["ended"] == "not_a_rank" for r in incident["ranks"]), incident["ranks"]
 
 

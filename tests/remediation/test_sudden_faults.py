@@ -11,15 +11,14 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import SimNode, start_sim_node
+from tests.helpers import SimNode, start_sim_node, wait_for
 from tests.remediation.conftest import Spawn
-from tests.reporting import FakeRank
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 
@@ -40,37 +39,17 @@ def sim(tmp_path: Path) -> Iterator[SimNode]:
     node.close()
 
 
-def report(sim: SimNode, process: FakeRank, gpu: int, **fields: Any) -> None:
-    """What TrainerLink sends, stamped with the fake clock unless `t` is given."""
-    body = {"t": sim.clock.t, "job_id": "job", "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
-    process.report(sim.daemon.config.runtime_dir, **body)
-
-
-def incidents(sim: SimNode) -> list[dict[str, Any]]:
-    return list(sim.client.get("/v1/incidents").json()["incidents"])
-
-
-def wait_for(what: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = what()
-        if found:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"timed out; last: {what()}")
-
-
 def incident_with(sim: SimNode, **want: Any) -> dict[str, Any]:
     def match() -> dict[str, Any] | None:
-        return next((i for i in incidents(sim) if all(i.get(k) == v for k, v in want.items())), None)
+        return next((i for i in sim.incidents() if all(i.get(k) == v for k, v in want.items())), None)
 
     return dict(wait_for(match))
 
 
 def two_ranks(sim: SimNode, spawn: Spawn, step: int = 40) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     rank0, rank1 = spawn(), spawn()
-    report(sim, rank0, 0, rank=0, step=step, first_step=1)
-    report(sim, rank1, 1, rank=1, step=step, first_step=1)
+    sim.report(rank0, 0, rank=0, step=step, first_step=1)
+    sim.report(rank1, 1, rank=1, step=step, first_step=1)
     sim.run_for(1, step=1)  # one publish: remediation now knows both ranks
     return rank0, rank1
 
@@ -90,7 +69,7 @@ def test_a_rank_that_vanishes_stops_its_peers_at_once_and_the_resume_loses_no_st
 
     # The relaunch: the survivor saved step 40, the new ranks start at step 41.
     relaunched = spawn()
-    report(sim, relaunched, 0, rank=0, step=41, first_step=41, t=died_at + 6.0)
+    sim.report(relaunched, 0, rank=0, step=41, first_step=41, t=died_at + 6.0)
     incident = incident_with(sim, kind="rank_died", status="resumed")
     assert (incident["resumed_step"], incident["steps_lost"], incident["time_to_resume_s"]) == (40, 0, 6.0)
 
@@ -98,12 +77,12 @@ def test_a_rank_that_vanishes_stops_its_peers_at_once_and_the_resume_loses_no_st
 def test_a_rank_that_raised_is_a_death_and_a_clean_end_is_not(sim: SimNode, spawn: Spawn) -> None:
     rank0, rank1 = two_ranks(sim, spawn)
 
-    report(sim, rank0, 0, rank=0, step=40, first_step=1, ended="finished")
+    sim.report(rank0, 0, rank=0, step=40, first_step=1, ended="finished")
     rank0.kill()
     time.sleep(0.5)
-    assert incidents(sim) == [], "a rank whose last report says it finished ended cleanly"
+    assert sim.incidents() == [], "a rank whose last report says it finished ended cleanly"
 
-    report(sim, rank1, 1, rank=1, step=40, first_step=1, ended="error")
+    sim.report(rank1, 1, rank=1, step=40, first_step=1, ended="error")
     rank1.kill()
     incident = incident_with(sim, kind="rank_died")
     assert {r["pid"]: r["ended"] for r in incident["ranks"]} == {rank1.pid: "raised"}
@@ -121,13 +100,13 @@ def test_an_xid_on_a_gpu_with_ranks_stops_the_job_as_a_gpu_fault(sim: SimNode, s
 
     # The relaunch runs on the same GPU while the old XID is still in its window: not stopped again.
     again = spawn()
-    report(sim, again, 1, rank=1, step=41, first_step=41, t=sim.clock.t + 1)
+    sim.report(again, 1, rank=1, step=41, first_step=41, t=sim.clock.t + 1)
     sim.run_for(3, step=1)
     time.sleep(0.5)
-    assert again.poll() is None and len(incidents(sim)) == 1
+    assert again.poll() is None and len(sim.incidents()) == 1
     # A new XID on it is a new fault.
     sim.daemon.monitor.inject(1, {}, 60.0, event="xid", xid=31)
-    wait_for(lambda: len(incidents(sim)) == 2)
+    wait_for(lambda: len(sim.incidents()) == 2)
     assert again.wait(5) == 75
 
 
@@ -137,7 +116,7 @@ def test_a_hung_job_is_found_and_stopped(sim: SimNode, spawn: Spawn) -> None:
 
     for _ in range(10):  # rank 0's link still reports, always at step 40
         sim.clock.advance(2.0)
-        report(sim, rank0, 0, rank=0, step=40, first_step=1)
+        sim.report(rank0, 0, rank=0, step=40, first_step=1)
         sim.daemon.monitor.tick()
 
     incident = incident_with(sim, kind="trainer_hang", status="stopped")
@@ -154,11 +133,11 @@ def test_a_resume_that_finished_before_the_next_report_interval_is_seen(sim: Sim
     response = sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
     assert response.status_code == 200
     incident_with(sim, status="stopped")
-    decided = incidents(sim)[0]["t"]
+    decided = sim.incidents()[0]["t"]
 
     # A whole relaunch between two polls: first report at its first step, last report at exit, gone.
     short = spawn()
-    report(sim, short, 0, rank=0, step=45, first_step=41, ended="finished", t=decided + 2.5)
+    sim.report(short, 0, rank=0, step=45, first_step=41, ended="finished", t=decided + 2.5)
     short.kill()
     short.wait()
 
@@ -168,9 +147,9 @@ def test_a_resume_that_finished_before_the_next_report_interval_is_seen(sim: Sim
 
 def test_a_bad_report_beside_good_ones_never_turns_stopping_off(sim: SimNode, spawn: Spawn) -> None:
     rank0 = spawn()
-    report(sim, rank0, 1, rank=0, step=10)
+    sim.report(rank0, 1, rank=0, step=10)
     liar = spawn()
-    report(sim, liar, 1, rank=1, step=10, step_time_s="abc")  # one user's badly typed report
+    sim.report(liar, 1, rank=1, step=10, step_time_s="abc")  # one user's badly typed report
     sim.run_for(1, step=1)
 
     sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
@@ -185,7 +164,7 @@ def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn
     sim = start_sim_node(tmp_path, gpus=2, **{"trainer.grace_period_s": 3600.0})
     try:
         stubborn = spawn("ignores_stop")
-        report(sim, stubborn, 1, rank=0, step=1)
+        sim.report(stubborn, 1, rank=0, step=1)
         sim.run_for(1, step=1)
 
         def cycle() -> None:
@@ -199,7 +178,7 @@ def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn
         before = ours()
         for _ in range(100):
             cycle()
-        wait_for(lambda: len(incidents(sim)) == 100)
+        wait_for(lambda: len(sim.incidents()) == 100)
         assert ours() == before
         assert before.count("gpuwatch-remediation") == 1
         assert stubborn.poll() is None
@@ -212,7 +191,7 @@ def test_a_rank_that_started_after_the_last_tick_is_stopped_too(sim: SimNode, sp
     """An event or a quarantine reads the reports as they are now: no waiting for the next tick (30 s by default)."""
     sim.run_for(1, step=1)
     rank = spawn()
-    report(sim, rank, 1, rank=0, step=3, first_step=1)  # written after the last tick read trainers/
+    sim.report(rank, 1, rank=0, step=3, first_step=1)  # written after the last tick read trainers/
 
     if how == "quarantine":
         sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)

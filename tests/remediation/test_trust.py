@@ -15,14 +15,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from gpuwatch.backends.kmsg import KernelLog, pci_key
 from gpuwatch.model import GpuEvent
 from gpuwatch.remediation.faults import PID_WAIT_S
-from tests.helpers import SimNode, start_sim_node
+from tests.helpers import SimNode, start_sim_node, wait_for
 from tests.remediation.conftest import Spawn
 from tests.reporting import SPIN, FakeRank
 
@@ -45,25 +44,6 @@ def node(tmp_path: Path) -> Iterator[SimNode]:
     sim.close()
 
 
-def report(sim: SimNode, process: FakeRank, gpu: int, **fields: Any) -> None:
-    body = {"t": sim.clock.t, "job_id": "job", "gpu_uuid": sim.daemon.monitor.statics[gpu].uuid, **fields}
-    process.report(sim.daemon.config.runtime_dir, **body)
-
-
-def incidents(sim: SimNode) -> list[dict[str, Any]]:
-    return list(sim.client.get("/v1/incidents").json()["incidents"])
-
-
-def wait_for(what: Any, timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = what()
-        if found:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"timed out; last: {what()}")
-
-
 def kernel_xid(sim: SimNode, gpu: int, xid: int, pid: int | None, ago_s: float = 0.0) -> GpuEvent:
     """The kernel log's line for an XID on `gpu`, `ago_s` seconds before the daemon's now."""
     static = sim.daemon.monitor.statics[gpu]
@@ -83,7 +63,7 @@ def test_a_restart_with_a_recent_app_xid_in_the_kernel_log_stops_no_healthy_job(
     """The daemon restarts 95 s after an XID 31 of a long-gone process; a new, healthy job runs: no signal."""
     rank = FakeRank("signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))")
     try:
-        report(node, rank, 0, rank=0, step=10, first_step=1)
+        node.report(rank, 0, rank=0, step=10, first_step=1)
         node.daemon.monitor.tick()
         static = node.daemon.monitor.statics[0]
         usec = round((node.clock.t - 95 - BOOT) * 1e6)
@@ -95,7 +75,7 @@ def test_a_restart_with_a_recent_app_xid_in_the_kernel_log_stops_no_healthy_job(
         settle(node)
 
         assert [x["xid"] for x in node.gpu(0)["kernel_xids"]] == [31], "listed as history"
-        assert incidents(node) == []
+        assert node.incidents() == []
         assert rank.poll() is None, "the healthy job was signalled"
     finally:
         node.daemon.stop_event.set()
@@ -105,14 +85,14 @@ def test_a_restart_with_a_recent_app_xid_in_the_kernel_log_stops_no_healthy_job(
 
 def test_an_app_xid_of_a_process_in_no_job_stops_nothing_and_stays_a_warning(node: SimNode, spawn: Spawn) -> None:
     rank = spawn()
-    report(node, rank, 0, rank=0, step=10, first_step=1)
+    node.report(rank, 0, rank=0, step=10, first_step=1)
     node.daemon.monitor.tick()
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         node.daemon.monitor.handle_events([kernel_xid(node, 0, 31, stranger.pid)])
         settle(node)
 
-        assert incidents(node) == []
+        assert node.incidents() == []
         assert rank.poll() is None
         assert "xid_app" in {f["rule"] for f in node.gpu(0)["findings"]}
     finally:
@@ -129,14 +109,14 @@ def test_an_app_xid_that_names_a_ranks_child_stops_that_job_only(node: SimNode, 
     )
     ours, theirs = FakeRank(starts_a_worker), spawn()
     try:
-        report(node, ours, 0, rank=0, step=10, first_step=1)
-        report(node, theirs, 0, rank=0, step=10, first_step=1, job_id="other")
+        node.report(ours, 0, rank=0, step=10, first_step=1)
+        node.report(theirs, 0, rank=0, step=10, first_step=1, job_id="other")
         node.daemon.monitor.tick()
         worker = int(worker_pid.read_text())
 
         node.daemon.monitor.handle_events([kernel_xid(node, 0, 31, worker)])
 
-        incident = wait_for(lambda: next((i for i in incidents(node) if i["kind"] == "gpu_fault"), None))
+        incident = wait_for(lambda: next((i for i in node.incidents() if i["kind"] == "gpu_fault"), None))
         assert incident["job"] == "job" and [r["pid"] for r in incident["ranks"]] == [ours.pid]
         assert f"from pid {worker}" in incident["reason"]
         assert ours.wait(5) == 75
@@ -148,15 +128,15 @@ def test_an_app_xid_that_names_a_ranks_child_stops_that_job_only(node: SimNode, 
 
 def test_an_app_xid_with_no_pid_waits_for_the_kernel_log_then_stops_the_gpus_jobs(node: SimNode, spawn: Spawn) -> None:
     rank = spawn()
-    report(node, rank, 0, rank=0, step=10, first_step=1)
+    node.report(rank, 0, rank=0, step=10, first_step=1)
     node.daemon.monitor.tick()
     static = node.daemon.monitor.statics[0]
     nvml_event = GpuEvent(node.clock.t, 0, static.uuid, "xid", 31)  # NVML's event set names no process
 
     node.daemon.monitor.handle_events([nvml_event])
     time.sleep(PID_WAIT_S / 2)
-    assert incidents(node) == [], "the kernel log's line may still name the process"
-    incident = wait_for(lambda: next(iter(incidents(node)), None), timeout_s=PID_WAIT_S + 5)
+    assert node.incidents() == [], "the kernel log's line may still name the process"
+    incident = wait_for(lambda: next(iter(node.incidents()), None), timeout_s=PID_WAIT_S + 5)
 
     assert incident["kind"] == "gpu_fault" and "the faulting process is unknown" in incident["reason"]
     assert rank.wait(5) == 75
@@ -165,22 +145,22 @@ def test_an_app_xid_with_no_pid_waits_for_the_kernel_log_then_stops_the_gpus_job
 def test_steps_lost_after_a_sigkill_are_the_jobs_own_count_not_its_last_report(node: SimNode, spawn: Spawn) -> None:
     """The last report says step 100; the rank reached 160 (its step page) before SIGKILL; it resumes at 150."""
     rank = spawn()
-    report(node, rank, 0, rank=0, step=100, first_step=1)
+    node.report(rank, 0, rank=0, step=100, first_step=1)
     rank.page(160, first_step=1)
     node.daemon.monitor.tick()
     killed_t = time.time()
     rank.kill()
 
-    incident = wait_for(lambda: next((i for i in incidents(node) if i["kind"] == "rank_died"), None))
+    incident = wait_for(lambda: next((i for i in node.incidents() if i["kind"] == "rank_died"), None))
     assert incident["last_step"] == 160
     assert incident["began_t"] == pytest.approx(killed_t, abs=1.0)
 
     relaunched = spawn()
     first_t = time.time()
     relaunched.page(151, first_step=151, step_t=first_t)
-    report(node, relaunched, 0, rank=0, step=151, first_step=151, first_step_t=first_t, t=node.clock.t)
+    node.report(relaunched, 0, rank=0, step=151, first_step=151, first_step_t=first_t, t=node.clock.t)
 
-    incident = wait_for(lambda: next((i for i in incidents(node) if i["status"] == "resumed"), None))
+    incident = wait_for(lambda: next((i for i in node.incidents() if i["status"] == "resumed"), None))
     assert (incident["resumed_step"], incident["steps_lost"]) == (150, 10)
     assert incident["time_to_resume_s"] == pytest.approx(first_t - incident["began_t"], abs=0.01)
 
@@ -191,18 +171,18 @@ def test_a_hangs_time_counts_from_its_last_step(node: SimNode, spawn: Spawn) -> 
         last_step_t = time.time()
         for process, index in ((busy, 0), (frozen, 1)):
             process.page(40, first_step=1, step_t=last_step_t)
-            report(node, process, index, rank=index, step=40, first_step=1)
+            node.report(process, index, rank=index, step=40, first_step=1)
         os.kill(frozen.pid, signal.SIGSTOP)
 
         deadline = time.monotonic() + 30
-        while not incidents(node):
+        while not node.incidents():
             assert time.monotonic() < deadline, "no hang found"
             node.clock.advance(1.0)
-            report(node, busy, 0, rank=0, step=40, first_step=1)
+            node.report(busy, 0, rank=0, step=40, first_step=1)
             node.daemon.monitor.tick()
             time.sleep(0.05)
 
-        incident = wait_for(lambda: next((i for i in incidents(node) if i["status"] == "stopped"), None))
+        incident = wait_for(lambda: next((i for i in node.incidents() if i["status"] == "stopped"), None))
         assert incident["kind"] == "trainer_hang"
         assert incident["began_t"] == pytest.approx(last_step_t, abs=0.01), "from the last step, not the stop"
         assert incident["detected_t"] - incident["began_t"] >= 10.0
@@ -223,10 +203,10 @@ def test_a_kill_after_a_stale_xid_finding_is_a_rank_death(node: SimNode, spawn: 
     assert "xid_app" in {f["rule"] for f in node.gpu(0)["findings"]}
     node.clock.advance(60)  # well past FAULT_LATE_S: that XID is a finding on the GPU, not news
     rank = spawn()
-    report(node, rank, 0, rank=0, step=10, first_step=1)
+    node.report(rank, 0, rank=0, step=10, first_step=1)
     node.daemon.monitor.tick()
 
     rank.kill()
 
-    incident = wait_for(lambda: next(iter(incidents(node)), None))
+    incident = wait_for(lambda: next(iter(node.incidents()), None))
     assert (incident["kind"], incident["reason"]) == ("rank_died", f"rank 0 (pid {rank.pid}) died")
