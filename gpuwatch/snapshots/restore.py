@@ -84,15 +84,25 @@ def _open_own(dir_fd: int, name: str, mode: int = os.O_RDONLY) -> int | None:
     return fd
 
 
-def map_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
-    """The state in one of this rank's committed slots, as views of its private mapping, every chunk verified first."""
+def _open_listed(dir_fd: int, candidate: Candidate) -> tuple[int, SlotHeader] | str:
+    """An fd of the candidate's slot and its header while it is still the commit that was listed, else why not."""
     fd = _open_own(dir_fd, candidate.name)
     if fd is None:
-        return None, "cannot open it"
+        return "cannot open it"
+    header = read_header(fd)
+    if header is None or header.seq != candidate.header.seq or header.step != candidate.header.step:
+        os.close(fd)
+        return "rewritten since it was listed"
+    return fd, header
+
+
+def map_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
+    """The state in one of this rank's committed slots, as views of its private mapping, every chunk verified first."""
+    opened = _open_listed(dir_fd, candidate)
+    if isinstance(opened, str):
+        return None, opened
+    fd, header = opened
     try:
-        header = read_header(fd)
-        if header is None or header.seq != candidate.header.seq or header.step != candidate.header.step:
-            return None, "rewritten since it was listed"
         # Copy-on-write, so the slot stays as committed; not MAP_POPULATE, which would copy every page now.
         size = HEADER_LEN + header.payload_len
         memory = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -122,13 +132,11 @@ def _crc_in(view: memoryview) -> Any:
 
 def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
     """The state in a committed slot, copied into fresh tensors and verified chunk by chunk; (None, reason) if not."""
-    fd = _open_own(dir_fd, candidate.name)
-    if fd is None:
-        return None, "cannot open it"
+    opened = _open_listed(dir_fd, candidate)
+    if isinstance(opened, str):
+        return None, opened
+    fd, header = opened
     try:
-        header = read_header(fd)
-        if header is None or header.seq != candidate.header.seq or header.step != candidate.header.step:
-            return None, "rewritten since it was listed"
         state = tensorfile.read_flat(fd, header.payload_len, header.chunks(), base=HEADER_LEN)
         after = read_header(fd)
         if after is None or after.seq != header.seq:

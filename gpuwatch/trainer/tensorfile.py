@@ -272,18 +272,26 @@ def build_state(tree: bytes, tensors: Sequence[Any]) -> Any:
         raise FlatFileError(f"structure does not load: {type(exc).__name__}: {exc}") from None
 
 
+def _dtype_and_numel(r: TensorRecord) -> tuple[torch.dtype, int]:
+    """A record's dtype and element count, once its dtype is torch's and its shape matches its size."""
+    import torch
+
+    dtype = getattr(torch, r.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise FlatFileError(f"unknown dtype {r.dtype}")
+    numel = math.prod(r.shape)
+    if any(n < 0 for n in r.shape) or numel * torch.empty((), dtype=dtype).element_size() != r.nbytes:
+        raise FlatFileError(f"a tensor record's size does not match its shape {r.shape}")
+    return dtype, numel
+
+
 def empty_tensors(records: Sequence[TensorRecord]) -> list[torch.Tensor]:
     """Fresh CPU tensors for the records, to read the file's bytes into (large ones on whole pages, for O_DIRECT)."""
     import torch
 
     tensors = []
     for r in records:
-        dtype = getattr(torch, r.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise FlatFileError(f"unknown dtype {r.dtype}")
-        numel = math.prod(r.shape)
-        if any(n < 0 for n in r.shape) or numel * torch.empty((), dtype=dtype).element_size() != r.nbytes:
-            raise FlatFileError(f"a tensor record's size does not match its shape {r.shape}")
+        dtype, numel = _dtype_and_numel(r)
         paged = r.nbytes >= DIRECT_MIN
         tensors.append(_paged_empty(torch, r.shape, dtype, numel) if paged else torch.empty(r.shape, dtype=dtype))
     return tensors
@@ -295,12 +303,7 @@ def views_of(buffer: Any, base: int, records: Sequence[TensorRecord]) -> list[to
 
     tensors = []
     for r in records:
-        dtype = getattr(torch, r.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise FlatFileError(f"unknown dtype {r.dtype}")
-        numel = math.prod(r.shape)
-        if any(n < 0 for n in r.shape) or numel * torch.empty((), dtype=dtype).element_size() != r.nbytes:
-            raise FlatFileError(f"a tensor record's size does not match its shape {r.shape}")
+        dtype, numel = _dtype_and_numel(r)
         if not numel:
             tensors.append(torch.empty(r.shape, dtype=dtype))
             continue
