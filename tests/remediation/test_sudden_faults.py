@@ -191,7 +191,7 @@ def test_a_rank_that_started_after_the_last_tick_is_stopped_too(sim: SimNode, sp
     """An event or a quarantine reads the reports as they are now: no waiting for the next tick (30 s by default)."""
     sim.run_for(1, step=1)
     rank = spawn()
-    sim.report(rank, 1, rank=0, step=3, first_step=1)  # written after the last tick read trainers/
+    sim.report(rank, 1, rank=0, step=3, first_step=1)  # sent after the last tick read the reports
 
     if how == "quarantine":
         sim.client.post("/v1/gpus/1/quarantine", json={"reason": "test"}, headers=sim.auth)
