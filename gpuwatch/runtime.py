@@ -149,12 +149,31 @@ class RuntimeDir:
 
         Each rank re-reads the file when its mtime moves, so an unchanged file rewritten every sample
         would cost every rank a read and a parse each second for nothing; `t` still shows within
-        STATUS_REFRESH_S that the daemon is alive. A failed write is tried again at the next sample.
+        STATUS_REFRESH_S that the daemon is alive. A failed write (a full or read-only file system) never
+        reaches the sampler, whose stops must still go out: it is counted, logged once until its cause
+        changes, and tried again at the next sample.
         """
         body = status_body(snapshot)
         if body["gpus"] == self._status_gpus and snapshot.t - self._status_t < STATUS_REFRESH_S:
             return
-        write_json_atomic(self.path / STATUS_FILE, body)
+        path = self.path / STATUS_FILE
+        try:
+            write_json_atomic(path, body)
+        except OSError as exc:
+            self.status_write_errors += 1
+            error = exc.strerror or str(exc)
+            if error != self._status_error:
+                log.warning(
+                    "runtime_dir: cannot write %s: %s; ranks see quarantines by their stop signal only, "
+                    "tried again at every sample",
+                    path,
+                    error,
+                )
+                self._status_error = error
+            return
+        if self._status_error:
+            log.warning("runtime_dir: %s written again", path)
+            self._status_error = ""
         self._status_gpus, self._status_t = body["gpus"], snapshot.t
 
     def read_reports(self) -> list[Report]:
