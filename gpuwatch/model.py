@@ -295,11 +295,6 @@ class Snapshot:
     kernel_sxids_total: int = 0  # NVSwitch SXid lines seen in the kernel log
     node_findings: tuple[Finding, ...] = ()  # about the node, not one GPU (gpu_missing); index -1
 
-    @property
-    def node_state(self) -> Health:
-        """Healthy, or the worst state a node finding puts the node in (a GPU missing: unhealthy)."""
-        return worst([f.severity.health for f in self.node_findings])
-
     def gpu(self, index: int) -> GpuStatus | None:
         for status in self.gpus:
             if status.index == index:

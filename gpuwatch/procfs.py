@@ -38,14 +38,6 @@ class ProcFs:
         fields = self._stat_fields(pid)
         return int(fields[19]) if fields else None
 
-    def running_since(self, pid: int) -> float | None:
-        """When PID started, in Unix seconds; None when it is gone or has ended (a zombie). One read of stat."""
-        fields = self._stat_fields(pid)
-        boot = self.boot_time()
-        if fields is None or fields[0] in {"Z", "X"} or boot is None:
-            return None
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-
     def boot_time(self) -> float | None:
         """`btime` of /proc/stat, read once."""
         if self._boot_time is None:

@@ -170,12 +170,6 @@ class Slot:
         assert self.map is not None
         return memoryview(self.map)[HEADER_LEN : HEADER_LEN + length]
 
-    def checksums(self, payload_len: int, data_off: int, chunk: int) -> list[int]:
-        """crc32 of each payload chunk, computed by a pool of threads (zlib releases the GIL)."""
-        view = self.payload_view(payload_len)
-        ranges = tensorfile.chunk_ranges(data_off, payload_len, chunk)
-        return list(tensorfile._parallel(lambda r: zlib.crc32(view[r[0] : r[0] + r[1]]), ranges, tensorfile.workers()))
-
     def commit(self, *, step: int, seq: int, payload_len: int, data_off: int, chunk: int, crcs: list[int],
                world_size: int, rank: int, before_commit: Any = None) -> None:  # fmt: skip
         """Write the header with the chunk crcs, then (the last store) the COMMITTED state."""

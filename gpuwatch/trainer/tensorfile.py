@@ -52,7 +52,6 @@ DIRECT_MIN = 1 << 20  # a tensor this large starts on a page in the file and in 
 CHUNK = 16 << 20
 HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, flags, meta_off, meta_len, data_off, data_len
 VERSION = 1
-CHECKSUM = "crc32"
 MAX_WORKERS = 8
 
 _TORCH_GLOBALS = {"Size", "device"}
