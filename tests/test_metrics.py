@@ -158,6 +158,14 @@ def test_every_documented_series_is_in_the_golden_file() -> None:
     assert missing == {}
 
 
+def test_every_exposed_family_is_in_the_metrics_reference() -> None:
+    """The other way round: a series the daemon exports but docs/metrics.md does not list is one nobody can use."""
+    families = set(re.findall(r"^# TYPE (\S+) ", GOLDEN.read_text(), re.MULTILINE))
+    assert len(families) > 50, sorted(families)
+    reference = {name for name, pages in documented_series().items() if "metrics.md" in pages}
+    assert sorted(families - reference) == []
+
+
 def test_a_scrape_at_any_tick_has_the_slow_counters(tmp_path: Path) -> None:
     """They are read every slow_interval_s (300 s) and repeated in between, so rate() over them always works."""
     node = start_sim_node(tmp_path, "healthy", gpus=2, interval_s=30.0)
