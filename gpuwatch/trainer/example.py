@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         step = resumed_from or 0
         model = DistributedDataParallel(net, device_ids=[local_rank] if use_cuda else None)
         progress = _load_progress(ckpt_dir)
+        if rank == 0 and progress["launches"]:  # a kill between the step log's line and progress.json's write
+            logged = _last_logged_step(ckpt_dir / STEP_LOG)
+            progress["launches"][-1]["furthest"] = max(progress["launches"][-1]["furthest"], logged or 0)
         progress["launches"].append({"world_size": world, "resumed_from": resumed_from, "furthest": step})
         step_log = _StepLog(ckpt_dir / STEP_LOG) if rank == 0 else None
         if step_log is not None:
@@ -155,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             link.step(step, loss, grad_norm)
             if snap is not None:  # before the step is logged: its return bounds the snapshot's lag (K)
                 snap.step(step)
+            if step_log is not None:  # first: the next launch takes a step logged but not yet in progress.json
+                step_log.write(step=step)
             progress["launches"][-1]["furthest"] = step
             if rank == 0:
                 _save_progress(ckpt_dir, progress)  # every step, so a killed launch still counts its lost steps
-            if step_log is not None:
-                step_log.write(step=step)
             if step % args.ckpt_every == 0 or step == args.steps:
                 with link.rescue(save):
                     checkpoint()
@@ -284,6 +287,26 @@ class _StepLog:
 
     def write(self, **fields: Any) -> None:
         self._file.write(json.dumps({**fields, "t": time.time()}) + "\n")
+
+
+def _last_logged_step(path: Path) -> int | None:
+    """The last step the step log holds for its last launch (None: none), read from the file's tail."""
+    try:
+        with path.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))
+            tail = log.read()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail.splitlines()):
+        try:
+            entry = json.loads(line)
+        except ValueError:  # the first line of the tail, cut by the seek
+            continue
+        if "launch" in entry:
+            return None
+        if "step" in entry:
+            return int(entry["step"])
+    return None
 
 
 def _batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:

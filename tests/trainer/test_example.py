@@ -160,3 +160,27 @@ def test_ignore_stop_keeps_training(tmp_path: Path, serve_reports: ServeReports)
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers and exits 1
         _, stderr = proc.communicate(timeout=TIMEOUT_S)
     assert "ignoring stop request (signal SIGUSR1): --ignore-stop" in stderr
+
+
+def test_a_step_logged_just_before_a_kill_counts_as_lost(tmp_path: Path, serve_reports: ServeReports) -> None:
+    """A kill between the step log's line and progress.json's write: the relaunch counts that step from the log."""
+    serve_reports(tmp_path / "run")
+    ckpt = tmp_path / "ckpt"
+    args = ["--ckpt-dir", str(ckpt), "--ckpt-every", "10"]
+    first = subprocess.run(
+        _torchrun(1, "--steps", "12", *args),
+        env=_env(tmp_path / "run"), cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    with (ckpt / "steps.jsonl").open("a") as log:  # step 13 finished and logged; SIGKILL before progress.json
+        log.write(json.dumps({"step": 13, "t": time.time()}) + "\n")
+
+    second = subprocess.run(
+        _torchrun(1, "--steps", "15", *args),
+        env=_env(tmp_path / "run", GPUWATCH_RESUME="1"), cwd=tmp_path, capture_output=True, text=True,
+        timeout=TIMEOUT_S,
+    )  # fmt: skip
+
+    assert second.returncode == 0, second.stderr
+    summary = _summary(second.stdout)
+    assert (summary["resumed_from_steps"], summary["lost_steps"]) == ([12], 1)
