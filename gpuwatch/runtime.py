@@ -121,12 +121,16 @@ class RuntimeDir:
             st = os.lstat(old)
         except FileNotFoundError:
             return
-        if stat.S_ISDIR(st.st_mode):
-            files = sum(name.endswith(".json") for _, _, names in os.walk(old) for name in names)
-            shutil.rmtree(old)
-        else:
-            files = 0
-            old.unlink()
+        try:
+            if stat.S_ISDIR(st.st_mode):
+                files = sum(name.endswith(".json") for _, _, names in os.walk(old) for name in names)
+                shutil.rmtree(old)
+            else:
+                files = 0
+                old.unlink()
+        except OSError as exc:  # leftovers never keep the daemon from starting: nothing reads them
+            log.warning("runtime_dir: cannot remove %s left by an older gpuwatch: %s", old, exc.strerror or exc)
+            return
         log.warning(
             "runtime_dir: removed %s (%d report file(s)) left by an older gpuwatch: ranks now report over %s, "
             "so a job whose environment has an older gpuwatch reports nothing until it is upgraded",

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatch import runtime as runtime_module
 from gpuwatch.errors import ConfigError
 from gpuwatch.procfs import ProcFs
 from gpuwatch.reports import board as board_module
@@ -313,6 +314,24 @@ def test_a_link_in_place_of_the_old_report_dir_is_unlinked_not_followed(tmp_path
     rt.close()
     assert not os.path.lexists(tmp_path / "run" / "trainers")
     assert (outside / "keep.txt").read_text() == "keep"
+
+
+def test_an_old_report_dir_that_cannot_be_removed_never_stops_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "run" / "trainers").mkdir(parents=True)
+
+    def refuse(path: object, *args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))  # an immutable file, as root sees it
+
+    monkeypatch.setattr(runtime_module.shutil, "rmtree", refuse)
+    rt = RuntimeDir(tmp_path / "run")
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.runtime"):
+        rt.prepare()
+    rt.close()
+    assert rt.socket_path.exists(), "the daemon started and took reports"
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("cannot remove" in line and "Operation not permitted" in line for line in lines), lines
 
 
 def test_a_long_runtime_path_still_binds_and_takes_reports(tmp_path: Path) -> None:
