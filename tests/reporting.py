@@ -8,8 +8,11 @@ set-up); it ends when killed or when its stdin closes and it was told to `exit_a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -80,6 +83,14 @@ class FakeRank(subprocess.Popen[str]):
         if step_t is not None:
             figures["step_t"] = step_t
         return self._say({"page": figures})
+
+    def end(self) -> None:
+        """Kill it, continued first if a test stopped it, and reap it."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            self.kill()
+        self.wait()
 
     def _say(self, message: dict[str, Any]) -> bool:
         assert self.stdin is not None and self.stdout is not None

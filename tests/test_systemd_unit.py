@@ -57,23 +57,34 @@ def one(service: dict[str, list[str]], key: str) -> str:
     return values[0]
 
 
-def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
-    """`systemd-analyze verify` prints nothing about the unit or its drop-in.
-
-    It needs ExecStart's binary to exist, so the copy points at a stand-in. It needs no running
-    systemd; it may still complain about units of the host, so only lines naming ours count.
-    """
+def _systemd_analyze() -> str:
+    """systemd-analyze's path; the test is skipped where it is not installed."""
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    return analyze
+
+
+def _unit_with_stand_in(tmp_path: Path) -> str:
+    """The unit's text with ExecStart pointed at a stand-in that exists (verify needs the binary)."""
     fake = tmp_path / "bin" / "gpuwatch"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
     text = UNIT.read_text()
     assert "ExecStart=/opt/gpuwatch/bin/gpuwatch " in text
+    return text.replace("ExecStart=/opt/gpuwatch/bin/gpuwatch ", f"ExecStart={fake} ")
+
+
+def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
+    """`systemd-analyze verify` prints nothing about the unit or its drop-in.
+
+    It needs ExecStart's binary to exist, so the copy points at a stand-in. It needs no running
+    systemd; it may still complain about units of the host, so only lines naming ours count.
+    """
+    analyze = _systemd_analyze()
     unit = tmp_path / "gpuwatch.service"
-    unit.write_text(text.replace("ExecStart=/opt/gpuwatch/bin/gpuwatch ", f"ExecStart={fake} "))
+    unit.write_text(_unit_with_stand_in(tmp_path))
     drop_in_dir = tmp_path / "gpuwatch.service.d"
     drop_in_dir.mkdir()
     shutil.copy(DROP_IN, drop_in_dir / DROP_IN.name)
@@ -87,9 +98,7 @@ def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
 
 def test_verify_would_catch_a_bad_directive(tmp_path: Path) -> None:
     """The check above is not vacuous: a typo in our unit shows up in the output."""
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    analyze = _systemd_analyze()
     unit = tmp_path / "gpuwatch.service"
     unit.write_text(UNIT.read_text().replace("ProtectSystem=strict", "ProtectSystem=stirct"))
     proc = subprocess.run(
@@ -100,16 +109,8 @@ def test_verify_would_catch_a_bad_directive(tmp_path: Path) -> None:
 
 def test_systemd_analyze_verify_is_clean_for_the_socket_and_the_service(tmp_path: Path) -> None:
     """The pair as installed: the socket unit starts the service on its sockets; verify says nothing of either."""
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
-    fake = tmp_path / "bin" / "gpuwatch"
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nexit 0\n")
-    fake.chmod(0o755)
-    (tmp_path / "gpuwatch.service").write_text(
-        UNIT.read_text().replace("ExecStart=/opt/gpuwatch/bin/gpuwatch ", f"ExecStart={fake} ")
-    )
+    analyze = _systemd_analyze()
+    (tmp_path / "gpuwatch.service").write_text(_unit_with_stand_in(tmp_path))
     shutil.copy(SOCKET_UNIT, tmp_path / SOCKET_UNIT.name)
     for broken in ("", "ListenStream=/var", "SocketMode=0666"):  # as shipped, then two typos that verify must catch
         text = SOCKET_UNIT.read_text()
@@ -175,9 +176,7 @@ def test_a_daemon_that_cannot_start_exits_2(tmp_path: Path) -> None:
 @pytest.mark.parametrize("directive", ["RestartPreventExitStatus=2", "StartLimitIntervalSec=600", "StartLimitBurst=5"])
 def test_verify_checks_the_restart_directives(tmp_path: Path, directive: str) -> None:
     """systemd-analyze parses the directives that stop the flapping: a bad value in one is reported on its line."""
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed (Debian: apt-get install systemd)")
+    analyze = _systemd_analyze()
     text = UNIT.read_text()
     assert directive in text
     line = text[: text.index(directive)].count("\n") + 1

@@ -78,11 +78,7 @@ def ranks() -> Iterator[list[FakeRank]]:
     started: list[FakeRank] = []
     yield started
     for rank in started:
-        if rank.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(rank.pid, signal.SIGCONT)
-            rank.kill()
-        rank.wait()
+        rank.end()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/gw-usr1-{rank.pid}")
 

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -32,8 +29,4 @@ def spawn() -> Iterator[Spawn]:
 
     yield start
     for child in children:
-        if child.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGCONT)
-            child.kill()
-        child.wait()
+        child.end()
