@@ -15,6 +15,14 @@ zip writer and a sha256 pass ran at a fraction of it. Anything else (custom obje
 through torch.save (`state.pt`), and a checkpoint written before (manifest version 1, sha256) loads
 as it always did.
 
+A checkpoint is data, never code: whoever can write the checkpoint directory must not get to run
+code as the job by crafting one. `load_latest` opens every file with O_NOFOLLOW|O_NONBLOCK below
+the checkpoint's own directory (no links, no FIFOs, no devices: a regular file or a skip), bounds
+every read by the file's size, unpickles only with an allow-list (containers, numbers, strings;
+torch.load with weights_only=True), and turns any failure into "skip this checkpoint, try the older
+one" with its reason. `allow_code_execution=True` lifts the allow-list, for states of custom objects
+and for DCP checkpoints (dcp.load unpickles their `.metadata`): only for checkpoints you trust.
+
 With DDP (torch.distributed initialized), `save_checkpoint` lets rank 0 write the state it
 was given and holds every rank at a barrier until the checkpoint is in place; all ranks must call
 it. Every rank then loads the same files, so `<dir>` must be on a filesystem they all see.
@@ -36,25 +44,29 @@ shards into the temporary directory and let rank 0 commit it::
     dist.barrier()
 
     # resume: the manifest is verified first; DCP reshards onto the current world size
-    loaded = load_latest(ckpt_dir)  # loaded.state is None: the shards are DCP's to read
+    loaded = load_latest(ckpt_dir, allow_code_execution=True)  # dcp.load unpickles: a trusted dir only
     if loaded is not None:
         dcp.load(state_dict, checkpoint_id=loaded.path)
 
 torch is imported here only to load a `state.pt`; a program that has not imported torch saves
-its state with pickle (`state.pkl`), which loads with or without torch.
+its state with pickle (`state.pkl`), which loads with or without torch (a state of plain values;
+anything else only with `allow_code_execution=True`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib
+import io
 import json
 import logging
 import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -76,6 +88,9 @@ FLAT_STATE = "state.flat"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-\d+$")
 _CHUNK = 1 << 20
+_MAX_SMALL_FILE = 256 << 20  # manifest.json and `latest`: far above any real one, far below a memory scare
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -216,7 +231,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
 
 
 def load_latest(
-    directory: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = True
+    directory: str | os.PathLike[str], *, map_location: Any = "cpu", allow_code_execution: bool = False
 ) -> LoadedCheckpoint | None:
     """Load the checkpoint `latest` names, or else the newest one that verifies.
 
@@ -226,7 +241,9 @@ def load_latest(
     Args:
         directory: the checkpoint directory.
         map_location: passed to torch.load; "cpu" loads on any world size, load_state_dict moves it.
-        weights_only: passed to torch.load; keep True unless the state holds trusted custom objects.
+        allow_code_execution: let the checkpoint's files run code as this process: unpickle any
+            object (a `state.pkl` or `state.pt` of custom objects: torch.load with weights_only=False)
+            and return DCP checkpoints (dcp.load unpickles them). Only for checkpoints you trust.
 
     Returns:
         The loaded checkpoint, or None when the directory holds no checkpoint at all.
@@ -248,9 +265,12 @@ def load_latest(
     for path in candidates:
         try:
             manifest = _verified_manifest(path, except_flat_state=True)
-            state = _load_state(path, manifest, map_location, weights_only)
+            state = _load_state(path, manifest, map_location, allow_code_execution)
         except _Invalid as exc:
             _skip(skipped, path.name, str(exc))
+            continue
+        except Exception as exc:  # noqa: BLE001 - whatever a crafted file provokes is a skip, never the caller's crash
+            _skip(skipped, path.name, f"does not load: {type(exc).__name__}: {exc}")
             continue
         step = int(manifest["step"])
         for name in _leftovers(directory, newer_than=step):
@@ -275,8 +295,8 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
     if name is None or not _STEP_DIR.match(name):
         return None
     try:
-        step = json.loads((directory / name / MANIFEST).read_bytes()).get("step")
-    except (OSError, ValueError, AttributeError):
+        step = json.loads(_read_small(directory / name, MANIFEST)).get("step")
+    except (_Invalid, ValueError, AttributeError, RecursionError):
         return None
     return step if isinstance(step, int) else None
 
@@ -487,10 +507,10 @@ def _verified_manifest(path: Path, *, except_flat_state: bool = False) -> dict[s
     as it reads it (one pass over the bytes instead of two) and returns nothing that does not match.
     """
     try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except FileNotFoundError:
-        raise _Invalid(f"no {MANIFEST} (incomplete save)") from None
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(_read_small(path, MANIFEST))
+    except _Invalid as exc:
+        raise _Invalid(f"no {MANIFEST} (incomplete save)" if "missing" in str(exc) else str(exc)) from None
+    except (ValueError, RecursionError) as exc:
         raise _Invalid(f"{MANIFEST} unreadable: {exc}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not isinstance(manifest.get("step"), int):
@@ -502,45 +522,41 @@ def _verified_manifest(path: Path, *, except_flat_state: bool = False) -> dict[s
     if state_file is not None and state_file not in files:
         raise _Invalid(f"{MANIFEST} does not list {state_file}")
     for name, entry in files.items():
-        file = path / name
-        if ".." in Path(name).parts or Path(name).is_absolute():
+        if not isinstance(name, str) or ".." in Path(name).parts or Path(name).is_absolute():
             raise _Invalid(f"{MANIFEST} names a file outside the checkpoint: {name}")
         if not isinstance(entry, dict):
             raise _Invalid(f"{MANIFEST} malformed")
         if CRC32 in entry:
             skip = except_flat_state and name == state_file and name.endswith(".flat")
-            _verify_crc32(file, name, entry, open_only=skip)
+            _verify_crc32(path, name, entry, open_only=skip)
         else:  # manifest version 1
-            _verify_sha256(file, name, entry)
+            _verify_sha256(path, name, entry)
     return manifest
 
 
-def _verify_sha256(file: Path, name: str, entry: dict[str, Any]) -> None:
+def _verify_sha256(path: Path, name: str, entry: dict[str, Any]) -> None:
+    fd = _open_member(path, name)
     try:
-        size, sha256 = _hash_file(file)
-    except FileNotFoundError:
-        raise _Invalid(f"missing {name}") from None
+        size, sha256 = _hash_fd(fd)
     except OSError as exc:
         raise _Invalid(f"cannot read {name}: {exc}") from None
+    finally:
+        os.close(fd)
     if size != entry.get("size"):
         raise _Invalid(f"size mismatch for {name} (manifest {entry.get('size')}, file {size})")
     if sha256 != entry.get("sha256"):
         raise _Invalid(f"sha256 mismatch for {name}")
 
 
-def _verify_crc32(file: Path, name: str, entry: dict[str, Any], *, open_only: bool = False) -> None:
+def _verify_crc32(path: Path, name: str, entry: dict[str, Any], *, open_only: bool = False) -> None:
     """Size and every chunk's crc32 (in parallel); `open_only`: the size only (the reader checks the chunks)."""
     chunks = _manifest_chunks(entry, name)
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise _Invalid(f"missing {name}") from None
-    except OSError as exc:
-        raise _Invalid(f"cannot read {name}: {exc}") from None
+    fd = _open_member(path, name)
     try:
         size = os.fstat(fd).st_size
         if size != entry.get("size"):
             raise _Invalid(f"size mismatch for {name} (manifest {entry.get('size')}, file {size})")
+        _check_chunk_lengths(chunks, size, name)
         if open_only:
             return
         try:
@@ -564,37 +580,62 @@ def _manifest_chunks(entry: dict[str, Any], name: str) -> list[tensorfile.Chunk]
     return chunks
 
 
-def _load_state(path: Path, manifest: dict[str, Any], map_location: Any, weights_only: bool) -> Any:
+def _check_chunk_lengths(chunks: list[tensorfile.Chunk], size: int, name: str) -> None:
+    """Refuse chunks longer than any save writes, before a byte is read: a crc over 1 TiB is only known at its end.
+
+    A save cuts a file into 16 MiB chunks after its first (a flat file's header and structure);
+    a snapshot's slot uses longer ones only past 16k chunks, so never more than size/1024.
+    """
+    longest = max(tensorfile.CHUNK, size // 1024)
+    if chunks[0].length > tensorfile.MAX_PREFIX or any(c.length > longest for c in chunks[1:]):
+        biggest = max(c.length for c in chunks)
+        raise _Invalid(f"{MANIFEST} has a chunk of {biggest} bytes for {name}: longer than any save writes")
+
+
+def _load_state(path: Path, manifest: dict[str, Any], map_location: Any, allow_code_execution: bool) -> Any:
     state_file = manifest.get("state_file")
     if state_file is None:
+        if not allow_code_execution:
+            raise _Invalid("a DCP checkpoint (dcp.load unpickles it: load it with allow_code_execution=True)")
         return None
-    file = path / state_file
+    if not isinstance(state_file, str):
+        raise _Invalid(f"{MANIFEST} malformed (state_file)")
     if state_file.endswith(".flat"):
-        return _load_flat(file, state_file, manifest["files"][state_file], map_location)
+        return _load_flat(path, state_file, manifest["files"][state_file], map_location)
+    if not state_file.endswith((".pkl", ".pt")):
+        raise _Invalid(f"{state_file} is not a format gpuwatch writes")
+    fd = _open_member(path, state_file)
     try:
-        if state_file.endswith(".pkl"):
-            with open(file, "rb") as f:
-                return pickle.load(f)
-        torch = _import_torch()
-        if torch is None:
-            raise _Invalid(f"{state_file} needs torch, which is not installed")
-        return torch.load(file, map_location=map_location, weights_only=weights_only)
+        with os.fdopen(fd, "rb") as f:
+            if state_file.endswith(".pkl"):
+                return _unpickle(f, state_file, allow_code_execution)
+            torch = _import_torch()
+            if torch is None:
+                raise _Invalid(f"{state_file} needs torch, which is not installed")
+            return torch.load(f, map_location=map_location, weights_only=not allow_code_execution)
     except _Invalid:
         raise
     except Exception as exc:  # a file that verifies but does not unpickle: skip it like a corrupt one
         raise _Invalid(f"{state_file} does not load: {type(exc).__name__}: {exc}") from None
 
 
-def _load_flat(file: Path, name: str, entry: dict[str, Any], map_location: Any) -> Any:
+def _unpickle(f: io.BufferedReader, name: str, allow_code_execution: bool) -> Any:
+    """A `state.pkl`: plain values through the allow-list unpickler; anything with `allow_code_execution`."""
+    if allow_code_execution:
+        return pickle.load(f)
+    try:
+        return tensorfile.build_state(f.read(), ())
+    except tensorfile.FlatFileError as exc:
+        raise _Invalid(f"{name} holds more than plain values ({exc}; allow_code_execution=True loads it)") from None
+
+
+def _load_flat(path: Path, name: str, entry: dict[str, Any], map_location: Any) -> Any:
     """Read the flat state and verify every chunk as it comes (in parallel); nothing is returned unverified."""
     if sys.modules.get("torch") is None and _import_torch() is None:
         raise _Invalid(f"{name} needs torch, which is not installed")
     chunks = _manifest_chunks(entry, name)
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise _Invalid(f"cannot read {name}: {exc}") from None
-    direct_fd = tensorfile.open_direct(file)
+    fd = _open_member(path, name)
+    direct_fd = tensorfile.open_direct(f"/proc/self/fd/{fd}")  # the same file, not whatever the name is now
     try:
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -609,12 +650,84 @@ def _load_flat(file: Path, name: str, entry: dict[str, Any], map_location: Any) 
             os.close(direct_fd)
 
 
+def _open_member(path: Path, name: str) -> int:
+    """`name` (relative) of the checkpoint at `path`, opened read-only: a regular file inside it, or _Invalid."""
+    return _open_below(path.parent, [path.name, *Path(name).parts], name)
+
+
+def _open_below(top: Path, parts: list[str], name: str) -> int:
+    """`top/parts...` opened read-only, with no link on the way below `top`: a regular file, or _Invalid.
+
+    Each component is opened from its parent's fd with O_NOFOLLOW (a link anywhere below `top`
+    is refused), the file also O_NONBLOCK, so a FIFO or a device answers at once and is refused
+    by its type. `top` itself (the checkpoint directory the caller chose) may be a link.
+    """
+    try:
+        fd = os.open(top, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError as exc:
+        raise _Invalid(f"cannot open {top}: {_why(exc)}") from None
+    try:
+        for part in parts[:-1]:
+            try:
+                sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                raise _Invalid(f"missing {name}") from None
+            except OSError as exc:
+                raise _Invalid(f"cannot open {name}: {part} is {_why(exc)}") from None
+            os.close(fd)
+            fd = sub
+        try:
+            file = os.open(parts[-1], _OPEN_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            raise _Invalid(f"missing {name}") from None
+        except OSError as exc:
+            raise _Invalid(f"cannot open {name}: {_why(exc)}") from None
+    finally:
+        os.close(fd)
+    mode = os.fstat(file).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(file)
+        raise _Invalid(f"{name} is not a regular file ({_kind(mode)})")
+    return file
+
+
+def _why(exc: OSError) -> str:
+    """An open's error in words; ELOOP from O_NOFOLLOW means the name is a symbolic link."""
+    if exc.errno == errno.ELOOP:
+        return "a symbolic link"
+    return "not a directory" if exc.errno == errno.ENOTDIR else exc.strerror or str(exc)
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def _read_small(path: Path, name: str) -> bytes:
+    """The whole of a small file (`manifest.json`, `latest`) in directory `path`, opened as `_open_below` does."""
+    fd = _open_below(path, [name], name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > _MAX_SMALL_FILE:
+            raise _Invalid(f"{name} is {size} bytes, more than {_MAX_SMALL_FILE}")
+        data = os.pread(fd, size, 0)
+    except OSError as exc:
+        raise _Invalid(f"cannot read {name}: {exc}") from None
+    finally:
+        os.close(fd)
+    return data
+
+
 def _read_latest(directory: Path) -> str | None:
     try:
-        return (directory / LATEST).read_text().strip() or None
-    except FileNotFoundError:
+        return _read_small(directory, LATEST)[:4096].decode().strip() or None
+    except _Invalid as exc:
+        if not str(exc).startswith("missing"):
+            log.warning("cannot read %s: %s", directory / LATEST, exc)
         return None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         log.warning("cannot read %s: %s", directory / LATEST, exc)
         return None
 
@@ -651,15 +764,15 @@ def _leftover_step(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _hash_file(path: Path) -> tuple[int, str]:
-    """Size and sha256 of a file (manifest version 1)."""
+def _hash_fd(fd: int) -> tuple[int, str]:
+    """Size and sha256 of an open regular file (manifest version 1), read up to the size fstat gives."""
     digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
+    size = os.fstat(fd).st_size
+    done = 0
+    while done < size and (chunk := os.pread(fd, min(_CHUNK, size - done), done)):
+        digest.update(chunk)
+        done += len(chunk)
+    return done, digest.hexdigest()
 
 
 def _chunks_of_file(path: Path) -> list[tensorfile.Chunk]:

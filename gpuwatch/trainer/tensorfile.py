@@ -53,6 +53,7 @@ CHUNK = 16 << 20
 HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, flags, meta_off, meta_len, data_off, data_len
 VERSION = 1
 MAX_WORKERS = 8
+MAX_PREFIX = 1 << 30  # header and structure: a million tensors' records are ~100 MiB
 
 _TORCH_GLOBALS = {"Size", "device"}
 _BUILTIN_GLOBALS = {"complex", "slice", "set", "frozenset"}
@@ -485,6 +486,8 @@ def read_flat(
     """
     check_tiling(chunks, size)
     first = chunks[0]
+    if first.length > MAX_PREFIX:
+        raise FlatFileError(f"first chunk of {first.length} bytes: more than a header and structure ({MAX_PREFIX})")
     prefix = bytearray(first.length)
     _preadv_all(fd, [memoryview(prefix)], base, first.length)
     if zlib.crc32(prefix) != first.crc:
@@ -545,32 +548,45 @@ def _first(span: tuple[int, int, Any]) -> int:
 
 
 def verify_fd(fd: int, size: int, chunks: Sequence[Chunk]) -> str | None:
-    """Why the file's bytes do not match `chunks` (one line), or None when every chunk does."""
+    """Why the file's bytes do not match `chunks` (one line), or None when every chunk does.
+
+    Each chunk is read in pieces of at most CHUNK bytes (memory stays bounded whatever length a
+    manifest claims), and the first mismatch stops the rest.
+    """
     try:
         check_tiling(chunks, size)
     except FlatFileError as exc:
         return str(exc)
-    largest = max((c.length for c in chunks), default=0)
+    piece = min(CHUNK, max((c.length for c in chunks), default=0))
     n = min(workers(), max(1, len(chunks)))
-    pool = [bytearray(largest) for _ in range(n)]
+    pool = [bytearray(piece) for _ in range(n)]
+    failed: list[str] = []
 
-    def one(c: Chunk) -> tuple[Chunk, int]:
+    def one(c: Chunk) -> None:
+        if failed:
+            return
         buf = pool.pop()
         try:
-            view = memoryview(buf)[: c.length]
-            _preadv_all(fd, [view], c.offset, c.length)
-            return c, zlib.crc32(view)
+            crc = 0
+            for at in range(c.offset, c.offset + c.length, max(piece, 1)):
+                view = memoryview(buf)[: min(piece, c.offset + c.length - at)]
+                _preadv_all(fd, [view], at, len(view))
+                crc = zlib.crc32(view, crc)
+            if crc != c.crc:
+                failed.append(f"crc32 mismatch in bytes {c.offset}-{c.offset + c.length}")
         finally:
             pool.append(buf)
 
     try:
-        results = _parallel(one, list(chunks), n)
+        _parallel(one, list(chunks), n)
     except FlatFileError as exc:
         return str(exc)
-    for chunk, crc in results:
-        if crc != chunk.crc:
-            return f"crc32 mismatch in bytes {chunk.offset}-{chunk.offset + chunk.length}"
-    return None
+    return min(failed, key=_start_of) if failed else None
+
+
+def _start_of(reason: str) -> int:
+    """The first byte a mismatch reason names, so the reported one is the earliest found."""
+    return int(reason.rsplit(" ", 1)[1].split("-")[0])
 
 
 def check_tiling(chunks: Sequence[Chunk], size: int) -> None:

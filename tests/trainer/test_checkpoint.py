@@ -242,7 +242,9 @@ def test_dcp_recipe_from_the_module_docstring(tmp_path: Path) -> None:
     dcp.save(state, checkpoint_id=tmp)
     path = commit_checkpoint(tmp_path, 12, tmp)
 
-    loaded = load_latest(tmp_path)
+    with pytest.raises(CheckpointError, match="a DCP checkpoint"):  # dcp.load unpickles: only when asked
+        load_latest(tmp_path)
+    loaded = load_latest(tmp_path, allow_code_execution=True)
     assert loaded is not None
     assert (loaded.step, loaded.state, loaded.path) == (12, None, path)
     assert ".metadata" in json.loads((path / MANIFEST).read_text())["files"]
@@ -282,7 +284,7 @@ if rank == 0:
     commit_checkpoint(ckpt_dir, step, name[0])
 dist.barrier()
 
-loaded = load_latest(ckpt_dir)
+loaded = load_latest(ckpt_dir, allow_code_execution=True)
 target = {f"shard{rank}": torch.zeros(4)}
 dcp.load(target, checkpoint_id=loaded.path)
 assert loaded.step == step and torch.equal(target[f"shard{rank}"], state_dict[f"shard{rank}"])
@@ -419,7 +421,7 @@ def test_a_state_with_custom_objects_is_saved_with_torch_save_and_crc32(tmp_path
 
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest["state_file"] == "state.pt" and "crc32" in manifest["files"]["state.pt"]
-    loaded = load_latest(tmp_path, weights_only=False)
+    loaded = load_latest(tmp_path, allow_code_execution=True)
     assert loaded is not None and loaded.state["note"].text == "hi"
 
 
