@@ -57,6 +57,7 @@ from gpuwatch.runtime import RuntimeDir
 from gpuwatch.runtime_metrics import RuntimeCollector
 from gpuwatch.slurm import Drainer, SlurmCollector
 from gpuwatch.snapshots.layout import snapshot_root
+from gpuwatch.snapshots.prune import SquatWatch
 from gpuwatch.snapshots.prune import prune as prune_snapshots
 from gpuwatch.statelock import StateDirLock
 from gpuwatch.store import JOURNAL_NAME, Store
@@ -159,6 +160,7 @@ class Daemon:
         )
         self._last_prune = 0.0
         self._last_snapshot_prune = 0.0
+        self.snapshot_squats = SquatWatch()
         self._sample_thread = threading.Thread(target=self._sample_every_interval, name="gpuwatch-sample", daemon=True)
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
@@ -199,7 +201,7 @@ class Daemon:
         collectors: list[Collector] = [
             SnapshotCollector(lambda: self.monitor.snapshot, self.config.expected_gpus),
             RemediationCollector(self.remediation),
-            RuntimeCollector(self.runtime),
+            RuntimeCollector(self.runtime, self.snapshot_squats),
             self.drills.record,
         ]
         # The Snapshot itself, not its id(): a freed Snapshot's id can be reused by the next one.
@@ -207,6 +209,7 @@ class Daemon:
             lambda: self.monitor.snapshot,
             self.remediation.version,
             self.runtime.version,
+            lambda: (self.snapshot_squats.standing, self.snapshot_squats.removed),
             self.drills.record.key,
         ]
         if self.fleet is not None:
@@ -238,6 +241,7 @@ class Daemon:
             live = {(r.uid, r.job) for r in ranks if r.uid is not None and r.job}
             for path in prune_snapshots(Path(snapshot_root()), live, time.time()):
                 log.info("removed %s: host snapshot of a job with no live rank", path)
+            self.snapshot_squats.look(Path(snapshot_root()))
 
     def app(self) -> ASGIApp:
         """The Host check, the body limit, /metrics and /healthz at once; the API behind them from its first

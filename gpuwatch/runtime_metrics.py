@@ -13,15 +13,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuwatch.runtime import RuntimeDir
+from gpuwatch.snapshots.prune import SquatWatch
 
 REASONS = ("invalid", "too_large", "rate", "user_limit", "node_limit")
 
 
 class RuntimeCollector(Collector):
-    """gpuwatch_reports_refused_total{reason}, gpuwatch_report_connections, status.json write errors."""
+    """Refused reports by reason, report connections, status.json write errors, snapshot dir squats."""
 
-    def __init__(self, runtime: RuntimeDir) -> None:
+    def __init__(self, runtime: RuntimeDir, squats: SquatWatch | None = None) -> None:
         self.runtime = runtime
+        self.squats = squats or SquatWatch()
 
     def collect(self) -> Iterator[Metric]:
         refused = CounterMetricFamily(
@@ -42,4 +44,15 @@ class RuntimeCollector(Collector):
             "gpuwatch_runtime_status_write_errors",
             "Failed writes of status.json (full or read-only runtime dir): ranks then see quarantines by signal only.",
             value=self.runtime.status_write_errors,
+        )
+        yield GaugeMetricFamily(
+            "gpuwatch_snapshot_dir_squats",
+            "Names in the host snapshot root that claim a user but are another user's directories (left standing; "
+            "that user's jobs snapshot to a directory of random name).",
+            value=self.squats.standing,
+        )
+        yield CounterMetricFamily(
+            "gpuwatch_snapshot_dir_squats_removed",
+            "Links and files in the host snapshot root that claimed a user they did not belong to, removed.",
+            value=self.squats.removed,
         )

@@ -5,10 +5,17 @@
             rank-00000.slot0, rank-00000.slot1   0600: each rank's two slots
 
 Another local user can create `/dev/shm/gpuwatch-<uid>` before the job does (a directory of
-theirs, a symlink to somewhere else): so the directory is opened with O_NOFOLLOW, checked to be a
-directory owned by this process's uid with no group or other access, and used through its file
-descriptor from then on (dir_fd), so a rename or a symlink swapped in later changes nothing. When
-the check fails the job gets no snapshot (one log line) and resumes from the disk.
+theirs, a symlink, a file): so every directory is opened with O_NOFOLLOW, checked to be a directory
+owned by this process's uid with no group or other access, and used through its file descriptor
+from then on (dir_fd), so a rename or a symlink swapped in later changes nothing.
+
+When the predictable name is taken by someone else, the user's directory is a fresh
+`gpuwatch-<uid>-<16 random hex digits>` instead, made with mkdir (which fails on any existing name)
+and checked by fstat on its fd like the other. A directory owned by this uid can only have been
+made by this uid (or root), so a relaunch finds its slots again by looking for such a directory:
+the lowest-named one this uid owns. Nobody else can read it (0700) or take its name beforehand
+(it is drawn at random). The daemon counts the squat on its metrics and removes it where that is
+safe (a link, a file, an empty directory).
 """
 
 from __future__ import annotations
@@ -16,15 +23,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
+import secrets
 import stat
 
 DEFAULT_ROOT = "/dev/shm"
 ROOT_ENV = "GPUWATCH_SNAPSHOT_ROOT"
 """Where the per-user directories go (default /dev/shm): a tmpfs that outlives the process, cleared at reboot."""
 
-_USER_DIR = re.compile(r"^gpuwatch-(0|[1-9][0-9]{0,9})$")
+log = logging.getLogger("gpuwatch.snapshots")
+
+_USER_DIR = re.compile(r"^gpuwatch-(0|[1-9][0-9]{0,9})(-[0-9a-f]{16})?$")
 _JOB_DIR = re.compile(r"^job-([A-Za-z0-9][A-Za-z0-9._-]{0,127})$")
 _SLOT_FILE = re.compile(r"^rank-([0-9]{5,7})\.slot([01])(?:\.tmp)?$")
 _SAFE_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -47,9 +58,19 @@ def user_dir_name(uid: int) -> str:
 
 
 def user_of(name: str) -> int | None:
-    """The uid a per-user directory name is for (the inverse of user_dir_name), else None."""
+    """The uid a per-user directory name is for (user_dir_name's or a fallback's), else None."""
     match = _USER_DIR.match(name)
     return int(match.group(1)) if match else None
+
+
+def is_fallback_name(name: str) -> bool:
+    """Whether `name` is a per-user directory of random name (`gpuwatch-<uid>-<hex>`): the plain one was taken."""
+    match = _USER_DIR.match(name)
+    return match is not None and match.group(2) is not None
+
+
+class _Taken(SnapshotDirError):
+    """The name exists but is not this uid's directory: another user's squat (or a stray file)."""
 
 
 def job_dir_name(job_id: str) -> str:
@@ -76,10 +97,12 @@ def parse_slot_name(name: str) -> tuple[int, int] | None:
 def open_job_dir(root: str, job_id: str, *, create: bool = True) -> int:
     """A file descriptor of this user's directory for `job_id` under `root`, created 0700 when missing.
 
+    The user's directory is `gpuwatch-<uid>`, or when another user holds that name, this uid's
+    random fallback (see the module doc).
+
     Raises:
-        SnapshotDirError: root is missing, or the per-user or job directory is not a directory of
-            this uid that only it can enter (someone else made it, or it is a symlink), or it cannot be
-            created. The message names the path and what is wrong with it.
+        SnapshotDirError: root is missing, or no directory of this uid that only it can enter can be
+            opened or created there. The message names the path and what is wrong with it.
     """
     uid = os.getuid()
     try:
@@ -87,14 +110,86 @@ def open_job_dir(root: str, job_id: str, *, create: bool = True) -> int:
     except OSError as exc:
         raise SnapshotDirError(f"{root}: {exc.strerror or exc}") from None
     try:
-        user_fd = _private_dir(root_fd, user_dir_name(uid), f"{root}/{user_dir_name(uid)}", uid, create)
+        user_fd, user_name = _user_dir(root_fd, root, uid, create)
     finally:
         os.close(root_fd)
     try:
         name = job_dir_name(job_id)
-        return _private_dir(user_fd, name, f"{root}/{user_dir_name(uid)}/{name}", uid, create)
+        return _private_dir(user_fd, name, f"{root}/{user_name}/{name}", uid, create)
     finally:
         os.close(user_fd)
+
+
+def job_dir_path(root: str, job_id: str) -> str:
+    """The path of this user's directory for `job_id` as `open_job_dir` would find it now (for messages)."""
+    uid = os.getuid()
+    name = user_dir_name(uid)
+    with contextlib.suppress(OSError, SnapshotDirError):
+        root_fd = os.open(root, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+        try:
+            fd, name = _user_dir(root_fd, root, uid, create=False)
+            os.close(fd)
+        finally:
+            os.close(root_fd)
+    return f"{root}/{name}/{job_dir_name(job_id)}"
+
+
+def _user_dir(root_fd: int, root: str, uid: int, create: bool) -> tuple[int, str]:
+    """This uid's directory under the root (fd, name): `gpuwatch-<uid>`, else its fallback when that is taken.
+
+    An existing fallback is used even once the plain name is free again: it holds the job's slots.
+    """
+    name = user_dir_name(uid)
+    taken = False
+    try:
+        return _private_dir(root_fd, name, f"{root}/{name}", uid, False), name
+    except _Taken as exc:
+        taken = True
+        log.warning("%s; host snapshots go to a private directory of random name instead", exc)
+    except SnapshotDirError:
+        pass  # not there (yet)
+    for candidate in _fallback_names(root_fd, uid):
+        with contextlib.suppress(SnapshotDirError):
+            return _private_dir(root_fd, candidate, f"{root}/{candidate}", uid, False), candidate
+    if not create:
+        raise SnapshotDirError(f"no directory of uid {uid} in {root}")
+    if not taken:
+        try:
+            return _private_dir(root_fd, name, f"{root}/{name}", uid, True), name
+        except _Taken as exc:  # made by someone else between the two looks
+            log.warning("%s; host snapshots go to a private directory of random name instead", exc)
+    mine = _make_fallback(root_fd, root, uid)
+    chosen = _fallback_names(root_fd, uid)[0]  # another rank of the job may have made one meanwhile: the lowest wins
+    if chosen != mine:
+        with contextlib.suppress(OSError):
+            os.rmdir(mine, dir_fd=root_fd)
+    return _private_dir(root_fd, chosen, f"{root}/{chosen}", uid, False), chosen
+
+
+def _fallback_names(root_fd: int, uid: int) -> list[str]:
+    """Random-named directories under the root that this uid owns (it made them), lowest name first."""
+    found = []
+    for name in os.listdir(root_fd):
+        if is_fallback_name(name) and user_of(name) == uid:
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == uid:
+                    found.append(name)
+    return sorted(found)
+
+
+def _make_fallback(root_fd: int, root: str, uid: int) -> str:
+    """mkdir a fresh `gpuwatch-<uid>-<random>` (0700): mkdir fails on any name that exists, so it is new and ours."""
+    for _ in range(8):
+        name = f"{user_dir_name(uid)}-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(name, 0o700, dir_fd=root_fd)
+            return name
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise SnapshotDirError(f"cannot create {root}/{name}: {exc.strerror or exc}") from None
+    raise SnapshotDirError(f"cannot create a directory of random name in {root}")
 
 
 def _private_dir(parent_fd: int, name: str, shown: str, uid: int, create: bool) -> int:
@@ -110,12 +205,12 @@ def _private_dir(parent_fd: int, name: str, shown: str, uid: int, create: bool) 
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise SnapshotDirError(f"{shown} is not a directory (a symlink or a file): not used") from None
+            raise _Taken(f"{shown} is not a directory (a symlink or a file): not used") from None
         raise SnapshotDirError(f"cannot open {shown}: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if st.st_uid != uid:
-            raise SnapshotDirError(f"{shown} belongs to uid {st.st_uid}, not to this job's uid {uid}: not used")
+            raise _Taken(f"{shown} belongs to uid {st.st_uid}, not to this job's uid {uid}: not used")
         if stat.S_IMODE(st.st_mode) & 0o077:
             os.fchmod(fd, 0o700)  # ours, but readable by others (made by hand?): close it
     except BaseException:
@@ -128,12 +223,16 @@ def remove_job_dir(root: str, job_id: str) -> bool:
     """Remove this user's empty job directory; False when it is not empty or not there."""
     uid = os.getuid()
     try:
-        user_fd = os.open(os.path.join(root, user_dir_name(uid)), _DIR_FLAGS)
+        root_fd = os.open(root, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
     except OSError:
         return False
     try:
-        if os.fstat(user_fd).st_uid != uid:
-            return False
+        user_fd, _ = _user_dir(root_fd, root, uid, create=False)
+    except SnapshotDirError:
+        return False
+    finally:
+        os.close(root_fd)
+    try:
         with contextlib.suppress(OSError):
             os.rmdir(job_dir_name(job_id), dir_fd=user_fd)
             return True

@@ -9,6 +9,9 @@ name: each directory is opened with O_NOFOLLOW and used through its file descrip
 directory is entered only when it belongs to the uid its name says, a job directory only when it
 belongs to that uid too, and only regular files of that uid whose names are slot names are
 unlinked (unlink removes a name, never what a link points to). Anything else is left alone.
+
+`SquatWatch` finds names that claim a user but are not that user's directory (another user's
+squat), counts them for the metrics, and removes those that are safe to remove.
 """
 
 from __future__ import annotations
@@ -122,3 +125,59 @@ def _names(dir_fd: int) -> list[str]:
         return sorted(os.listdir(dir_fd))
     except OSError:
         return []
+
+
+class SquatWatch:
+    """Names of the snapshot root that claim a user (`gpuwatch-<uid>`...) but are not that user's directory.
+
+    Another user made them first, to keep that user's jobs out of their directory (they then
+    snapshot to a directory of random name, layout.py). Each look removes those that are safe to
+    remove as root in a sticky, world-writable directory: a link or a file (unlink removes the name,
+    never what it points to). A directory is left alone and counted: removing it by name could race
+    a legitimate mkdir of the same name.
+    """
+
+    def __init__(self) -> None:
+        self.standing = 0  # squats left after the last look
+        self.removed = 0  # squats removed since the daemon started
+        self._reported: set[str] = set()
+
+    def look(self, root: Path) -> list[Path]:
+        """One pass over `root`; the squats removed (each logged), the others logged once each."""
+        try:
+            root_fd = os.open(root, _DIR & ~getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return []
+        removed: list[Path] = []
+        standing: set[str] = set()
+        try:
+            for name in _names(root_fd):
+                uid = user_of(name)
+                try:
+                    st = os.stat(name, dir_fd=root_fd, follow_symlinks=False) if uid is not None else None
+                except FileNotFoundError:
+                    continue
+                if st is None or (stat.S_ISDIR(st.st_mode) and st.st_uid == uid):
+                    continue
+                what = f"{root / name} (named for uid {uid}, a {_kind(st.st_mode)} of uid {st.st_uid})"
+                if not stat.S_ISDIR(st.st_mode):
+                    with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                        os.unlink(name, dir_fd=root_fd)
+                        log.warning("snapshot dir squat removed: %s", what)
+                        removed.append(root / name)
+                        continue
+                standing.add(name)
+                if name not in self._reported:
+                    log.warning("snapshot dir squat: %s, left alone (that user snapshots elsewhere)", what)
+        finally:
+            os.close(root_fd)
+        self._reported = standing
+        self.standing = len(standing)
+        self.removed += len(removed)
+        return removed
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    return "directory" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "special file"

@@ -224,6 +224,8 @@ def test_the_running_daemon_prunes_a_dead_jobs_slots_and_keeps_a_live_jobs(
         for path in (job / "rank-00000.slot0", job):
             os.utime(path, (old, old))
     user_dir.chmod(0o700)
+    squat = root / user_dir_name(uid + 1)
+    squat.symlink_to(tmp_path)  # a link claiming another uid's directory: the daemon removes it, and counts it
     node = start_sim_node(tmp_path, gpus=1)
     rank = FakeRank()
     try:
@@ -231,9 +233,12 @@ def test_the_running_daemon_prunes_a_dead_jobs_slots_and_keeps_a_live_jobs(
                     gpu_uuid=node.daemon.monitor.statics[0].uuid)  # fmt: skip
         node.daemon.monitor.tick()
         node.daemon.prune_if_due()
+        metrics = node.daemon.renderer.render().decode()
     finally:
         rank.kill()
         rank.wait()
         node.close()
     assert not dead.exists(), "a dead job's slots outlived the grace period"
     assert (live / "rank-00000.slot0").exists(), "a running job's slots were pruned"
+    assert not squat.is_symlink() and tmp_path.is_dir()
+    assert "gpuwatch_snapshot_dir_squats_removed_total 1.0" in metrics

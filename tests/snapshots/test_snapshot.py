@@ -215,33 +215,43 @@ def test_checkpoint_and_rescue_are_written_from_host_memory(tmp_path: Path) -> N
     del at_4
 
 
-def test_a_snapshot_directory_of_another_user_or_a_symlink_is_refused(
+def test_a_snapshot_directory_taken_by_another_user_or_a_symlink_is_not_used_and_snapshots_go_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to make a directory another uid owns")
-    trap = tmp_path / "shm" / f"gpuwatch-{os.getuid()}"
+    root = tmp_path / "shm"
+    trap = root / f"gpuwatch-{os.getuid()}"
     trap.mkdir(parents=True)
     os.chown(trap, 54321, 54321)  # another local user made it first
     net, optim = _trainer()
     with caplog.at_level(logging.WARNING, logger="gpuwatch.snapshots"):
-        snap = _snapshot(tmp_path / "shm", net, optim)
-    assert not snap.enabled
-    assert caplog.text.count("host snapshots off") == 1
+        snap = _snapshot(root, net, optim)
+    assert snap.enabled
     assert f"{trap} belongs to uid 54321, not to this job's uid 0: not used" in caplog.text
-    _run(snap, net, optim, range(1, 4))  # no-ops
+    _run(snap, net, optim, range(1, 4))
+    snap.close(remove=False)
     assert list(trap.iterdir()) == []
-    save_checkpoint(tmp_path / "ckpt", 3, _state(net, optim))
-    resumed = snap.resume(tmp_path / "ckpt")
-    assert resumed is not None and resumed.source == "disk"
+    (fallback,) = [p for p in root.iterdir() if p != trap]
+    assert fallback.name.startswith(f"gpuwatch-{os.getuid()}-") and fallback.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in (fallback / f"job-{JOB}").iterdir()] == ["rank-00000.slot0"]  # step 2's snapshot
+
+    again = _snapshot(root, *_trainer(seed=1))  # a relaunch finds the fallback again
+    restored = again.restore()
+    again.close(remove=True)
+    assert restored is not None and (restored.step, restored.source) == (2, "memory")
+    assert not (fallback / f"job-{JOB}").exists()  # a finished job removes its slots there too
 
     trap.rmdir()
+    fallback.rmdir()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     trap.symlink_to(elsewhere)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gpuwatch.snapshots"):
-        assert not _snapshot(tmp_path / "shm", net, optim).enabled
+        linked = _snapshot(root, net, optim)
+    assert linked.enabled
+    linked.close(remove=True)
     assert "is not a directory (a symlink or a file): not used" in caplog.text
     assert list(elsewhere.iterdir()) == []
 
