@@ -123,10 +123,10 @@ class ReportBoard:
             if entry is not None:
                 entry.connected = max(0, entry.connected - 1)
 
-    def refuse(self, reason: str, uid: int, message: str, *args: object) -> None:
-        """Count and say (rate-limited per uid) a refusal the server made itself (too large, too fast)."""
+    def refuse(self, reason: str, uid: int, message: str, *args: object, count: int = 1) -> None:
+        """Count and say (rate-limited per uid) `count` refusals the server made itself (too large, too fast)."""
         with self._lock:
-            self._refuse(reason, uid, message, *args)
+            self._refuse(reason, uid, message, *args, count=count)
 
     # -- readers --------------------------------------------------------------------------------
 
@@ -220,8 +220,8 @@ class ReportBoard:
         _close(entry.page_fd)
         entry.page_fd = None
 
-    def _refuse(self, reason: str, uid: int, message: str, *args: object) -> bool:
-        self.refused[reason] += 1
+    def _refuse(self, reason: str, uid: int, message: str, *args: object, count: int = 1) -> bool:
+        self.refused[reason] += count
         self._say.say(uid, logging.WARNING, message, *args)
         return False
 

@@ -6,6 +6,12 @@ costs before a byte is parsed:
 
 * a uid may connect ACCEPTS_PER_S times a second (burst ACCEPT_BURST), beyond that it is refused;
   the board refuses its MAX_RANKS_PER_UID-th rank and the node's MAX_RANKS-th;
+* a connect storm costs the storming user: each wake-up drains the whole backlog (BACKLOG deep), a
+  refused uid's connection is closed right after SO_PEERCRED (accept, getsockopt, close: nothing
+  else, one count and one rate-limited line per uid per batch), and while a batch refused anyone
+  the thread waits three times as long as the batch took before it accepts again: accepting takes
+  at most STORM_CPU_SHARE of a core, and a storm up to what that share refuses (measured in the
+  `connect storm` test) never fills the backlog, so other users' ranks connect on their first try;
 * a connection may send MESSAGES_PER_S reports a second (burst MESSAGE_BURST): more are read and
   dropped unparsed, and a connection that keeps it up (FLOOD_DROPS in a row) is closed;
 * a message over MAX_REPORT_BYTES is dropped (MSG_TRUNC), descriptors beyond the first are closed.
@@ -35,6 +41,9 @@ from gpuwatch.unixsock import address as socket_address
 log = logging.getLogger("gpuwatch.reports")
 
 ACCEPTS_PER_S, ACCEPT_BURST = 20.0, 64.0
+BACKLOG = 4096  # listen(2)'s queue (the kernel caps it at net.core.somaxconn, 4096 by default)
+STORM_CPU_SHARE = 0.25  # of one core, at most, spent accepting while a uid is refused for its connect rate
+_ACCEPTS_PER_WAKE = BACKLOG
 MESSAGES_PER_S, MESSAGE_BURST = 10.0, 20.0
 FLOOD_DROPS = 200
 _READS_PER_WAKE = 32  # messages read from one connection per wake-up: one sender cannot hold the thread
@@ -78,6 +87,7 @@ class ReportServer:
         self._selector = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._accepts: dict[int, _Bucket] = {}
+        self._accept_after = 0.0  # monotonic time before which a storm's backlog is left alone
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -96,7 +106,7 @@ class ReportServer:
             with socket_address(self.path) as address:
                 listener.bind(address)
             os.chmod(self.path, 0o666)  # every local user's ranks report here; the kernel says who each is
-            listener.listen(128)
+            listener.listen(BACKLOG)
         except OSError:
             listener.close()
             raise
@@ -128,6 +138,9 @@ class ReportServer:
     def _run(self) -> None:
         while not self._closed.is_set():
             try:
+                pause = self._accept_after - time.monotonic()
+                if pause > 0:
+                    self._closed.wait(pause)  # a storm's pause; ranks' reports wait in their sockets meanwhile
                 ready = self._selector.select(1.0)
                 with self._lock:
                     if not self._closed.is_set():
@@ -144,22 +157,29 @@ class ReportServer:
                 self._read(key.data)
 
     def _accept(self) -> None:
+        """Drain the backlog: refused uids' connections closed at once, the others admitted and read."""
         assert self._listener is not None
-        for _ in range(_READS_PER_WAKE):
+        if time.monotonic() < self._accept_after:
+            return
+        started = time.thread_time()  # this thread's CPU time: what the bound is about, not a busy machine's delays
+        refused: dict[int, list[int]] = {}  # uid: [count, a pid]
+        for _ in range(_ACCEPTS_PER_WAKE):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as exc:  # EMFILE and the like: the backlog keeps the rest
                 log.warning("report socket: accept failed: %s", exc.strerror or exc)
-                return
+                break
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-            bucket = self._accepts.setdefault(uid, _Bucket(ACCEPTS_PER_S, ACCEPT_BURST))
-            if len(self._accepts) > 4096:
-                self._accepts = {uid: bucket}
+            bucket = self._accepts.get(uid)
+            if bucket is None:
+                bucket = self._accepts[uid] = _Bucket(ACCEPTS_PER_S, ACCEPT_BURST)
+                if len(self._accepts) > 4096:
+                    self._accepts = {uid: bucket}
             if not bucket.take():
-                self.board.refuse("rate", uid, "uid %d connects too often: pid %d refused", uid, pid)
                 sock.close()
+                refused.setdefault(uid, [0, pid])[0] += 1
                 continue
             if not self.board.admit(pid, uid):
                 sock.close()
@@ -168,6 +188,13 @@ class ReportServer:
             connection = _Connection(sock, pid, uid, _Bucket(MESSAGES_PER_S, MESSAGE_BURST))
             self._selector.register(sock, selectors.EVENT_READ, connection)
             self._read(connection)  # what it sent with its connect is in this very read
+        for uid, (count, pid) in refused.items():
+            self.board.refuse("rate", uid, "uid %d connects too often: %d connections refused (pid %d, ...)",
+                              uid, count, pid, count=count)  # fmt: skip
+        if refused:
+            busy = time.thread_time() - started
+            log.debug("report socket: %d refused in %.1f ms of CPU", sum(c for c, _ in refused.values()), busy * 1e3)
+            self._accept_after = time.monotonic() + busy * (1.0 / STORM_CPU_SHARE - 1.0)
 
     def _read(self, connection: _Connection) -> None:
         for _ in range(_READS_PER_WAKE):

@@ -23,6 +23,7 @@ import mmap
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 
 from gpuwatch.trainer.contract import (
@@ -125,11 +126,22 @@ class ReportSender:
             self._sock = None
 
     def _connect(self) -> socket.socket | None:
+        """Connect; a full backlog (EAGAIN: the daemon is pacing another user's connect storm) is retried
+        for up to _CONNECT_TIMEOUT_S, a few ms apart: the daemon drains the whole backlog at each turn."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(_CONNECT_TIMEOUT_S)
+        deadline, wait = time.monotonic() + _CONNECT_TIMEOUT_S, 0.001
         try:
             with unix_address(self.socket_path) as address:
-                sock.connect(address)
+                while True:
+                    try:
+                        sock.connect(address)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() + wait > deadline:
+                            raise
+                        time.sleep(wait)
+                        wait = min(wait * 2, 0.02)
         except OSError as exc:
             sock.close()
             # Common without a daemon (no runtime dir): say it once, keep trying quietly.
