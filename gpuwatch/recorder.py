@@ -8,8 +8,8 @@ from pathlib import Path
 
 from gpuwatch.backends import open_backend
 from gpuwatch.config import Config
-from gpuwatch.errors import GpuReadError
-from gpuwatch.model import GpuError, GpuSample
+from gpuwatch.errors import GpuReadError, TraceError
+from gpuwatch.model import GpuError, GpuSample, GpuStatic
 from gpuwatch.trace import TraceWriter
 
 
@@ -21,12 +21,17 @@ def record(
     progress: Callable[[float, float], None] | None = None,
     clock: Callable[[], float] = time.time,
 ) -> dict[str, int]:
-    """Record `duration_s` of readings into `out`; returns counts of samples, events and errors."""
+    """Record `duration_s` of readings into `out`; returns counts of samples, events and errors.
+
+    Raises:
+        TraceError: `out` cannot be written (one line naming it; checked before the backend is opened).
+    """
+    _check_writable(out)
     backend, statics = open_backend(config)
     counts = {"samples": 0, "events": 0, "errors": 0}
     note = f"recorded by gpuwatch record with the {backend.name} backend every {interval_s:g} s"
     try:
-        with TraceWriter(out, statics, note) as writer:
+        with _writer(out, statics, note) as writer:
             start = clock()
             next_tick = start
             while (now := clock()) - start < duration_s:
@@ -47,6 +52,21 @@ def record(
                     for event in backend.wait_events(remaining):
                         writer.write(event)
                         counts["events" if not isinstance(event, GpuError) else "errors"] += 1
+    except OSError as exc:  # a full disk, a file system gone read-only: one line, the trace so far is kept
+        raise TraceError(f"--out {out}: cannot write: {exc.strerror or exc}") from None
     finally:
         backend.close()
     return counts
+
+
+def _check_writable(out: Path) -> None:
+    """The directory `out` goes in must be there (checked before the backend is opened)."""
+    if not out.parent.is_dir():
+        raise TraceError(f"--out {out}: no directory {out.parent}")
+
+
+def _writer(out: Path, statics: tuple[GpuStatic, ...], note: str) -> TraceWriter:
+    try:
+        return TraceWriter(out, statics, note)
+    except OSError as exc:
+        raise TraceError(f"--out {out}: cannot write: {exc.strerror or exc}") from None

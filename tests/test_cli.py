@@ -59,6 +59,16 @@ def test_record_then_replay_a_faulty_sim(tmp_path: Path) -> None:
     assert "row_remap_pending" in checked.stdout
 
 
+@pytest.mark.parametrize("where", ["/proc/x/y", "missing/t.jsonl", "/proc/self/status"])
+def test_record_to_a_path_it_cannot_write_is_one_line_exit_2(tmp_path: Path, where: str) -> None:
+    out = where if where.startswith("/") else str(tmp_path / where)
+    recorded = run_gpuwatch("record", "--backend", "sim", "--out", out, "--duration", "0.2")
+    assert recorded.returncode == 2, recorded.stderr
+    assert recorded.stderr.startswith(f"gpuwatch: error: --out {out}") and recorded.stderr.count("\n") == 1, (
+        recorded.stderr
+    )
+
+
 def test_check_healthy_sim_exits_zero() -> None:
     result = run_gpuwatch("check", "--backend", "sim", "--sim-scenario", "healthy", "--sim-gpus", "2", "--samples", "1")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatch.config import Config
 from gpuwatch.errors import ConfigError
@@ -365,6 +366,22 @@ class Remediation:
     # -- incidents and stops --------------------------------------------------------------------
 
     def _start(
+        self, kind: str, cause: str, reason: str, gpu: int | None, ranks: list[Rank], **how: Any
+    ) -> list[Incident]:
+        """One incident per (uid, job) among `ranks` (and `dead`): a stop that hits several users' jobs is
+        one record for each, with its own user, job, steps and resume. `how`: as `_start_one` takes it."""
+        dead: list[Target] = how.pop("dead", None) or []
+        groups: dict[tuple[int | None, str | None], tuple[list[Rank], list[Target]]] = {}
+        for rank in ranks:
+            groups.setdefault((rank.uid, rank.info.job_id), ([], []))[0].append(rank)
+        for target in dead:
+            groups.setdefault((target.rank.uid, target.rank.info.job_id), ([], []))[1].append(target)
+        if len(groups) <= 1:
+            return [i for i in [self._start_one(kind, cause, reason, gpu, ranks, dead=dead, **how)] if i is not None]
+        started = [self._start_one(kind, cause, reason, gpu, rs, dead=ds, **how) for rs, ds in groups.values()]
+        return [incident for incident in started if incident is not None]
+
+    def _start_one(
         self,
         kind: str,
         cause: str,

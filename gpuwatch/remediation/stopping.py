@@ -38,11 +38,10 @@ class JobStop:
         self._how = "exited"
         self.deadline = time.monotonic() + self._phases[0][0]
         alive = self._alive()
-        for target in alive:
-            self._signal(target, stop_signal)
-        if alive:
-            log.warning("GPU %s: %s: sent %s to %s", incident.gpu, incident.cause, stop_signal.name, _pids(alive))
-        self._kill_frozen(alive)
+        sent = [target for target in alive if self._signal(target, stop_signal)]
+        if sent:
+            log.warning("GPU %s: %s: sent %s to %s", incident.gpu, incident.cause, stop_signal.name, _pids(sent))
+        self._kill_frozen(self._alive())
         self.done = not self._alive()
 
     def advance(self) -> bool:
@@ -60,15 +59,15 @@ class JobStop:
                 log.error("GPU %s: %s survived SIGKILL", self.incident.gpu, _pids(alive))
                 alive = []
                 break
-            log.warning(
-                "GPU %s: %s still running after %g s: sending %s",
-                self.incident.gpu,
-                _pids(alive),
-                wait_s,
-                escalate.name,
-            )
-            for target in alive:
-                self._signal(target, escalate)
+            sent = [target for target in alive if self._signal(target, escalate)]
+            if sent:
+                log.warning(
+                    "GPU %s: %s still running after %g s: sent %s",
+                    self.incident.gpu,
+                    _pids(sent),
+                    wait_s,
+                    escalate.name,
+                )
             self._how = escalate.name
             self.deadline += self._phases[0][0]
             alive = self._alive()
@@ -77,12 +76,12 @@ class JobStop:
 
     def _kill_frozen(self, alive: list[Target]) -> None:
         frozen = [t for t in alive if self.proc.run_state(t.rank.pid) in _FROZEN]
-        if frozen:
-            log.warning("GPU %s: %s stopped (SIGSTOP): sending SIGKILL", self.incident.gpu, _pids(frozen))
-            for target in frozen:
-                self._signal(target, signal.SIGKILL)
-                target.ended = "SIGKILL"
-                self.incident.gone_pids.add(target.rank.pid)
+        killed = [t for t in frozen if self._signal(t, signal.SIGKILL)]
+        if killed:
+            log.warning("GPU %s: %s stopped (SIGSTOP): sent SIGKILL", self.incident.gpu, _pids(killed))
+        for target in killed:
+            target.ended = "SIGKILL"
+            self.incident.gone_pids.add(target.rank.pid)
 
     def _alive(self) -> list[Target]:
         """The targets still running; the others get how they ended."""
@@ -97,10 +96,13 @@ class JobStop:
                 self.incident.gone_pids.add(target.rank.pid)
         return alive
 
-    def _signal(self, target: Target, sig: signal.Signals) -> None:
-        if signals.send(target.rank, sig, self.proc) == signals.REFUSED:
+    def _signal(self, target: Target, sig: signal.Signals) -> bool:
+        """Send `sig` to the target; True when it was sent (a log line names only those)."""
+        outcome = signals.send(target.rank, sig, self.proc)
+        if outcome == signals.REFUSED:
             target.ended = "not_a_rank"  # it exec'd another program or changed user: never signalled again
             self.incident.gone_pids.add(target.rank.pid)
+        return outcome == signals.SENT
 
 
 def _pids(targets: list[Target]) -> str:

@@ -8,6 +8,7 @@ connect, so the kernel names that uid to the daemon).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pwd
 import shutil
@@ -278,3 +279,51 @@ def test_a_report_from_mallory_never_names_the_victim(node: SimNode, users: tupl
         sock.send(b'{"t": 1, "pid": 1, "job_id": "x"}')
         node.daemon.monitor.tick()
     assert node.daemon.runtime.board.refused["invalid"] == 1
+
+
+def test_a_quarantine_of_two_users_jobs_records_one_incident_each(
+    node: SimNode, users: tuple[int, int], ranks: list[FakeRank]
+) -> None:
+    """Each stopped job is its user's record: its own uid, job, ranks and resume, never "job-m,job-v"."""
+    mallory, victim = users
+    mallory_rank, victim_rank = start(ranks, mallory), start(ranks, victim)
+    report(node, mallory_rank, 0, "job-m", 10)
+    report(node, victim_rank, 0, "job-v", 20)
+    node.daemon.monitor.tick()
+
+    assert node.client.post("/v1/gpus/0/quarantine", json={"reason": "t"}, headers=node.auth).status_code == 200
+    deadline = time.monotonic() + 10
+    while not (signalled(mallory_rank) and signalled(victim_rank)):
+        assert time.monotonic() < deadline, "a rank on the quarantined GPU was not signalled"
+        time.sleep(0.05)
+
+    records = {(i["uid"], i["job"]): [r["pid"] for r in i["ranks"]] for i in node.incidents()}
+    assert records == {(mallory, "job-m"): [mallory_rank.pid], (victim, "job-v"): [victim_rank.pid]}
+
+
+def test_a_stop_line_names_only_the_ranks_that_were_signalled(
+    node: SimNode, users: tuple[int, int], ranks: list[FakeRank], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank that exec'd another program is refused its signal: the "sent SIGUSR1" line does not name it."""
+    _, victim = users
+    execs = "signal.signal(signal.SIGUSR2, lambda *_: os.execv('/bin/sleep', ['/bin/sleep', '60']))"
+    refused, signalled_rank = start(ranks, victim, execs), start(ranks, victim)
+    report(node, refused, 1, "job-v", 10, rank=0)
+    report(node, signalled_rank, 1, "job-v", 10, rank=1)
+    node.daemon.monitor.tick()
+    os.kill(refused.pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{refused.pid}/exe").resolve() == Path(sys.executable).resolve():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+    with caplog.at_level(logging.WARNING, logger="gpuwatch.remediation"):
+        assert node.client.post("/v1/gpus/1/quarantine", json={"reason": "t"}, headers=node.auth).status_code == 200
+        while not signalled(signalled_rank):
+            assert time.monotonic() < deadline + 10
+            time.sleep(0.05)
+        time.sleep(0.3)
+
+    sent = [r.getMessage() for r in caplog.records if "sent SIG" in r.getMessage()]
+    assert sent and all(f"pid {refused.pid}" not in line for line in sent), sent
+    assert any(f"pid {signalled_rank.pid}" in line for line in sent), sent
