@@ -28,7 +28,7 @@ from gpuwatch.model import TrainerInfo
 from gpuwatch.procfs import ProcFs
 from gpuwatch.reports.parse import ReportError, parse_report
 from gpuwatch.sourcelog import SourceLog
-from gpuwatch.trainer.contract import STEP_PAGE_BYTES, StepPage, read_step_page
+from gpuwatch.trainer.contract import REPORT_PROTOCOL, STEP_PAGE_BYTES, StepPage, read_step_page
 
 log = logging.getLogger("gpuwatch.reports")
 
@@ -116,6 +116,23 @@ class ReportBoard:
                 entry.info = parse_report(data, pid)
             except ReportError as exc:
                 self._refuse("invalid", entry.uid, "ignoring a report of pid %d (uid %d): %s", pid, entry.uid, exc)
+
+    def hello(self, pid: int, protocol: int, page_fd: int | None = None) -> None:
+        """A connection's first message: its hello naming `protocol` (1: none, an older rank), with the step page."""
+        with self._lock:
+            entry = self._entries.get(pid)
+            if entry is None:
+                _close(page_fd)
+                return
+            if page_fd is not None:
+                self._take_page(entry, page_fd)
+            if protocol != REPORT_PROTOCOL:
+                self._say.say(
+                    entry.uid, logging.WARNING,
+                    "pid %d (uid %d) speaks report protocol %d, this daemon %d%s: its reports are read as far as "
+                    "this daemon understands them; install the same gpuwatch in the job and on the node",
+                    pid, entry.uid, protocol, REPORT_PROTOCOL, " (it sent no hello)" if protocol == 1 else "",
+                )  # fmt: skip
 
     def disconnected(self, pid: int) -> None:
         with self._lock:

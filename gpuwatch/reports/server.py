@@ -16,6 +16,10 @@ costs before a byte is parsed:
   dropped unparsed, and a connection that keeps it up (FLOOD_DROPS in a row) is closed;
 * a message over MAX_REPORT_BYTES is dropped (MSG_TRUNC), descriptors beyond the first are closed.
 
+Every connection taken is greeted with the daemon's hello (REPORT_PROTOCOL); a rank's first
+message is its hello, and a rank that sends none (an older gpuwatch) or another version is named in
+one line (per user, rate-limited) while its reports are read as before.
+
 Readers call `poll()` before they read the board, so a report sent before a tick is in that tick,
 and a rank's last report is read before anyone decides how it ended.
 """
@@ -23,6 +27,7 @@ and a rank's last report is read before anyone decides how it ended.
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import logging
 import os
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwatch.reports.board import ReportBoard
-from gpuwatch.trainer.contract import MAX_REPORT_BYTES
+from gpuwatch.trainer.contract import MAX_REPORT_BYTES, hello, hello_protocol
 from gpuwatch.unixsock import address as socket_address
 
 log = logging.getLogger("gpuwatch.reports")
@@ -48,6 +53,7 @@ MESSAGES_PER_S, MESSAGE_BURST = 10.0, 20.0
 FLOOD_DROPS = 200
 _READS_PER_WAKE = 32  # messages read from one connection per wake-up: one sender cannot hold the thread
 _MAX_FDS = 4
+_HELLO = hello()
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -75,6 +81,7 @@ class _Connection:
     uid: int
     bucket: _Bucket
     drops: int = 0
+    greeted: bool = False  # its first message (a hello, or from an older rank a report) has come
 
 
 class ReportServer:
@@ -185,6 +192,8 @@ class ReportServer:
                 sock.close()
                 continue
             sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.send(_HELLO)  # the rank's receive queue is empty: this never blocks
             connection = _Connection(sock, pid, uid, _Bucket(MESSAGES_PER_S, MESSAGE_BURST))
             self._selector.register(sock, selectors.EVENT_READ, connection)
             self._read(connection)  # what it sent with its connect is in this very read
@@ -228,6 +237,14 @@ class ReportServer:
                 )
                 _close_all(fds)
                 continue
+            if not connection.greeted:
+                connection.greeted = True
+                protocol = hello_protocol(data)
+                if protocol is not None:  # the hello, with the step page
+                    self.board.hello(connection.pid, protocol, fds[0] if fds else None)
+                    _close_all(fds[1:])
+                    continue
+                self.board.hello(connection.pid, 1)  # an older rank: its first report is what it sends first
             self.board.receive(connection.pid, data, fds[0] if fds else None)
             _close_all(fds[1:])
 

@@ -7,8 +7,9 @@ is a file in the launch's private directory (the launcher reads it after the ran
 otherwise an anonymous memfd, sealed against resizing, that only the daemon gets (as SCM_RIGHTS
 over the report socket).
 
-`ReportSender` owns the SOCK_SEQPACKET connection to the daemon's REPORT_SOCKET: one report per
-message, the step page's descriptor with the first message of each connection. It never blocks a
+`ReportSender` owns the SOCK_SEQPACKET connection to the daemon's REPORT_SOCKET: a hello naming the
+protocol version first (with the step page's descriptor), then one report per message; the
+daemon's hello, read as it comes, tells whether the two speak the same version. It never blocks a
 rank for long: a full socket drops that report (the next one follows), a daemon that is down or
 restarting is retried at the next report, and only the final report waits up to a second.
 """
@@ -29,9 +30,12 @@ from pathlib import Path
 from gpuwatch.trainer.contract import (
     LAUNCH_DIR_ENV,
     NO_STEP,
+    REPORT_PROTOCOL,
     STEP_LAYOUT,
     STEP_PAGE_BYTES,
     STEP_PAGE_MAGIC,
+    hello,
+    hello_protocol,
     step_page_name,
 )
 from gpuwatch.unixsock import address as unix_address
@@ -40,6 +44,7 @@ log = logging.getLogger("gpuwatch.trainer")
 
 _CONNECT_TIMEOUT_S = 1.0
 _FINAL_SEND_TIMEOUT_S = 1.0
+_SENDS_BEFORE_NO_HELLO = 3  # reports sent on a connection with no hello back: the daemon predates the hello
 
 
 class StepPageWriter:
@@ -94,6 +99,8 @@ class ReportSender:
         self._page_sent = False
         self._failed = False
         self.dropped = 0
+        self.daemon_protocol: int | None = None  # what the daemon's hello said (1: it sent none)
+        self._unanswered = 0
 
     def send(self, data: bytes, *, final: bool = False) -> bool:
         """Send one report; True when the daemon has it queued. The final one may wait up to a second."""
@@ -102,12 +109,12 @@ class ReportSender:
             return False
         sock.settimeout(_FINAL_SEND_TIMEOUT_S if final else 0.0)
         try:
-            if not self._page_sent and self.page_fd is not None:
-                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.page_fd]).tobytes())]
-                sock.sendmsg([data], rights)
+            if not self._page_sent:  # the hello, with the step page: what the daemon reads first
+                fds = [self.page_fd] if self.page_fd is not None else []
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+                sock.sendmsg([hello(os.getpid())], rights)
                 self._page_sent = True
-            else:
-                sock.send(data)
+            sock.send(data)
         except (BlockingIOError, TimeoutError):
             self.dropped += 1  # the daemon is behind: this report is skipped, the next one carries the news
             return False
@@ -117,7 +124,30 @@ class ReportSender:
         if self._failed:
             log.info("gpuwatch trainer reports reach %s again", self.socket_path)
             self._failed = False
+        self._read_hello(sock)
         return True
+
+    def _read_hello(self, sock: socket.socket) -> None:
+        """Take the daemon's hello when it has come; say once when its version is not ours, or it sends none."""
+        if self.daemon_protocol is not None:
+            return
+        try:
+            data = sock.recv(256, socket.MSG_DONTWAIT)
+        except OSError:
+            data = b""
+        version = hello_protocol(data) if data else None
+        if version is None:
+            self._unanswered += 1
+            if self._unanswered < _SENDS_BEFORE_NO_HELLO:
+                return
+            version = 1
+        self.daemon_protocol = version
+        if version != REPORT_PROTOCOL:
+            log.warning(
+                "the gpuwatch daemon at %s speaks report protocol %d, this rank's gpuwatch %d: "
+                "reports go on as far as both understand them; install the same gpuwatch in both",
+                self.socket_path, version, REPORT_PROTOCOL,
+            )  # fmt: skip
 
     def close(self) -> None:
         if self._sock is not None:
@@ -147,7 +177,7 @@ class ReportSender:
             # Common without a daemon (no runtime dir): say it once, keep trying quietly.
             self._lost(f"gpuwatch trainer reports cannot reach {self.socket_path}: {exc.strerror or exc}")
             return None
-        self._sock, self._page_sent = sock, False
+        self._sock, self._page_sent, self._unanswered = sock, False, 0
         return sock
 
     def _lost(self, message: str) -> None:

@@ -17,10 +17,17 @@ that `TrainerLink.step()` rewrites in memory at every step (no syscall), so the 
 the rank exactly, wherever its last report stopped. Under `gpuwatch launch` the page is a file
 `<pid>.step` in the launch's own directory ($GPUWATCH_LAUNCH_DIR, private to the job's user), which
 the launcher reads after the rank is gone; otherwise it is an anonymous memfd.
+
+Each side says which version of this protocol it speaks (REPORT_PROTOCOL): the rank's first message
+on a connection is a hello, `{"hello": "gpuwatch", "protocol": N, "pid": P}` (with the step page),
+and the daemon greets every connection it takes with `{"hello": "gpuwatch", "protocol": N}`. A side
+that finds another version, or none (a gpuwatch from before the hello: version 1), says so in one
+line; reports keep flowing as far as both understand them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import struct
@@ -34,6 +41,8 @@ DEFAULT_RUNTIME_DIR = "/run/gpuwatch"
 RUNTIME_DIR_ENV = "GPUWATCH_RUNTIME_DIR"
 STATUS_FILE = "status.json"
 REPORT_SOCKET = "trainers.sock"
+REPORT_PROTOCOL = 2
+"""The report protocol's version. 1: the same reports, no hello (gpuwatch before it had one)."""
 MAX_REPORT_BYTES = 8 * 1024
 """A report message larger than this is dropped (a rank's report is under 1 KiB)."""
 LAUNCH_DIR_ENV = "GPUWATCH_LAUNCH_DIR"
@@ -152,6 +161,25 @@ class Status(TypedDict):
 
     t: float
     gpus: list[StatusGpu]
+
+
+def hello(pid: int | None = None) -> bytes:
+    """A hello message: the rank's (with its pid) or the daemon's (without)."""
+    body: dict[str, Any] = {"hello": "gpuwatch", "protocol": REPORT_PROTOCOL}
+    if pid is not None:
+        body["pid"] = pid
+    return json.dumps(body).encode()
+
+
+def hello_protocol(data: bytes) -> int | None:
+    """The protocol version a hello message names (0 for a hello that names none sensibly), or None: no hello."""
+    if not data.startswith(b'{"hello"'):
+        return None
+    try:
+        version = json.loads(data).get("protocol")
+    except (ValueError, RecursionError, AttributeError):
+        return 0
+    return version if type(version) is int and 0 < version < 1 << 20 else 0
 
 
 def quarantined_in(status: object, gpu_uuid: str) -> bool:

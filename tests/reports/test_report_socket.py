@@ -8,6 +8,7 @@ per uid) and counted, and nothing blocks.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from gpuwatch.reports.board import DEAD_KEEP_S, ReportBoard
 from gpuwatch.reports.parse import ReportError
 from gpuwatch.reports.server import FLOOD_DROPS
 from gpuwatch.runtime import RuntimeDir
-from gpuwatch.trainer.contract import MAX_REPORT_BYTES
+from gpuwatch.trainer.contract import MAX_REPORT_BYTES, REPORT_PROTOCOL, hello
 from gpuwatch.unixsock import address as socket_address
 from tests.reporting import FakeRank
 
@@ -56,10 +57,13 @@ def honest(runtime: RuntimeDir) -> Iterator[FakeRank]:
     rank.wait()
 
 
-def connect(rt: RuntimeDir) -> socket.socket:
+def connect(rt: RuntimeDir, *, greet: bool = True) -> socket.socket:
+    """A connection as a rank makes it: its hello first (`greet=False`: as a gpuwatch before the hello)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with socket_address(rt.socket_path) as address:
         sock.connect(address)
+    if greet:
+        sock.send(hello(os.getpid()))
     return sock
 
 
@@ -346,3 +350,67 @@ def test_a_long_runtime_path_still_binds_and_takes_reports(tmp_path: Path) -> No
         rank.kill()
         rank.wait()
         rt.close()
+
+
+@pytest.mark.parametrize(("greeting", "line"), [
+    (None, f"speaks report protocol 1, this daemon {REPORT_PROTOCOL} (it sent no hello)"),
+    (b'{"hello": "gpuwatch", "protocol": 99, "pid": PID}', f"report protocol 99, this daemon {REPORT_PROTOCOL}:"),
+    (b'{"hello": "gpuwatch", "protocol": 2, "pid": PID}', None),
+])  # fmt: skip
+def test_the_daemon_greets_each_rank_and_names_one_that_speaks_another_version(
+    runtime: RuntimeDir, greeting: bytes | None, line: str | None, caplog: Any
+) -> None:
+    with caplog.at_level(logging.WARNING, "gpuwatch.reports"), connect(runtime, greet=False) as sock:
+        if greeting is not None:
+            sock.send(greeting.replace(b"PID", str(os.getpid()).encode()))
+        sock.send(body(step=7))
+        runtime.read_reports()
+        sock.settimeout(5)
+        assert json.loads(sock.recv(256)) == {"hello": "gpuwatch", "protocol": REPORT_PROTOCOL}
+
+    (report,) = runtime.read_reports()
+    assert report.info.step == 7  # read as before, whatever version the rank speaks
+    lines = [r.getMessage() for r in caplog.records if f"pid {os.getpid()}" in r.getMessage()]
+    assert lines == ([] if line is None else [lines[0]]) and (line is None or line in lines[0]), lines
+
+
+def _old_daemon(path: Path, greeting: bytes | None) -> tuple[socket.socket, threading.Thread]:
+    """A report socket that reads every message and greets with `greeting` (None: as a daemon before the hello)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with socket_address(path) as address:
+        listener.bind(address)
+    listener.listen(4)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            if greeting is not None:
+                conn.send(greeting)
+            while conn.recv(MAX_REPORT_BYTES + 1):
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+@pytest.mark.parametrize(("greeting", "line"), [
+    (None, f"speaks report protocol 1, this rank's gpuwatch {REPORT_PROTOCOL}"),
+    (b'{"hello": "gpuwatch", "protocol": 3}', f"speaks report protocol 3, this rank's gpuwatch {REPORT_PROTOCOL}"),
+    (b'{"hello": "gpuwatch", "protocol": 2}', None),
+])  # fmt: skip
+def test_a_rank_says_once_when_the_daemon_speaks_another_version(
+    tmp_path: Path, greeting: bytes | None, line: str | None, caplog: Any
+) -> None:
+    from gpuwatch.trainer.channel import ReportSender
+
+    listener, _ = _old_daemon(tmp_path / "trainers.sock", greeting)
+    sender = ReportSender(tmp_path / "trainers.sock", None)
+    with caplog.at_level(logging.WARNING, "gpuwatch.trainer"), listener:
+        for _ in range(5):
+            assert sender.send(body(), final=True)
+            time.sleep(0.05)
+        sender.close()
+    lines = [r.getMessage() for r in caplog.records if "report protocol" in r.getMessage()]
+    assert len(lines) == (0 if line is None else 1) and (line is None or line in lines[0]), lines
+    assert sender.daemon_protocol == (1 if greeting is None else json.loads(greeting)["protocol"])
