@@ -120,20 +120,6 @@ def open_job_dir(root: str, job_id: str, *, create: bool = True) -> int:
         os.close(user_fd)
 
 
-def job_dir_path(root: str, job_id: str) -> str:
-    """The path of this user's directory for `job_id` as `open_job_dir` would find it now (for messages)."""
-    uid = os.getuid()
-    name = user_dir_name(uid)
-    with contextlib.suppress(OSError, SnapshotDirError):
-        root_fd = os.open(root, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
-        try:
-            fd, name = _user_dir(root_fd, root, uid, create=False)
-            os.close(fd)
-        finally:
-            os.close(root_fd)
-    return f"{root}/{name}/{job_dir_name(job_id)}"
-
-
 def _user_dir(root_fd: int, root: str, uid: int, create: bool) -> tuple[int, str]:
     """This uid's directory under the root (fd, name): `gpuwatch-<uid>`, else its fallback when that is taken.
 

@@ -269,7 +269,7 @@ def load_latest(
         except _Invalid as exc:
             _skip(skipped, path.name, str(exc))
             continue
-        except Exception as exc:  # noqa: BLE001 - whatever a crafted file provokes is a skip, never the caller's crash
+        except Exception as exc:  # whatever a crafted file provokes is a skip, never the caller's crash
             _skip(skipped, path.name, f"does not load: {type(exc).__name__}: {exc}")
             continue
         step = int(manifest["step"])
@@ -522,7 +522,7 @@ def _verified_manifest(path: Path, *, except_flat_state: bool = False) -> dict[s
     if state_file is not None and state_file not in files:
         raise _Invalid(f"{MANIFEST} does not list {state_file}")
     for name, entry in files.items():
-        if not isinstance(name, str) or ".." in Path(name).parts or Path(name).is_absolute():
+        if not isinstance(name, str) or not Path(name).parts or ".." in Path(name).parts or Path(name).is_absolute():
             raise _Invalid(f"{MANIFEST} names a file outside the checkpoint: {name}")
         if not isinstance(entry, dict):
             raise _Invalid(f"{MANIFEST} malformed")
@@ -705,13 +705,13 @@ def _kind(mode: int) -> str:
     return "not a plain file"
 
 
-def _read_small(path: Path, name: str) -> bytes:
+def _read_small(path: Path, name: str, limit: int = _MAX_SMALL_FILE) -> bytes:
     """The whole of a small file (`manifest.json`, `latest`) in directory `path`, opened as `_open_below` does."""
     fd = _open_below(path, [name], name)
     try:
         size = os.fstat(fd).st_size
-        if size > _MAX_SMALL_FILE:
-            raise _Invalid(f"{name} is {size} bytes, more than {_MAX_SMALL_FILE}")
+        if size > limit:
+            raise _Invalid(f"{name} is {size} bytes, more than {limit}")
         data = os.pread(fd, size, 0)
     except OSError as exc:
         raise _Invalid(f"cannot read {name}: {exc}") from None
@@ -722,7 +722,7 @@ def _read_small(path: Path, name: str) -> bytes:
 
 def _read_latest(directory: Path) -> str | None:
     try:
-        return _read_small(directory, LATEST)[:4096].decode().strip() or None
+        return _read_small(directory, LATEST, limit=4096).decode().strip() or None
     except _Invalid as exc:
         if not str(exc).startswith("missing"):
             log.warning("cannot read %s: %s", directory / LATEST, exc)
