@@ -74,7 +74,7 @@ class Coordinator:
         kind = event.get("kind")
         if kind == NODE:
             node, workers = event.get("node"), event.get("workers")
-            if not _count(node) or not _count(workers) or workers > _MAX_WORKERS:
+            if not _count(node) or not _count(workers) or int(workers or 0) > _MAX_WORKERS:
                 return f"node event with node {node!r}, workers {workers!r}"
             return f"node {node} announced itself twice" if node in self.nodes else None
         if kind not in (JOIN, LEAVE, GONE, FAILED):

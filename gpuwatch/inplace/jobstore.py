@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -168,7 +169,7 @@ class StoreServer:
         data = self.data
         try:
             if op == SET:
-                data.set(f[0].decode(), f[1])
+                data.set(f[0].decode(), f[1])  # type: ignore[arg-type]  # bytes are taken as they are
                 return _OK, []
             if op == GET:
                 data.wait([f[0].decode()], datetime.timedelta(milliseconds=int(f[1])))
@@ -181,7 +182,7 @@ class StoreServer:
                 data.wait([k.decode() for k in f[1:]], datetime.timedelta(milliseconds=int(f[0])))
                 return _OK, []
             if op == COMPARE_SET:
-                return _OK, [data.compare_set(f[0].decode(), f[1], f[2])]
+                return _OK, [data.compare_set(f[0].decode(), f[1], f[2])]  # type: ignore[arg-type]
             if op == DELETE:
                 return _OK, [b"1" if data.delete_key(f[0].decode()) else b"0"]
             if op == NUM_KEYS:
@@ -205,7 +206,7 @@ class JobStore(dist.Store):
         super().__init__()
         self._timeout_s = timeout.total_seconds()
         self._lock = threading.Lock()  # one request at a time: torch may call from several threads
-        self._sock = _prove(host, port, secret, min(self._timeout_s, 30.0))
+        self._sock = _connect(host, port, secret, min(self._timeout_s, 30.0))
 
     def _ask(self, op: int, fields: list[bytes], wait_s: float = 0.0) -> list[bytes]:
         with self._lock:
@@ -249,6 +250,20 @@ class JobStore(dist.Store):
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.close()
+
+
+def _connect(host: str, port: int, secret: bytes, timeout_s: float) -> socket.socket:
+    """_prove, tried again while the server is busy with strangers (it closes before its greeting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _prove(host, port, secret, timeout_s)
+        except StoreAuthError:
+            raise
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _prove(host: str, port: int, secret: bytes, timeout_s: float) -> socket.socket:
