@@ -204,6 +204,8 @@ class JobStore(dist.Store):
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: datetime.timedelta) -> None:
         super().__init__()
+        self._where = (host, port, secret, timeout)
+        self._clones: list[JobStore] = []
         self._timeout_s = timeout.total_seconds()
         self._lock = threading.Lock()  # one request at a time: torch may call from several threads
         self._sock = _connect(host, port, secret, min(self._timeout_s, 30.0))
@@ -246,6 +248,12 @@ class JobStore(dist.Store):
 
     def num_keys(self) -> int:
         return int(self._ask(NUM_KEYS, [])[0])
+
+    def clone(self) -> JobStore:
+        """A connection of its own to the same store (torch clones a store for a split process group)."""
+        clone = JobStore(*self._where)
+        self._clones.append(clone)  # a Python store only torch holds loses its methods
+        return clone
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -35,7 +35,7 @@ DONE = "done"  # the key a hosting launcher sets once a member finished
 
 
 class Store(Protocol):
-    """The part of torch.distributed.Store used here (TCPStore and PrefixStore have it)."""
+    """The part of torch.distributed.Store used here (HashStore, JobStore and PrefixStore have it)."""
 
     def set(self, key: str, value: str) -> None: ...
 

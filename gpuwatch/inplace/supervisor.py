@@ -212,16 +212,16 @@ class Supervisor:
 
         The host's own store is the data itself (no connection); the others prove the secret to reach it.
         """
+        host, _, port = (self.plan.endpoint or "127.0.0.1:0").rpartition(":")
+        if not host or not port.isdigit():
+            raise InPlaceStopped(2, f"--rdzv-endpoint {self.plan.endpoint!r} is not HOST:PORT")
         try:
             secret = read_secret(secret_file)
         except SecretError as exc:
             raise InPlaceStopped(2, str(exc)) from None
         if self.plan.endpoint is None:
-            self._server = StoreServer("127.0.0.1", 0, secret)
-            return self._server.data, f"127.0.0.1:{self._server.port}", True
-        host, _, port = self.plan.endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise InPlaceStopped(2, f"--rdzv-endpoint {self.plan.endpoint!r} is not HOST:PORT")
+            self._server = StoreServer(host, 0, secret)
+            return self._server.data, f"{host}:{self._server.port}", True
         try:
             self._server = StoreServer(host, int(port), secret)
             return self._server.data, self.plan.endpoint, True

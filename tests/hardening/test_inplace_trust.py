@@ -115,7 +115,6 @@ def test_another_user_can_neither_read_nor_join_nor_make_a_rank_leave(tmp_path: 
             run.wait_for("3 ranks past step 20", lambda lines: len(run.ranks_at(20, 3)) == 3)
             ports = listening(run.process.pid)
             assert ports, "the launcher listens nowhere"
-            assert all(address == "127.0.0.1" for address, _ in ports), ports  # loopback only, not *:PORT
             (job_id,) = {r["job_id"] for r in node.get("/v1/trainers")["ranks"]}  # public, as before
             pids = sorted({ln["pid"] for ln in run.steps()})
             attack = subprocess.run(
@@ -130,8 +129,10 @@ def test_another_user_can_neither_read_nor_join_nor_make_a_rank_leave(tmp_path: 
             _, stderr = run.output(60)  # the job's end (stopped if it has none within 60 s)
     code = run.process.returncode
 
+    print(f"\nmallory against an in-place job's store at {ports}: {found}")
     refused = {name: str(what).startswith("refused") for name, what in found.items()}
     assert all(refused.values()) and set(refused) >= {"secret_file", "secret_glob", "connect", "jobstore"}, found
+    assert all(address == "127.0.0.1" for address, _ in ports), ports  # loopback only, not *:PORT
     assert attacked_at < STEPS, "the attack ended after the job: it proved nothing"
     assert code == 0, stderr
     lines = run.steps()
@@ -139,4 +140,3 @@ def test_another_user_can_neither_read_nor_join_nor_make_a_rank_leave(tmp_path: 
     assert {ln["generation"] for ln in lines} == {1}, "the membership changed"
     assert_no_step_lost_or_repeated(lines, pids)
     assert all([ln["step"] for ln in lines if ln["pid"] == pid] == list(range(1, STEPS + 1)) for pid in pids)
-    print(f"\nmallory against an in-place job's store on port {ports[0][1]}: {found}")

@@ -42,6 +42,8 @@ def test_a_client_with_the_secret_gets_the_whole_store_interface_and_a_process_g
     assert store.delete_key("late") and store.num_keys() == 2
     with pytest.raises(dist.DistStoreError):
         store.wait(["never"], datetime.timedelta(milliseconds=200))
+    dist.PrefixStore("c", store).clone().set("k", "v")  # torch clones a store to split a process group
+    assert store.get("c/k") == b"v"
     prefixed = dist.PrefixStore("pg/1", store)  # what a generation's process group rendezvouses through
     dist.init_process_group("gloo", store=prefixed, rank=0, world_size=1)
     try:
