@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc"),
     pytest.mark.slow,
 ]
-STEPS = 200
+STEPS = 300
 
 ATTACK = """
 import datetime, encodings.idna, glob, json, os, sys
@@ -37,7 +37,7 @@ try:
     from gpuwatch.inplace.jobstore import JobStore
 except ImportError:
     JobStore = None
-uid, port, job, secret_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+uid, port, job, secret_file = json.loads(sys.stdin.readline())  # imports done: the attack itself is quick
 os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)  # mallory, from here on
 found = {}
 def attempt(name, fn):
@@ -54,7 +54,7 @@ attempt("secret_glob", lambda: [open(p).read() for p in glob.glob("/tmp/gpuwatch
 store = None
 def connect():
     global store
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=8))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
     return "connected"
 attempt("connect", connect)
 if store is not None:
@@ -74,7 +74,7 @@ if store is not None:
     attempt("join", join)
 if JobStore is not None:
     guess = b"0" * 64
-    attempt("jobstore", lambda: JobStore("127.0.0.1", port, guess, datetime.timedelta(seconds=8)).get(prefix + "gen"))
+    attempt("jobstore", lambda: JobStore("127.0.0.1", port, guess, datetime.timedelta(seconds=2)).get(prefix + "gen"))
 print(json.dumps(found), flush=True)
 """
 
@@ -111,21 +111,23 @@ def secret_file_of(pid: int) -> str:
 def test_another_user_can_neither_read_nor_join_nor_make_a_rank_leave(tmp_path: Path, mallory: int) -> None:
     with sim_node(tmp_path / "node", gpus=3) as node:
         run = launch_in_place(node, tmp_path, STEPS)
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        attack = subprocess.Popen([sys.executable, "-c", ATTACK], text=True, **pipes)  # type: ignore[call-overload]
+        # started now, so that torch's import is behind it when the job runs
         try:
             run.wait_for("3 ranks past step 20", lambda lines: len(run.ranks_at(20, 3)) == 3)
             ports = listening(run.process.pid)
             assert ports, "the launcher listens nowhere"
             (job_id,) = {r["job_id"] for r in node.get("/v1/trainers")["ranks"]}  # public, as before
             pids = sorted({ln["pid"] for ln in run.steps()})
-            attack = subprocess.run(
-                [sys.executable, "-c", ATTACK, str(mallory), str(ports[0][1]), job_id,
-                 secret_file_of(pids[0])],
-                capture_output=True, text=True, timeout=120,
-            )  # fmt: skip
-            assert attack.returncode == 0, attack.stderr[-3000:]
-            found = json.loads(attack.stdout)
+            target = [mallory, ports[0][1], job_id, secret_file_of(pids[0])]
+            out, err = attack.communicate(json.dumps(target) + "\n", timeout=120)
+            assert attack.returncode == 0, err[-3000:]
+            found = json.loads(out)
             attacked_at = max(ln["step"] for ln in run.steps())
         finally:
+            if attack.poll() is None:
+                attack.kill()
             _, stderr = run.output(60)  # the job's end (stopped if it has none within 60 s)
     code = run.process.returncode
 
