@@ -635,6 +635,10 @@ class _Nproc(click.ParamType):
 @click.option(
     "--in-place", is_flag=True, help="Recover in place: run the workers here, survivors go on (gpuwatch.inplace)."
 )
+@click.option(
+    "--inplace-secret-file",
+    help="--in-place with --rdzv-endpoint: your file (mode 600) holding the job's secret, the same on every node.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True, metavar="-- [-m] SCRIPT [ARGS]...")
 def launch(
     nproc: int | None,
@@ -647,6 +651,7 @@ def launch(
     command: tuple[str, ...],
     rdzv_id: str | None,
     in_place: bool,
+    inplace_secret_file: str | None,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -668,6 +673,8 @@ def launch(
     if rendezvous["nnodes"] not in _SINGLE_NODE and not (rdzv_id or os.environ.get("GPUWATCH_JOB_ID")):
         fail("a multi-node job needs --rdzv-id, the same on every node (it is also the job id)", command=COMMAND)
     job_id = rdzv_id or os.environ.get("GPUWATCH_JOB_ID") or f"gpuwatch-{uuid.uuid4().hex[:12]}"
+    if inplace_secret_file and not in_place:
+        fail("--inplace-secret-file applies to --in-place only", command=COMMAND)
     try:
         from gpuwatch.client import DaemonClient
 
@@ -689,6 +696,8 @@ def launch(
                 fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
             if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
                 fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
+            if rendezvous["rdzv_endpoint"] and not inplace_secret_file:
+                fail("--in-place with --rdzv-endpoint needs --inplace-secret-file (the job's secret)", command=COMMAND)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
 
             client = DaemonClient(config)
@@ -700,7 +709,7 @@ def launch(
 
             in_place_plan = InPlacePlan(
                 job_id, command, config.runtime_dir, nproc, min_nproc, max_restarts,
-                rendezvous["rdzv_endpoint"], rendezvous["nnodes"],
+                rendezvous["rdzv_endpoint"], rendezvous["nnodes"], secret_file=inplace_secret_file,
             )  # fmt: skip
             try:
                 code = Supervisor(in_place_plan, gpu_views, echo=lambda line: click.echo(line, err=True)).run()

@@ -11,15 +11,22 @@ and asks for the next generation after each batch, so the rules are tested witho
 * When every live member reported a failed collective in the newest generation and nobody left,
   the same members form a new generation (a fresh process group after, say, a timeout).
 * An exit with code 0 is a member that finished: the job is ending, no new generation for it.
+* Every event is checked before it counts (its kind, a member id of a launcher that announced
+  itself, a `gone` only from the member's own launcher, numbers that are numbers): a bad one is
+  skipped, its reason returned once, and changes nothing.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.inplace.protocol import FAILED, GONE, JOIN, LEAVE, NODE, Generation
+
+_MEMBER = re.compile(r"n(\d{1,6})\.[\w.-]{1,64}", re.ASCII)  # n<launcher's node>.<its own id>, e.g. n0.g2.5
+_MAX_WORKERS = 4096
 
 
 @dataclass
@@ -35,10 +42,15 @@ class Coordinator:
     finished: set[str] = field(default_factory=set)
     failed: dict[int, set[str]] = field(default_factory=dict)
 
-    def apply(self, events: Iterable[dict[str, Any]]) -> None:
-        """Fold events (as protocol.append_event wrote them) into the view."""
+    def apply(self, events: Iterable[Any]) -> list[str]:
+        """Fold events (as protocol.append_event wrote them) into the view; why each bad one was skipped."""
+        skipped = []
         for event in events:
-            kind, member = event.get("kind"), str(event.get("member", ""))
+            why = self._bad(event)
+            if why is not None:
+                skipped.append(why)
+                continue
+            kind, member = event["kind"], str(event.get("member", ""))
             if kind == NODE:
                 self.nodes[int(event["node"])] = int(event["workers"])
             elif kind == JOIN:
@@ -46,12 +58,47 @@ class Coordinator:
                     self.up.append(member)
             elif kind == LEAVE:
                 self.leaving.add(member)
-            elif kind == GONE:
-                (self.finished if event.get("code") == 0 else self.gone).add(member)
-                if member in self.up and event.get("code") != 0:
+            elif kind == GONE:  # a finish counts from a member that joined; any other exit is gone
+                finished = event["code"] == 0 and member in self.up
+                (self.finished if finished else self.gone).add(member)
+                if member in self.up and not finished:
                     self.up.remove(member)
             elif kind == FAILED:
                 self.failed.setdefault(int(event["gen"]), set()).add(member)
+        return skipped
+
+    def _bad(self, event: Any) -> str | None:
+        """Why `event` must not count, or None when it may."""
+        if not isinstance(event, dict):
+            return f"not a JSON object: {str(event)[:80]}"
+        kind = event.get("kind")
+        if kind == NODE:
+            node, workers = event.get("node"), event.get("workers")
+            if not _count(node) or not _count(workers) or int(workers or 0) > _MAX_WORKERS:
+                return f"node event with node {node!r}, workers {workers!r}"
+            return f"node {node} announced itself twice" if node in self.nodes else None
+        if kind not in (JOIN, LEAVE, GONE, FAILED):
+            return f"unknown kind {str(kind)[:40]!r}"
+        member = event.get("member")
+        match = _MEMBER.fullmatch(member) if isinstance(member, str) else None
+        if match is None:
+            return f"{kind} event with member {str(member)[:40]!r}, not a worker's id"
+        node = int(match.group(1))
+        if node not in self.nodes:
+            return f"{kind} {member}: no launcher {node} announced itself"
+        said_by = event.get("node") if kind == GONE else event.get("node", node)  # a launcher names itself
+        if said_by != node:
+            return f"{kind} {member} from node {said_by!r}: only the member's own launcher may say that"
+        if kind == GONE and not (_count(event.get("code"), low=-255) and event["code"] <= 255):
+            return f"gone {member} with code {event.get('code')!r}"
+        if kind == FAILED and not _count(event.get("gen"), low=1):
+            return f"failed {member} in generation {event.get('gen')!r}"
+        return None
+
+    @property
+    def done(self) -> bool:
+        """A member finished: the job's work is done."""
+        return bool(self.finished)
 
     def next_generation(self, now: float) -> Generation | None:
         """The generation to publish now, or None when the current one stands."""
@@ -98,3 +145,8 @@ class Coordinator:
         number = 1 if self.current is None else self.current.number + 1
         self.current = Generation(number, members, joined, left, gone, reason, now, fresh)
         return self.current
+
+
+def _count(value: Any, low: int = 0) -> bool:
+    """An int (not a bool) of at least `low`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low

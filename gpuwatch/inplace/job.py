@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gpuwatch.inplace.jobstore import JobStore
 from gpuwatch.inplace.protocol import (
+    DONE,
     FAILED,
     JOB_ENV,
     JOIN,
@@ -54,6 +56,7 @@ from gpuwatch.inplace.protocol import (
     latest_generation,
     read_generation,
 )
+from gpuwatch.inplace.secret import SECRET_FILE_ENV, read_secret
 from gpuwatch.inplace.sockets import shut_down, socket_inodes
 from gpuwatch.inplace.transfer import DEFAULT_CHUNK_BYTES, Stateful, send_state
 from gpuwatch.trainer.contract import (
@@ -108,8 +111,10 @@ class InPlaceJob:
         ddp_kwargs: more DistributedDataParallel arguments (init_sync is always False: the state is synced here).
 
     Raises:
-        NotInPlace: GPUWATCH_INPLACE_STORE or GPUWATCH_INPLACE_MEMBER is not set.
+        NotInPlace: GPUWATCH_INPLACE_STORE, GPUWATCH_INPLACE_MEMBER or GPUWATCH_INPLACE_SECRET_FILE is not set.
+        SecretError: the secret file is not this user's own private file.
         TimeoutError: no generation with this rank formed within membership_timeout_s.
+        SystemExit: 0 when the job's work was done before this rank was taken in (a late replacement).
     """
 
     def __init__(
@@ -128,14 +133,19 @@ class InPlaceJob:
         ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         address, self.member = os.environ.get(STORE_ENV), os.environ.get(MEMBER_ENV)
-        if not address or not self.member:
+        secret_file = os.environ.get(SECRET_FILE_ENV)
+        if not address or not self.member or not secret_file:
             raise NotInPlace(
-                f"{STORE_ENV} and {MEMBER_ENV} are not set: run the job under `gpuwatch launch --in-place`"
+                f"{STORE_ENV}, {MEMBER_ENV} and {SECRET_FILE_ENV} are not set:"
+                " run the job under `gpuwatch launch --in-place`"
             )
         host, _, port = address.rpartition(":")
         prefix = job_prefix(os.environ.get(JOB_ENV, "job"))
-        self._store = dist.PrefixStore(prefix, _connect(host, int(port), membership_timeout_s))
-        self._watch_store = dist.PrefixStore(prefix, _connect(host, int(port), membership_timeout_s))
+        secret = read_secret(secret_file)
+        # Kept here: a Python store that only torch holds loses its methods (torch calls a pure virtual).
+        self._connections = [_connect(host, int(port), secret, membership_timeout_s) for _ in range(2)]
+        self._store = dist.PrefixStore(prefix, self._connections[0])
+        self._watch_store = dist.PrefixStore(prefix, self._connections[1])
         self.model, self.optimizer, self._link = model, optimizer, link
         self._load, self._save, self._others = load, save, dict(others or {})
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -294,6 +304,7 @@ class InPlaceJob:
             latest = latest_generation(self._store)
             if latest and self.member in read_generation(self._store, latest).members:
                 return latest
+            self._end_if_done(f"before member {self.member} was taken in")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"member {self.member}: no generation took it in")
             time.sleep(_WATCH_S)
@@ -355,9 +366,18 @@ class InPlaceJob:
                 return generation
             if self._store.check([f"ready/{number}/{m}" for m in generation.members]):
                 return generation
+            if not self._has_state:  # a joiner whose generation's members finished meanwhile
+                self._end_if_done(f"while member {self.member} waited to join generation {number}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {number}: not every member arrived: {generation.members}")
             time.sleep(_WATCH_S / 4)
+
+    def _end_if_done(self, when: str) -> None:
+        """A member finished: no generation comes any more, so this rank, which holds nothing, ends with 0."""
+        if self._store.check([DONE]):
+            log.warning("member %s: the job's work was done %s: nothing left for it", self.member, when)
+            self.close()
+            raise SystemExit(0)
 
     def _sync_state(self, generation: Generation) -> tuple[str, int]:
         """Make every rank hold the newest step's state; how this rank got its state, and the bytes moved."""
@@ -478,8 +498,8 @@ def leaves(stop_reason: str | None, *, quarantined: bool, status_file: bool) -> 
     return not status_file
 
 
-def _connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+def _connect(host: str, port: int, secret: bytes, timeout_s: float) -> JobStore:
+    return JobStore(host, port, secret, datetime.timedelta(seconds=timeout_s))
 
 
 def _visible_uuid() -> str | None:

@@ -1,7 +1,8 @@
-"""What the launchers and the ranks of an in-place job say to each other, through one TCPStore.
+"""What the launchers and the ranks of an in-place job say to each other, through the job's store.
 
-The store is hosted by a launcher (`gpuwatch launch --in-place`), never by a rank, so any rank may
-die without taking the membership with it. Everything lives under one prefix per job:
+The store (gpuwatch.inplace.jobstore: only clients that prove the job's secret reach it) is hosted
+by a launcher (`gpuwatch launch --in-place`), never by a rank, so any rank may die without taking
+the membership with it. Everything lives under one prefix per job:
 
 * `events` (a counter, `store.add`) and `event/<i>`: an append-only log of what happened, JSON
   objects with a `kind`: `node` (a launcher and how many workers it started), `join` (a worker is
@@ -10,6 +11,8 @@ die without taking the membership with it. Everything lives under one prefix per
   collective failed in generation `gen`).
 * `gen` (the newest generation's number) and `gen/<g>`: the generation's record, written before
   `gen` moves, so a reader of `gen` always finds it.
+* `done`: a member finished (exited 0): the job's work is done, no generation comes any more, so a
+  worker still waiting to join ends with 0 instead of holding the job open.
 * `ready/<g>/<member>`: the member reached generation g's rendezvous.
 * `pg/<g>/`: the prefix under which generation g's process group exchanges its addresses.
 
@@ -28,10 +31,11 @@ NODE_ENV = "GPUWATCH_INPLACE_NODE"  # the index of the launcher that started the
 JOB_ENV = "GPUWATCH_JOB_ID"
 
 JOIN, LEAVE, GONE, FAILED, NODE = "join", "leave", "gone", "failed", "node"
+DONE = "done"  # the key a hosting launcher sets once a member finished
 
 
 class Store(Protocol):
-    """The part of torch.distributed.Store used here (TCPStore and PrefixStore have it)."""
+    """The part of torch.distributed.Store used here (HashStore, JobStore and PrefixStore have it)."""
 
     def set(self, key: str, value: str) -> None: ...
 
@@ -78,15 +82,22 @@ def append_event(store: Store, kind: str, **fields: Any) -> int:
     return index
 
 
-def read_events(store: Store, start: int) -> list[dict[str, Any]]:
-    """The events from index `start` on that are written (an index taken but not yet set ends the read)."""
+def read_events(store: Store, start: int) -> list[Any]:
+    """The events from index `start` on that are written (an index taken but not yet set ends the read).
+
+    Each is what its JSON says, or the raw bytes when it is not JSON: the coordinator judges them.
+    """
     count = store.add("events", 0)
-    events: list[dict[str, Any]] = []
+    events: list[Any] = []
     for index in range(start, count):
         key = f"event/{index}"
         if not store.check([key]):
             break
-        events.append(json.loads(store.get(key)))
+        raw = store.get(key)
+        try:
+            events.append(json.loads(raw))
+        except ValueError:
+            events.append(bytes(raw))
     return events
 
 

@@ -1,10 +1,11 @@
 """`gpuwatch launch --in-place`: run one worker per usable GPU and keep the job going through faults.
 
 torchrun's rule, one worker failed so stop them all, is what an in-place job must not have, so
-this launcher runs the node's workers itself with torch's own parts: a TCPStore for the job (the
-launcher hosts it, or connects to the one at --rdzv-endpoint on another node, as torchrun's c10d
-rendezvous does), one worker per GPU with CUDA_VISIBLE_DEVICES set to that GPU's UUID, and the
-membership in generations (gpuwatch.inplace.coordinator, run by the launcher that hosts the store).
+this launcher runs the node's workers itself with torch's own parts: a store for the job that only
+clients proving the job's secret reach (gpuwatch.inplace.jobstore; the launcher hosts it on
+loopback, or at --rdzv-endpoint, or connects to the one there on another node), one worker per GPU
+with CUDA_VISIBLE_DEVICES set to that GPU's UUID, and the membership in generations
+(gpuwatch.inplace.coordinator, run by the launcher that hosts the store).
 
 * A worker exits: its exit is published at once (`gone`), so the survivors form the next
   generation without waiting for any timeout. A worker that died is replaced on the same GPU when
@@ -24,6 +25,7 @@ import contextlib
 import datetime
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,7 +38,9 @@ import torch.distributed as dist
 
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.inplace.coordinator import Coordinator
+from gpuwatch.inplace.jobstore import JobStore, StoreServer
 from gpuwatch.inplace.protocol import (
+    DONE,
     GONE,
     JOB_ENV,
     MEMBER_ENV,
@@ -50,6 +54,7 @@ from gpuwatch.inplace.protocol import (
     read_events,
     read_generation,
 )
+from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
 from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
 
 EXIT_STOPPED = 3
@@ -71,6 +76,7 @@ GpuList = Callable[[], list[GpuView]]
 _POLL_S = 0.02
 _REPLACE_AFTER_S = 1.0  # a dead worker's GPU: let the daemon judge it before a replacement starts there
 _STOP_GRACE_S = 30.0
+_STORE_TIMEOUT = datetime.timedelta(seconds=600)
 
 
 class InPlaceStopped(Exception):
@@ -94,6 +100,7 @@ class InPlacePlan:
     endpoint: str | None = None  # host:port of the job's store (multi-node); None: a local store
     nnodes: str | None = None  # "N" or "MIN:MAX": the first generation waits for MIN launchers
     daemon_poll_s: float = 1.0
+    secret_file: str | None = None  # the job's secret (needed with an endpoint); None: a new one, this node only
 
 
 @dataclass
@@ -139,6 +146,8 @@ class Supervisor:
         self._stop_called = False
         self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
         self._daemon_down = False
+        self._server: StoreServer | None = None
+        self._coordinator: threading.Thread | None = None
 
     def run(self) -> int:
         """Run the job until it finishes; 0 on success.
@@ -154,7 +163,19 @@ class Supervisor:
                 EXIT_STOPPED, f"{len(gpus)} usable GPU(s) on this node, fewer than --min-nproc {self.plan.min_nproc}"
             )
         chosen = gpus[:want]
-        store, address, hosting = self._open_store()
+        made = None if self.plan.secret_file else new_secret_file()
+        try:
+            return self._run(chosen, want, str(made or self.plan.secret_file))
+        finally:
+            if self._server is not None:
+                self._server.close()
+            if made is not None:
+                shutil.rmtree(made.parent, ignore_errors=True)
+
+    def _run(self, chosen: list[GpuView], want: int, secret_file: str) -> int:
+        self.secret_file = secret_file
+        store, address, hosting = self._open_store(secret_file)
+        self._own_store = store  # a Python store that only torch holds loses its methods
         self.address = address
         self.store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
         self.node = self.store.add("nodes", 1) - 1
@@ -169,9 +190,10 @@ class Supervisor:
         coordinator = None
         if hosting:
             coordinator = threading.Thread(
-                target=self._coordinate, args=(address,), name="gpuwatch-inplace-coordinator", daemon=True
+                target=self._coordinate, args=(store,), name="gpuwatch-inplace-coordinator", daemon=True
             )
             coordinator.start()
+        self._coordinator = coordinator
         in_main = threading.current_thread() is threading.main_thread()  # a bench runs it on a thread of its own
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM) if in_main}
         try:
@@ -185,44 +207,60 @@ class Supervisor:
 
     # -- the store ------------------------------------------------------------------------------
 
-    def _open_store(self) -> tuple[dist.TCPStore, str, bool]:
-        """Host the job's store (a local one, or at the endpoint when it is free here), else connect to it."""
-        timeout = datetime.timedelta(seconds=600)
-        if self.plan.endpoint is None:
-            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-            return store, f"127.0.0.1:{store.port}", True
-        host, _, port = self.plan.endpoint.rpartition(":")
+    def _open_store(self, secret_file: str) -> tuple[dist.Store, str, bool]:
+        """Host the job's store (on loopback, or at the endpoint when it is here and free), else connect to it.
+
+        The host's own store is the data itself (no connection); the others prove the secret to reach it.
+        """
+        host, _, port = (self.plan.endpoint or "127.0.0.1:0").rpartition(":")
         if not host or not port.isdigit():
             raise InPlaceStopped(2, f"--rdzv-endpoint {self.plan.endpoint!r} is not HOST:PORT")
         try:
-            store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=timeout)
-            return store, self.plan.endpoint, True
-        except (RuntimeError, OSError):  # another node's launcher hosts it
-            return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), self.plan.endpoint, False
+            secret = read_secret(secret_file)
+        except SecretError as exc:
+            raise InPlaceStopped(2, str(exc)) from None
+        if self.plan.endpoint is None:
+            self._server = StoreServer(host, 0, secret)
+            return self._server.data, f"{host}:{self._server.port}", True
+        try:
+            self._server = StoreServer(host, int(port), secret)
+            return self._server.data, self.plan.endpoint, True
+        except OSError:  # another node's launcher hosts it
+            pass
+        try:
+            return JobStore(host, int(port), secret, _STORE_TIMEOUT), self.plan.endpoint, False
+        except OSError as exc:
+            raise InPlaceStopped(EXIT_STOPPED, f"the job's store at {self.plan.endpoint}: {exc}") from None
 
-    def _coordinate(self, address: str) -> None:
-        """The host's thread: read the events, publish each new generation (its own store connection)."""
-        host, _, port = address.rpartition(":")
-        store = dist.PrefixStore(
-            job_prefix(self.plan.job_id),
-            dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=600)),
-        )
+    def _coordinate(self, store: dist.Store) -> None:
+        """The host's thread: read the events, publish each new generation; it ends only with the launcher.
+
+        A bad event is said once and skipped (Coordinator.apply); any other error is said once per
+        kind and the loop goes on (a thread that ends anyway stops the job: _supervise).
+        """
+        store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
         coordinator = Coordinator(expected_nodes=_min_nodes(self.plan.nnodes))
-        seen = 0
+        seen, said_done, errors = 0, False, set()
         while not self._stop.wait(_POLL_S / 4):
             try:
                 events = read_events(store, seen)
-            except Exception:  # the store goes with the launcher at the end
-                return
-            seen += len(events)
-            coordinator.apply(events)
-            generation = coordinator.next_generation(time.time())
-            if generation is not None:
-                publish_generation(store, generation)
-                self.echo(
-                    f"gpuwatch launch: in place: generation {generation.number}, {len(generation.members)} rank(s)"
-                    f" ({generation.reason})"
-                )
+                seen += len(events)  # first: an event that fails is never read again
+                for why in coordinator.apply(events):
+                    self.echo(f"gpuwatch launch: in place: skipped a bad event: {why}")
+                generation = coordinator.next_generation(time.time())
+                if generation is not None:
+                    publish_generation(store, generation)
+                    self.echo(
+                        f"gpuwatch launch: in place: generation {generation.number}, {len(generation.members)}"
+                        f" rank(s) ({generation.reason})"
+                    )
+                if coordinator.done and not said_done:
+                    store.set(DONE, "1")  # no generation comes any more: a late joiner ends instead of waiting
+                    said_done = True
+            except Exception as exc:
+                if type(exc) not in errors:
+                    errors.add(type(exc))
+                    self.echo(f"gpuwatch launch: in place: the coordinator goes on after {type(exc).__name__}: {exc}")
 
     # -- workers --------------------------------------------------------------------------------
 
@@ -243,6 +281,7 @@ class Supervisor:
         env[RUNTIME_DIR_ENV] = self.plan.runtime_dir
         env[JOB_ENV] = self.plan.job_id
         env[STORE_ENV] = self.address
+        env[SECRET_FILE_ENV] = self.secret_file
         env[MEMBER_ENV] = member
         env.setdefault("OMP_NUM_THREADS", "1")
         # NCCL: abort the communicator on an error but do not end the process (3, torch's default, ends it;
@@ -273,6 +312,9 @@ class Supervisor:
                     self._exited(worker, code)
             if self._received is not None:
                 return self._shut_down()
+            if self._coordinator is not None and not self._coordinator.is_alive():
+                self._terminate_workers()
+                raise InPlaceStopped(EXIT_STOPPED, "the job's coordinator ended: the job stops (its ranks would wait)")
             if not self._live():
                 if self.finished:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {self.restarts} restart(s)")
@@ -287,7 +329,7 @@ class Supervisor:
         """Publish the exit at once (the survivors wait for it), then decide about the GPU."""
         worker.code = code
         try:
-            append_event(self.store, GONE, member=worker.member, code=code)
+            append_event(self.store, GONE, member=worker.member, code=code, node=self.node)
         except Exception as exc:  # the launcher hosting the store is gone: nobody can decide the membership
             self._terminate_workers()
             raise InPlaceStopped(EXIT_STOPPED, f"the job's store at {self.address} is gone ({exc})") from None

@@ -28,8 +28,12 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         (["--rdzv-backend", "etcd", "--rdzv-conf", "a=1"], "--rdzv-conf, --rdzv-backend apply to torchrun only"),
         (["--nnodes", "2", "--rdzv-id", "j"], "a multi-node --in-place job needs --rdzv-endpoint HOST:PORT"),
         (
-            ["--rdzv-endpoint", "nowhere", "--nnodes", "2", "--rdzv-id", "j"],
+            ["--rdzv-endpoint", "nowhere", "--nnodes", "2", "--rdzv-id", "j", "--inplace-secret-file", "s"],
             "--rdzv-endpoint 'nowhere' is not HOST:PORT",
+        ),
+        (
+            ["--rdzv-endpoint", "127.0.0.1:29400", "--nnodes", "2", "--rdzv-id", "j"],
+            "--in-place with --rdzv-endpoint needs --inplace-secret-file (the job's secret)",
         ),
     ],
 )
@@ -45,4 +49,24 @@ def test_too_few_usable_gpus_is_one_line_and_exit_3(tmp_path: Path) -> None:
     assert (result.exit_code, result.stderr) == (
         3,
         "gpuwatch launch: error: 2 usable GPU(s) on this node, fewer than --min-nproc 3\n",
+    )
+
+
+def test_inplace_secret_file_without_in_place_is_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(launch, ["--inplace-secret-file", "s", "--state-dir", str(tmp_path), "--", "t.py"])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        "gpuwatch launch: error: --inplace-secret-file applies to --in-place only\n",
+    )
+
+
+def test_a_secret_file_others_can_read_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path) -> None:
+    secret = tmp_path / "job.secret"
+    secret.write_text("a" * 64)
+    secret.chmod(0o644)
+    args = ["--in-place", "--rdzv-endpoint", "127.0.0.1:29400", "--inplace-secret-file", str(secret)]
+    result = CliRunner().invoke(launch, [*args, "--state-dir", str(tmp_path), "--", "t.py"])
+    assert (result.exit_code, result.stderr) == (
+        2,
+        f"gpuwatch launch: error: secret file {secret}: mode 644: others may read it (chmod 600)\n",
     )

@@ -6,6 +6,7 @@ in the same processes; the release brings it back to 4 with the state from a pee
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,11 @@ def test_two_nodes_shrink_from_4_to_3_ranks_in_place_and_grow_back_to_4(
     nodes: tuple[DaemonProcess, DaemonProcess], tmp_path: Path
 ) -> None:
     a, b = nodes
+    secret = tmp_path / "job.secret"  # the job's secret, a file of the user's own on a shared filesystem
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
     rdzv = ("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes")
+    rdzv += ("--inplace-secret-file", str(secret))
     (tmp_path / "job").mkdir()
     runs = [launch_in_place(a, tmp_path / "job", 100_000, *rdzv), launch_in_place(b, tmp_path / "job", 100_000, *rdzv)]
     run = runs[0]  # both write their step logs into the same directory (a shared filesystem's role)
