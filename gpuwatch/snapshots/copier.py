@@ -2,10 +2,15 @@
 
 The state's tensors are copied where they live, while the next step's forward and backward run:
 
-* CUDA: the copies are issued on a side stream that first waits for the compute stream at the step
-  boundary; the slot's memory is pinned (cudaHostRegister), so they are DMA transfers. Before the
-  optimizer updates the parameters in place, the compute stream waits for the copy (a GPU-side
-  wait: the host does not block), so the snapshot holds exactly the boundary's state.
+* CUDA, staged: on a side stream that first waits for the compute stream at the step boundary, each
+  tensor is copied device-to-device into a staging buffer on the same GPU (memory speed: 4 GiB in
+  about 2 ms on an H200). Before the optimizer updates the parameters in place, the compute stream
+  waits for that copy only (a GPU-side wait: the host does not block); the staging buffer then
+  drains into the host slot (pinned: cudaHostRegister) over the following steps, chunk by chunk,
+  on the same side stream.
+* CUDA, partly staged or direct: where the GPU had room for less than the whole state (staging.py),
+  the bytes past the staging buffer go device-to-host from the tensors themselves, and the update
+  waits for those too (PCIe speed).
 * CPU: a background thread copies (torch's copies release the GIL); the optimizer's update waits
   for it on the host.
 
@@ -28,7 +33,6 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +57,7 @@ class CopyJob:
         owned: for each source, whether the optimizer owns it (copied directly) or it must be cloned now.
         cuda: the CUDA device the sources are on, or None for the CPU path.
         world_size, rank: recorded in the slot's header.
+        staging: a uint8 buffer on the CUDA device (payload bytes [0, its size) go through it), or None.
     """
 
     def __init__(
@@ -65,8 +70,10 @@ class CopyJob:
         cuda: int | None,
         world_size: int,
         rank: int,
+        staging: torch.Tensor | None = None,
     ) -> None:
         self.step, self.seq, self.slot, self.flat = step, seq, slot, flat
+        self.staging = staging if cuda is not None else None
         self.cuda, self.world_size, self.rank = cuda, world_size, rank
         self.copied = threading.Event()  # CPU: the copies are done; CUDA: issued (done_event says when done)
         self.committed = threading.Event()
@@ -77,6 +84,9 @@ class CopyJob:
         self.worker_s = 0.0
         self.commit_wait_s = 0.0  # the part of blocked_s spent waiting for the commit (a cadence shorter than it)
         self.copy_s = 0.0
+        self.drain_s = 0.0  # from the boundary until the last byte was in the host slot
+        self.started = time.perf_counter()
+        self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
         self._stall_events: tuple[Any, Any] | None = None
         self._done_event: Any = None
         self._sources: list[torch.Tensor] = []
@@ -163,34 +173,72 @@ class CopyJob:
             self.committed.set()
 
     def _copy_and_checksum(self) -> list[int]:
-        """Copy chunk by chunk; each chunk's crc32 runs on the pool as soon as its bytes are in (pipelined)."""
+        """Copy chunk by chunk; each chunk's crc32 runs on the pool as soon as its bytes are in (pipelined).
+
+        With a staging buffer the chunks it covers are first copied device-to-device (the release point
+        for the optimizer), then drained to the host; the chunks past it go device-to-host directly,
+        before the release point.
+        """
         torch = sys.modules["torch"]
         started = time.perf_counter()
         self._chunk = chunk_size_for(self.flat.size)
         ranges = tensorfile.chunk_ranges(self.flat.data_off, self.flat.size, self._chunk)
         spans = [(r.offset, r.nbytes, s) for r, s in zip(self.flat.records, self._sources, strict=True) if r.nbytes]
+        staged_end = self._staged_end(ranges)
         view = self.slot.payload_view(self.flat.size)
         pool = _pool()
         self.slot.write_prefix(self.flat.prefix)
-        futures = [pool.submit(_crc, view, ranges[0], None)]
+        futures: dict[int, Any] = {0: pool.submit(_crc, view, ranges[0], None)}
         context = torch.cuda.device(self.cuda) if self.cuda is not None else contextlib.nullcontext()
         with context:
             stream = _side_stream(torch, self.cuda) if self.cuda is not None else None
             if stream is not None:
                 stream.wait_event(self._ready)
-            for offset, length in ranges[1:]:
-                ready = self._copy_range(torch, stream, spans, offset, length)
-                futures.append(pool.submit(_crc, view, (offset, length), ready))
+                self._stage(torch, stream, staged_end)
+            for i, (offset, length) in enumerate(ranges[1:], 1):
+                if offset + length > staged_end:
+                    ready = self._copy_range(torch, stream, spans, offset, length, None)
+                    futures[i] = pool.submit(_crc, view, (offset, length), ready)
             if stream is not None:
                 self._done_event = torch.cuda.Event()
                 self._done_event.record(stream)
-            self.copied.set()
-            crcs = [f.result() for f in futures]
+            self.copied.set()  # the optimizer may update once the GPU is past _done_event
+            for i, (offset, length) in enumerate(ranges[1:], 1):
+                if offset + length <= staged_end:
+                    ready = self._copy_range(torch, stream, spans, offset, length, self.staging)
+                    futures[i] = pool.submit(_crc, view, (offset, length), ready)
+            results = [futures[i].result() for i in range(len(ranges))]
+        self.drain_s = max(t for _, t in results) - self.started
         self.copy_s = time.perf_counter() - started
-        return crcs
+        return [crc for crc, _ in results]
 
-    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int) -> Any:
-        """Copy what belongs in payload [offset, offset + length); on CUDA the event that says when it is in."""
+    def _staged_end(self, ranges: list[tuple[int, int]]) -> int:
+        """The payload offset up to which the chunks go through the staging buffer (0: none do)."""
+        if self.staging is None:
+            return 0
+        capacity = self.staging.numel()
+        end = 0
+        for offset, length in ranges[1:]:
+            if offset + length > capacity:
+                break
+            end = offset + length
+        return end
+
+    def _stage(self, torch: Any, stream: Any, staged_end: int) -> None:
+        """Device-to-device: each CUDA tensor's bytes below `staged_end` into the staging buffer, one copy each."""
+        if not staged_end or self.staging is None:
+            return
+        with torch.cuda.stream(stream):
+            for record, source in zip(self.flat.records, self._sources, strict=True):
+                if record.nbytes and source.device.type != "cpu" and record.offset < staged_end:
+                    n = min(record.nbytes, staged_end - record.offset)
+                    self.staging[record.offset : record.offset + n].copy_(source[:n], non_blocking=True)
+
+    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int, staging: Any) -> Any:
+        """Copy what belongs in payload [offset, offset + length), from the sources or from the staging buffer.
+
+        On CUDA it returns the event that says when the bytes are in.
+        """
         for piece in tensorfile.pieces(spans, offset, length):
             dst = self.slot.payload_tensor(offset + piece.at, piece.length)
             if piece.source is None:
@@ -198,8 +246,12 @@ class CopyJob:
             elif stream is None:
                 dst.copy_(piece.source[piece.start : piece.start + piece.length])
             elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
+                if staging is not None:
+                    src = staging[offset + piece.at : offset + piece.at + piece.length]
+                else:
+                    src = piece.source[piece.start : piece.start + piece.length]
                 with torch.cuda.stream(stream):
-                    dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
+                    dst.copy_(src, non_blocking=True)
         if stream is None:
             return None
         event = torch.cuda.Event()
@@ -228,19 +280,20 @@ class CopyJob:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> int:
-    """crc32 of view[offset:offset + length] once `ready` (a CUDA event, or None) says its bytes are in."""
+def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> tuple[int, float]:
+    """crc32 of view[offset:offset + length] once `ready` (a CUDA event, or None) says its bytes are in; and when."""
     if ready is not None:
         ready.synchronize()  # releases the GIL
+    arrived = time.perf_counter()
     offset, length = rng
-    return zlib.crc32(view[offset : offset + length])
+    return tensorfile.crc32(view[offset : offset + length]), arrived
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The checksum threads, one pool for the process (zlib.crc32 releases the GIL)."""
+    """The checksum threads, one pool for the process (crc32 releases the GIL)."""
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(tensorfile.workers(), thread_name_prefix="gpuwatch-crc")

@@ -16,7 +16,6 @@ import mmap
 import os
 import stat
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +126,7 @@ def map_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
 
 
 def _crc_in(view: memoryview) -> Any:
-    return lambda c: zlib.crc32(view[c.offset : c.offset + c.length])
+    return lambda c: tensorfile.crc32(view[c.offset : c.offset + c.length])
 
 
 def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:

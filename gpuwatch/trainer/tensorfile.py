@@ -12,7 +12,9 @@ pool of threads copies, checksums and writes (or reads) several chunks at once.
 
 The checksum is zlib.crc32 per chunk: the fastest the stdlib has (measured on a 2-core VM: crc32 1.6 GiB/s
 a core, adler32 1.2, sha1 and sha256 0.8, blake2b 0.7), and zlib releases the GIL, so the chunks are
-checksummed on every core at once. `Chunk`s (offset, length, crc) tile the file; the first covers
+checksummed on every core at once. Where the optional `isal` package is installed, its crc32 (the same
+value, computed with the CPU's carry-less multiply: about 20 GiB/s a core against zlib's 1.6) is used
+instead. `Chunk`s (offset, length, crc) tile the file; the first covers
 the header and the meta, so a reader verifies the structure before it unpickles it, then reads
 and verifies every data chunk and hands out nothing before all of them match.
 
@@ -37,7 +39,6 @@ import os
 import pickle
 import struct
 import sys
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -53,6 +54,11 @@ CHUNK = 16 << 20
 HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, flags, meta_off, meta_len, data_off, data_len
 VERSION = 1
 MAX_WORKERS = 8
+
+try:  # the same crc32 as zlib's, an order of magnitude faster (optional: pip install isal)
+    from isal.isal_zlib import crc32 as crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32 as crc32
 
 _TORCH_GLOBALS = {"Size", "device"}
 _BUILTIN_GLOBALS = {"complex", "slice", "set", "frozenset"}
@@ -338,9 +344,9 @@ def workers() -> int:
 
 
 def crc_of(buffers: Sequence[Any], crc: int = 0) -> int:
-    """zlib.crc32 over buffers as if concatenated."""
+    """crc32 over buffers as if concatenated."""
     for buf in buffers:
-        crc = zlib.crc32(buf, crc)
+        crc = crc32(buf, crc)
     return crc
 
 
@@ -422,7 +428,7 @@ def write_flat(fd: int, flat: FlatState, chunk: int = CHUNK) -> list[Chunk]:
         try:
             _fill(bounce, pieces(spans, offset, length))
             view = bounce.view(length)
-            crc = zlib.crc32(view)
+            crc = crc32(view)
             _pwrite_all(fd, view, offset)
             return Chunk(offset, length, crc)
         finally:
@@ -441,7 +447,7 @@ def write_buffer(fd: int, buffer: memoryview, chunks: Sequence[tuple[int, int]])
     def one(rng: tuple[int, int]) -> Chunk:
         offset, length = rng
         view = buffer[offset : offset + length]
-        crc = zlib.crc32(view)
+        crc = crc32(view)
         _pwrite_all(fd, view, offset)
         return Chunk(offset, length, crc)
 
@@ -487,7 +493,7 @@ def read_flat(
     first = chunks[0]
     prefix = bytearray(first.length)
     _preadv_all(fd, [memoryview(prefix)], base, first.length)
-    if zlib.crc32(prefix) != first.crc:
+    if crc32(prefix) != first.crc:
         raise FlatFileError(f"crc32 mismatch in bytes 0-{first.length}")
     tree, records, data_off = parse_prefix(memoryview(prefix), size)
     tensors = empty_tensors(records)
@@ -559,7 +565,7 @@ def verify_fd(fd: int, size: int, chunks: Sequence[Chunk]) -> str | None:
         try:
             view = memoryview(buf)[: c.length]
             _preadv_all(fd, [view], c.offset, c.length)
-            return c, zlib.crc32(view)
+            return c, crc32(view)
         finally:
             pool.append(buf)
 
@@ -596,7 +602,7 @@ def chunks_of_fd(fd: int, size: int, chunk: int = CHUNK) -> list[Chunk]:
         try:
             view = memoryview(buf)[:length]
             _preadv_all(fd, [view], offset, length)
-            return Chunk(offset, length, zlib.crc32(view))
+            return Chunk(offset, length, crc32(view))
         finally:
             pool.append(buf)
 
