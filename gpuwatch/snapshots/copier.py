@@ -6,8 +6,9 @@ The state's tensors are copied where they live, while the next step's forward an
   tensor is copied device-to-device into a staging buffer on the same GPU (memory speed: 4 GiB in
   about 2 ms on an H200). Before the optimizer updates the parameters in place, the compute stream
   waits for that copy only (a GPU-side wait: the host does not block); the staging buffer then
-  drains into the host slot (pinned: cudaHostRegister) over the following steps, chunk by chunk,
-  on the same side stream.
+  drains into the host slot (pinned: cudaHostRegister) over the following steps, on the same side
+  stream, a few MiB queued at a time (the copy engine serves device-to-host copies in order: the
+  job's own, such as loss.item(), wait behind what is queued).
 * CUDA, partly staged or direct: where the GPU had room for less than the whole state (staging.py),
   the bytes past the staging buffer go device-to-host from the tensors themselves, and the update
   waits for those too (PCIe speed).
@@ -26,6 +27,7 @@ slot's commit: the torn slot a death mid-copy leaves. Never set it outside a tes
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     import torch
 
 DIE_BEFORE_COMMIT_ENV = "GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT"
+DRAIN_PIECE = 4 << 20
+DRAIN_DEPTH = 2  # 8 MiB queued: what a copy of the job's waits behind (0.2 ms at 50 GB/s)
 
 
 class CopyJob:
@@ -79,17 +83,14 @@ class CopyJob:
         self.committed = threading.Event()
         self.error: BaseException | None = None
         self.released = False  # the optimizer's update may run (it waited for the copy)
-        self.blocked_s = 0.0  # what the training thread waited for this snapshot (boundary, update, commit)
-        self.stall_s: float | None = None  # CUDA: how long the compute stream waited for the copy
-        self.worker_s = 0.0
-        self.commit_wait_s = 0.0  # the part of blocked_s spent waiting for the commit (a cadence shorter than it)
+        self.worker_s = 0.0  # the copier's time, from the boundary to the commit
         self.copy_s = 0.0
         self.drain_s = 0.0  # from the boundary until the last byte was in the host slot
         self.started = time.perf_counter()
         self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
-        self._stall_events: tuple[Any, Any] | None = None
         self._done_event: Any = None
         self._sources: list[torch.Tensor] = []
+        self._in_flight: collections.deque[Any] = collections.deque()  # drain copies queued (their events)
         self._prepare(owned)
         self._thread = threading.Thread(target=self._run, name=f"gpuwatch-snapshot-{step}", daemon=True)
         self._thread.start()
@@ -109,53 +110,19 @@ class CopyJob:
         self._ready = torch.cuda.Event()
         self._ready.record(torch.cuda.current_stream(self.cuda))
 
-    def release_for_update(self) -> float:
-        """Before the optimizer updates in place: wait for the copy (CUDA: on the GPU). Seconds the host waited."""
+    def release_for_update(self) -> None:
+        """Before the optimizer updates in place: wait for the copy (CUDA: the compute stream waits, not the host)."""
         if self.released:
-            return 0.0
-        started = time.perf_counter()
+            return
         self.copied.wait()
         if self.cuda is not None and self._done_event is not None:
             torch = sys.modules["torch"]
-            stream = torch.cuda.current_stream(self.cuda)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(stream)
-            stream.wait_event(self._done_event)
-            after.record(stream)
-            self._stall_events = (before, after)
+            torch.cuda.current_stream(self.cuda).wait_event(self._done_event)
         self.released = True
-        waited = time.perf_counter() - started
-        self.blocked_s += waited
-        return waited
 
-    def wait_committed(self, timeout: float | None = None) -> float:
-        """Wait for the commit (or the failure); seconds waited."""
-        started = time.perf_counter()
+    def wait_committed(self, timeout: float | None = None) -> None:
+        """Wait for the commit (or the failure)."""
         self.committed.wait(timeout)
-        waited = time.perf_counter() - started
-        self.blocked_s += waited
-        self.commit_wait_s += waited
-        return waited
-
-    def measure_stall(self) -> bool:
-        """Read the compute stream's wait once the GPU got past it; True when stall_s is known."""
-        if self.stall_s is not None:
-            return True
-        if self._stall_events is None:
-            if self.cuda is None or self.released:
-                self.stall_s = 0.0
-            return self.stall_s is not None
-        before, after = self._stall_events
-        if not after.query():
-            return False
-        self.stall_s = before.elapsed_time(after) / 1e3
-        return True
-
-    @property
-    def cost_s(self) -> float:
-        """What it cost the training (cadence.py): the waits, the GPU stall; on the CPU at least the copier's time."""
-        waits = self.blocked_s + (self.stall_s or 0.0)
-        return waits if self.cuda is not None else max(waits, self.worker_s)
 
     # -- the copier thread --------------------------------------------------------------------------
 
@@ -247,16 +214,30 @@ class CopyJob:
                 dst.copy_(piece.source[piece.start : piece.start + piece.length])
             elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
                 if staging is not None:
-                    src = staging[offset + piece.at : offset + piece.at + piece.length]
+                    self._drain(torch, stream, dst, staging[offset + piece.at : offset + piece.at + piece.length])
                 else:
-                    src = piece.source[piece.start : piece.start + piece.length]
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
+                    with torch.cuda.stream(stream):
+                        dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
         if stream is None:
             return None
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+    def _drain(self, torch: Any, stream: Any, dst: Any, src: Any) -> None:
+        """Staging to host in DRAIN_PIECE copies, at most DRAIN_DEPTH of them queued at a time.
+
+        The copy engine serves device-to-host copies in the order they are queued: a whole drain
+        queued at once would make the job's own small copies (loss.item()) wait for all of it.
+        """
+        for at in range(0, src.numel(), DRAIN_PIECE):
+            while len(self._in_flight) >= DRAIN_DEPTH:
+                self._in_flight.popleft().synchronize()  # releases the GIL
+            with torch.cuda.stream(stream):
+                dst[at : at + DRAIN_PIECE].copy_(src[at : at + DRAIN_PIECE], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._in_flight.append(event)
 
     def _commit(self, crcs: list[int]) -> None:
         self.slot.commit(

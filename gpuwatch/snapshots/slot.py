@@ -120,6 +120,7 @@ class Slot:
         self.size = 0
         self.payload_capacity = 0
         self._registered: int | None = None  # the address registered with CUDA (cudaHostRegister)
+        self.map_s = 0.0  # of the last ensure(): sizing and mapping (the rest was pinning)
         self.pin_failed = False
 
     def header(self) -> SlotHeader | None:
@@ -145,6 +146,7 @@ class Slot:
         os.posix_fallocate(self.fd, 0, size)
         self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self.size, self.payload_capacity = size, size - HEADER_LEN
+        self.map_s = time.monotonic() - started
         if pin:
             self._pin()
         return time.monotonic() - started

@@ -59,7 +59,16 @@ from gpuwatch.snapshots.layout import (
     user_dir_name,
 )
 from gpuwatch.snapshots.prepare import Preparation, Prepared
-from gpuwatch.snapshots.restore import Candidate, candidates, header_of, like, localize, map_state, read_state
+from gpuwatch.snapshots.restore import (
+    Candidate,
+    candidates,
+    header_of,
+    like,
+    localize,
+    map_state,
+    read_state,
+    read_to_device,
+)
 from gpuwatch.snapshots.slot import Slot, SlotHeader
 from gpuwatch.trainer import tensorfile
 from gpuwatch.trainer.checkpoint import latest_step, load_latest, save_checkpoint, save_flat_buffer
@@ -178,7 +187,9 @@ class HostSnapshot:
 
     # -- resuming -----------------------------------------------------------------------------------
 
-    def resume(self, checkpoint_dir: str | os.PathLike[str], *, like_state: Any = None) -> Restored | None:
+    def resume(
+        self, checkpoint_dir: str | os.PathLike[str], *, like_state: Any = None, device: Any = None
+    ) -> Restored | None:
         """The host snapshot when every rank has one at least as new as the disk's newest, else `load_latest`.
 
         All ranks call it (it agrees with the others). None when neither has anything.
@@ -187,12 +198,13 @@ class HostSnapshot:
             checkpoint_dir: the checkpoint directory to fall back to.
             like_state: for sharded state, a state of the same structure (get_state_dict's): its DTensors'
                 meshes and placements turn the restored local shards back into DTensors.
+            device: a CUDA device: a host snapshot is restored onto it (see `restore`); None: CPU tensors.
 
         Raises:
             CheckpointError: the disk has checkpoints and none verifies (as load_latest).
         """
         started = time.perf_counter()
-        restored = self.restore(like_state=like_state, at_least=latest_step(checkpoint_dir))
+        restored = self.restore(like_state=like_state, at_least=latest_step(checkpoint_dir), device=device)
         if restored is not None:
             return restored
         loaded = load_latest(checkpoint_dir)
@@ -202,10 +214,13 @@ class HostSnapshot:
         seconds = time.perf_counter() - started
         return Restored(loaded.step, loaded.state, "disk", str(loaded.path), seconds, loaded.skipped)
 
-    def restore(self, *, like_state: Any = None, at_least: int | None = None) -> Restored | None:
+    def restore(self, *, like_state: Any = None, at_least: int | None = None, device: Any = None) -> Restored | None:
         """The newest host snapshot every rank holds (at least step `at_least`), verified; None if there is none.
 
         All ranks call it: it is collective when there are several, also on a rank whose snapshots are off.
+        device: None: CPU tensors (the rank's own slot mapped copy-on-write, no copy); a CUDA device:
+        the tensors are copied onto it through pinned buffers, each chunk verified as it goes (memory
+        speed; load_state_dict then copies on the GPU), and the slot is reused by the next snapshots.
         """
         started = time.perf_counter()
         found = self._candidates(at_least)
@@ -213,7 +228,7 @@ class HostSnapshot:
         for candidate in found:
             by_step.setdefault(candidate.header.step, []).append(candidate)
         for step in common_steps(by_step):
-            state, where, mapped = self._read_one(by_step.get(step, []))
+            state, where, mapped = self._read_one(by_step.get(step, []), device)
             if everyone(state is not None):
                 self._aliased = mapped.slot if mapped is not None else None  # never to be written in place again
                 self._resumed(step)
@@ -230,13 +245,17 @@ class HostSnapshot:
         found = candidates(self._dir_fd, rank=self.rank, world_size=self.world_size, replicated=self.replicated)
         return [c for c in found if at_least is None or c.header.step >= at_least]
 
-    def _read_one(self, options: list[Candidate]) -> tuple[Any, str, Candidate | None]:
+    def _read_one(self, options: list[Candidate], device: Any) -> tuple[Any, str, Candidate | None]:
         """The state of the first option that verifies; where it was; the own slot it is mapped from (else None)."""
         dir_fd = self._dir_fd
+        on_gpu = device is not None and str(device).startswith("cuda")
         for candidate in options:
             assert dir_fd is not None
-            own = candidate.rank == self.rank
-            state, reason = map_state(dir_fd, candidate) if own else read_state(dir_fd, candidate)
+            own = candidate.rank == self.rank and not on_gpu
+            if on_gpu:
+                state, reason = read_to_device(dir_fd, candidate, device)
+            else:
+                state, reason = map_state(dir_fd, candidate) if own else read_state(dir_fd, candidate)
             if state is not None:
                 return state, str(self.directory / candidate.name), candidate if own else None
             log.warning("host snapshot %s (step %d) not used: %s", candidate.name, candidate.header.step, reason)
@@ -273,7 +292,7 @@ class HostSnapshot:
         self._last_t = now
         if self._base is None:
             self._resumed(step - 1)
-        if not self._ready(block=False):
+        if not self.ready():
             if interval is not None:
                 self._plain.append(interval)
             return
@@ -298,7 +317,7 @@ class HostSnapshot:
 
     def snapshot_now(self, step: int) -> bool:
         """Take a snapshot of `step` and wait for its commit; False when snapshots are off or it failed."""
-        if not self.enabled or not self._ready(block=True):
+        if not self.enabled or not self.ready(wait=True):
             return False
         self.wait()
         self._start(step)
@@ -318,14 +337,20 @@ class HostSnapshot:
         if job is not None and not job.released:
             job.release_for_update()
 
-    def _ready(self, *, block: bool) -> bool:
-        """Whether the slots are set up; the first call starts setting them up (on a thread). False: not (yet)."""
+    def ready(self, *, wait: bool = False) -> bool:
+        """Whether the slots (and the GPU staging) are set up; the first call starts that, on a thread.
+
+        `step` calls it; call it yourself (wait=True) to have them before the loop starts, once the
+        state exists (after the optimizer's first step, or the restore). False: not yet, or snapshots are off.
+        """
         if self._prepared is not None:
             return self.enabled
+        if not self.enabled:
+            return False
         if self._preparation is None:
             self._prepare()
         preparation = self._preparation
-        if preparation is None or not (block or preparation.done):
+        if preparation is None or not (wait or preparation.done):
             return False
         self._adopt(preparation.join())
         return self.enabled
@@ -365,8 +390,10 @@ class HostSnapshot:
         staged = 0 if prepared.staging is None else int(prepared.staging.numel())
         host = "pinned" if prepared.pinned else "pageable" if self._cuda is not None else "host"
         gpu = f", {_size(staged)} of GPU memory for staging" if staged else ""
-        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (set up off the training thread)",
-                 _size(self.state_bytes), prepared.mode, gpu, host, self.directory, prepared.seconds)  # fmt: skip
+        mapped = max((slot.map_s for slot in self._slots.values()), default=0.0)
+        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (mapped in %.2f s; set up off "
+                 "the training thread)", _size(self.state_bytes), prepared.mode, gpu, host, self.directory,
+                 prepared.seconds, mapped)  # fmt: skip
 
     def _due(self, step: int) -> bool:
         if self._every is None:
@@ -375,7 +402,6 @@ class HostSnapshot:
         return step - last >= self._every
 
     def _start(self, step: int) -> None:
-        started = time.perf_counter()
         try:
             flat = tensorfile.plan(localize(self._state_fn()))
             if flat is None:
@@ -407,7 +433,6 @@ class HostSnapshot:
         self._cuda, self.state_bytes = cuda, flat.size
         self._last_snap_step = step
         self._job = job
-        job.blocked_s += time.perf_counter() - started - setup_s
         if not self._optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
 
@@ -491,7 +516,7 @@ class HostSnapshot:
         self._join_disk()
         job = self._job if self._job is not None and self._job.step == step else None
         k = None if job is not None else self._committed_slot(step)
-        if job is None and k is None and self._ready(block=True):  # K does not divide the checkpoint cadence
+        if job is None and k is None and self.ready(wait=True):  # K does not divide the checkpoint cadence
             if self._job is not None:
                 self._finish(self._job)
             if self.enabled:
