@@ -472,13 +472,13 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
     if "skipped" in snap or "error" in snap:
         rows.append(Row(f"{label}: host snapshot", _why(snap)))
     else:
-        share = None if snap["cost_share"] is None else 100 * snap["cost_share"]
+        cost_pct = None if snap["cost_share"] is None else 100 * snap["cost_share"]
         walls = f"{snap['wall_with_snapshots_s']:.2f} / {snap['wall_s']:.2f} s"
         rows += [
             Row(f"{label}: step time (no snapshot)", snap["step_s"], "s"),
             Row(f"{label}: host snapshot mode", f"{snap['mode']}, {'pinned' if snap['pinned'] else 'pageable'} slots"),
             Row(f"{label}: the loop's wall time, snapshots every=auto / none", walls),
-            target(f"{label}: what snapshots cost the loop (auto)", share, "%", SNAPSHOT_SHARE * 100),
+            target(f"{label}: what snapshots cost the loop (auto)", cost_pct, "%", SNAPSHOT_SHARE * 100),
             Row(f"{label}: snapshot cadence K (auto)", snap["every"], "steps"),
             Row(f"{label}: snapshot drain (boundary → commit)", snap["drain_s"], "s"),
             target(f"{label}: rescue written from host memory", snap["rescue_s"], "s", RESCUE_WINDOW_S),

@@ -260,6 +260,6 @@ def _cuda_error(cudart: Any, code: int) -> str:
     with contextlib.suppress(Exception):
         cudart.cudaGetLastError()
     try:
-        return f"CUDA error {code}: {cudart.cudaGetErrorString(code)}"
-    except Exception:
+        return f"CUDA error {code}: {cudart.cudaGetErrorString(cudart.cudaError(code))}"
+    except Exception:  # a torch build without these bindings
         return f"CUDA error {code}"

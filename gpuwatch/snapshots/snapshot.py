@@ -15,12 +15,15 @@
             if step % 500 == 0:
                 snap.checkpoint(ckpt_dir, step)   # rank 0 writes it from the snapshot, in the background
 
-Every K steps `step()` starts copying the state into the older of the rank's two slots (copier.py)
-and returns; the copy runs beside the next step's forward and backward, the optimizer's update
-waits for it, and the next `step()` waits for its commit, so a death with no survivor loses at most
-K steps. `every="auto"` takes the first snapshot after three steps, measures what it cost the step
-and picks the K that keeps it under 1 % (cadence.py). A relaunch on the same node restores the
-newest step every rank holds (agree.py), verified chunk by chunk, before it reads the disk.
+The first `step()` sets both slots (and, on a GPU, a staging buffer) up on a thread (prepare.py).
+Then every K steps `step()` starts copying the state into the older of the rank's two slots
+(copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
+the staging buffer, which drains to the host over the next steps; the next snapshot due waits for
+the previous commit, so a death with no survivor loses at most K steps plus the steps a drain spans.
+`every="auto"` judges a snapshot by the loop's own step intervals with and without one in flight
+and picks (and keeps re-checking) the K that keeps that under 1 % (cadence.py). A relaunch on the
+same node restores the newest step every rank holds (agree.py), verified chunk by chunk, before it
+reads the disk.
 
 The slots are removed when the job finishes (the context exits without an error); a rank that
 stops for resume or dies leaves them for the relaunch, and the daemon prunes a dead job's slots
@@ -271,7 +274,14 @@ class HostSnapshot:
         self._last_snap_step = self._base
         for k in SLOTS:
             header = self._own_header(k)
-            if header is not None and header.step > self._base:
+            if header is None or header.step <= self._base:
+                continue
+            if k in self._renames:  # the slot's file, not the new one waiting under the temp name
+                assert self._dir_fd is not None
+                stale = Slot(self._dir_fd, slot_name(self.rank, k))
+                stale.invalidate()
+                stale.close()
+            else:
                 self._slot(k).invalidate()
 
     # -- the training loop's side ---------------------------------------------------------------------

@@ -56,7 +56,7 @@ VERSION = 1
 MAX_WORKERS = 8
 
 try:  # the same crc32 as zlib's, an order of magnitude faster (optional: pip install isal)
-    from isal.isal_zlib import crc32 as crc32
+    from isal.isal_zlib import crc32 as crc32  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # pragma: no cover - depends on the environment
     from zlib import crc32 as crc32
 

@@ -199,7 +199,7 @@ def child(args: argparse.Namespace) -> int:
         train_step(model, optim, x)
         step += 1
         snap.step(step)
-        log.write(json.dumps({"step": step, "t": time.time(), "mode": snap.mode}) + "\n")
+        log.write(json.dumps({"step": step, "t": time.time(), "committed": snap.committed_step}) + "\n")
     snap.close(remove=True)
     return 0
 
@@ -213,10 +213,10 @@ def kill_test(args: argparse.Namespace, device: Any) -> None:
             "--batch", str(batch), "--every", str(args.every)]  # fmt: skip
     first = subprocess.Popen([*base, "--child-steps", "100000"])
     deadline = time.time() + 240
-    while time.time() < deadline:
-        lines = _lines(log)
-        steps = [line for line in lines if "step" in line]
-        if steps and steps[-1]["mode"] is not None and len(steps) >= args.kill_after:
+    while time.time() < deadline:  # kill_after steps after the first snapshot's commit
+        steps = [line for line in _lines(log) if "step" in line]
+        committed = [line["step"] for line in steps if line["committed"] is not None]
+        if committed and steps[-1]["step"] >= committed[0] + args.kill_after:
             break
         time.sleep(0.05)
     time.sleep(0.137)  # anywhere in a step

@@ -256,9 +256,9 @@ def test_auto_cadence_measures_the_first_snapshot(tmp_path: Path) -> None:
     _run(snap, net, optim, range(3, 8))
     snap.close(remove=True)
     assert snap.snapshots >= 1 and snap.auto_basis is not None
-    cost_s, step_s = snap.auto_basis
-    assert cost_s > 0 and step_s > 0
-    assert snap.every == choose_every(cost_s, step_s)
+    cost_s, step_s = snap.auto_basis  # from the loop's own step intervals (test_cost.py checks the claim)
+    assert cost_s >= 0 and step_s > 0
+    assert snap.every == choose_every(cost_s, step_s, background_s=snap.stats()["drain_s"])
 
 
 def test_choose_every_keeps_the_cost_under_the_share() -> None:
