@@ -36,10 +36,10 @@ def slow_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)
 
 
-def _loop(steps: int, snap: HostSnapshot | None, params: list[torch.Tensor]) -> list[float]:
+def _loop(steps: int, snap: HostSnapshot | None, params: list[torch.Tensor], first: int = 1) -> list[float]:
     """The training loop: its own step wall times."""
     times = []
-    for step in range(1, steps + 1):
+    for step in range(first, first + steps):
         started = time.perf_counter()
         in_flight = snap is not None and snap._job is not None
         time.sleep(STEP_S + (SLOWER_IN_FLIGHT_S if in_flight else 0.0))
@@ -80,3 +80,32 @@ def test_auto_keeps_the_cost_the_loop_sees_under_its_share(tmp_path: Path, slow_
     assert overhead <= share * without + 0.15, (
         f"{overhead:.3f} s over {without:.3f} s ({overhead / without:.1%}); promised {share:.0%}: {stats}"
     )
+
+
+def test_a_relaunch_sets_its_slots_up_off_the_step_and_never_writes_over_the_restored_state(
+    tmp_path: Path, slow_slots: None
+) -> None:
+    params = [torch.zeros(1 << 20) for _ in range(2)]
+    snap = _snapshot(tmp_path, params, every=2)
+    _loop(40, snap, params)
+    assert snap.snapshot_now(40)
+    snap.close(remove=False)  # a rank that stops for resume
+    expected = [p.clone() for p in params]
+
+    again_params = [torch.zeros(1 << 20) for _ in range(2)]
+    again = _snapshot(tmp_path, again_params, every=2)
+    restored = again.restore()  # the own slot, mapped copy-on-write
+    assert restored is not None and restored.step == 40
+    for mine, theirs in zip(again_params, restored.state["params"], strict=True):
+        mine.copy_(theirs)
+    times = _loop(60, again, again_params, first=41)  # both slots rewritten: the mapped one is a new file
+    stats = again.stats()
+    again.close(remove=False)
+
+    assert stats["snapshots"] >= 5
+    assert max(times[1:]) < SETUP_S * 0.8, f"a step stalled {max(times):.3f} s"
+    assert all(torch.equal(a, b) for a, b in zip(restored.state["params"], expected, strict=True))
+    job = tmp_path / next(p.name for p in tmp_path.iterdir()) / "job-cost"
+    assert sorted(p.name for p in job.iterdir()) == ["rank-00000.slot0", "rank-00000.slot1"]
+    final = _snapshot(tmp_path, params, every=2).restore()
+    assert final is not None and final.step == again.committed_step
