@@ -71,7 +71,7 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
     assert recovery["floor"]["write"] > 0 and recovery["floor"]["read"] > 0
     assert recovery["checkpoint"]["save_gib_s"] > 0 and recovery["checkpoint"]["load_gib_s"] > 0
     assert recovery["checkpoint"]["legacy"]["save_gib_s"] > 0
-    assert recovery["snapshot"]["step_s"] > 0 and recovery["snapshot"]["every_for_1pct"] >= 1
+    assert recovery["snapshot"]["step_s"] > 0 and recovery["snapshot"]["every"] >= 1
     assert recovery["snapshot"]["rescue_s"] > 0
     paths = recovery["paths"]
     assert [paths[name]["source"] for name in ("disk", "snapshot", "in_place")] == ["disk", "memory", "peers' memory"]

@@ -7,8 +7,9 @@ $GPUWATCH_BENCH_RECOVERY_GIB, comma-separated) it measures, on the disk the benc
   (fsync'd; the buffered read after dropping the file's cached pages), and save_checkpoint and
   load_latest (which verifies) against it; at the first size also the format before flat files
   (torch.save + sha256), for before and after;
-* what a host snapshot costs a step: the mean step time with a snapshot every step minus without,
-  the cadence K that keeps it under 1 % of that step, and the survivor's rescue written from it;
+* what host snapshots cost a job: the same loop's wall time with every="auto" and without (its own
+  step times), the K auto chose, the drain (boundary to commit), the mode, and the survivor's rescue
+  written from host memory;
 * for every entry of RECOVERY_PATHS, a real job under `gpuwatch launch` (beside a bench daemon)
   killed with SIGKILL (what the kill_rank drill sends) after a given step: the seconds from the kill
   to the relaunch's first finished step and the steps lost, from the job's own step log. Another way
@@ -246,60 +247,70 @@ def _legacy(directory: Path, state: Any) -> dict[str, float]:
 
 
 def snapshot_cost(ctx: Context, gib: float, device: Any, step_s: float) -> dict[str, Any]:
-    """Mean step time with a snapshot every step minus without; the K for 1 %; the rescue from host memory."""
-    from gpuwatch.snapshots import choose_every, snapshot_root
+    """The loop's wall time with every="auto" against without; K, the drain, the mode; the rescue from host memory."""
+    from gpuwatch.snapshots import snapshot_root
 
     if (reason := _shm_short(snapshot_root(), int(gib * 2**30))) is not None:
         return {"skipped": reason}
     out = _timed_snapshots(ctx, gib, device, step_s)
     _free(device)
-    cost = max(0.0, out["step_with_snapshot_s"] - out["step_s"])
-    out.update(cost_s=cost, every_for_1pct=choose_every(cost, out["step_s"], share=SNAPSHOT_SHARE))
     return out
 
 
 def _timed_snapshots(ctx: Context, gib: float, device: Any, step_s: float) -> dict[str, Any]:
+    """The same loop without snapshots, then with (after a warm-up in which the slots are set up off the step)."""
     from gpuwatch.bench.recovery_job import make_compute, make_state, state_of
     from gpuwatch.snapshots import HostSnapshot
 
-    steps = int(ctx.pick(6, 3))
+    steps = int(ctx.pick(40, 6))
     params, optim = make_state(gib, device)
     compute = make_compute(device, step_s)
     snap = HostSnapshot(
-        lambda: state_of(params, optim), every=1, optimizer=optim, replicated=True, job_id=f"bench-cost-{os.getpid()}"
-    )
+        lambda: state_of(params, optim), every="auto", share=SNAPSHOT_SHARE, optimizer=optim, replicated=True,
+        job_id=f"bench-cost-{os.getpid()}",
+    )  # fmt: skip
 
-    def timed(first: int, n: int, with_snapshot: bool) -> list[float]:
+    def timed(first: int, n: int, with_snapshot: bool) -> tuple[int, list[float]]:
         times = []
+        step = first
         for step in range(first, first + n):
             started = time.perf_counter()
             compute()
             optim.step()
+            _sync(device)  # the loop's own step log: each step ends when the GPU is done with it
             if with_snapshot:
                 snap.step(step)
-            _sync(device)
             times.append(time.perf_counter() - started)
-        return times
+        return step + 1, times
 
     try:
-        timed(1, 2, False)
-        without = timed(3, steps, False)
-        timed(3 + steps, 2, True)  # the slots are set up (fallocate, pinning) here, not measured
-        with_snapshot = timed(5 + steps, steps, True)
+        step, _ = timed(1, 2, False)
+        step, without = timed(step, steps, False)
+        warm_up = time.perf_counter() + ctx.pick(120, 30)
+        while (snap.every is None or not snap.snapshots) and snap.enabled and time.perf_counter() < warm_up:
+            step, _ = timed(step, 1, True)  # the slots are set up here, on their own thread
+        step, with_snapshot = timed(step, steps, True)
         snap.wait()
         rescue_dir = ctx.workdir / "rescue"
         started = time.perf_counter()
-        snap.rescue(rescue_dir, 4 + 2 * steps)
+        snap.rescue(rescue_dir, step)
         rescue_s = time.perf_counter() - started
         shutil.rmtree(rescue_dir, ignore_errors=True)
         stats = snap.stats()
     finally:
         snap.close(remove=True)
+    wall, wall_with = sum(without), sum(with_snapshot)
     return {
         "state_bytes": stats["state_bytes"],
         "step_s": _mean(without),
-        "step_with_snapshot_s": _mean(with_snapshot),
-        "copy_s": stats["copy_s"],
+        "wall_s": wall,
+        "wall_with_snapshots_s": wall_with,
+        "cost_share": wall_with / wall - 1 if wall else None,
+        "every": stats["every"],
+        "drain_s": stats["drain_s"],
+        "mode": stats["mode"],
+        "pinned": stats["pinned"],
+        "staging_bytes": stats["staging_bytes"],
         "own_cost_s": stats["mean_cost_s"],
         "setup_s": stats["setup_s"],
         "rescue_s": rescue_s,
@@ -461,10 +472,15 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
     if "skipped" in snap or "error" in snap:
         rows.append(Row(f"{label}: host snapshot", _why(snap)))
     else:
+        cost_pct = None if snap["cost_share"] is None else 100 * snap["cost_share"]
+        walls = f"{snap['wall_with_snapshots_s']:.2f} / {snap['wall_s']:.2f} s"
         rows += [
             Row(f"{label}: step time (no snapshot)", snap["step_s"], "s"),
-            Row(f"{label}: host snapshot cost per snapshot (step with − without)", snap["cost_s"], "s"),
-            Row(f"{label}: snapshot cadence K for < 1 % of the step", snap["every_for_1pct"], "steps"),
+            Row(f"{label}: host snapshot mode", f"{snap['mode']}, {'pinned' if snap['pinned'] else 'pageable'} slots"),
+            Row(f"{label}: the loop's wall time, snapshots every=auto / none", walls),
+            target(f"{label}: what snapshots cost the loop (auto)", cost_pct, "%", SNAPSHOT_SHARE * 100),
+            Row(f"{label}: snapshot cadence K (auto)", snap["every"], "steps"),
+            Row(f"{label}: snapshot drain (boundary → commit)", snap["drain_s"], "s"),
             target(f"{label}: rescue written from host memory", snap["rescue_s"], "s", RESCUE_WINDOW_S),
         ]
     for name, result in entry["paths"].items():
@@ -475,6 +491,8 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
             Row(f"{label}: SIGKILL → first resumed step ({name})", result["fault_to_step_s"], "s"),
             Row(f"{label}: steps lost ({name}{_every(result)})", result["steps_lost"], "steps"),
         ]
+        if result.get("restore_s") is not None:
+            rows.append(Row(f"{label}: restore ({name}: from {result['source']})", result["restore_s"], "s"))
         if result.get("rejoin_s") is not None:
             rows.append(
                 Row(f"{label}: a replacement joins from its peers (start → its first step)", result["rejoin_s"], "s")

@@ -1,10 +1,9 @@
 """How often to snapshot: the fewest steps between snapshots that keep their cost under a share of the step.
 
-A snapshot costs the step what the training thread waits for (starting it, the optimizer's wait for
-the copy, the next boundary's wait for the commit), plus on a CUDA device the time the compute stream
-stalls on the copy, plus on the CPU the copier's own time (it competes with the training for cores).
-Every K steps, that is cost / (K × step time) of the run; K is the smallest integer that keeps it
-at or under the share. A death with no survivor then loses at most K steps.
+A snapshot costs what the training loop sees: the step intervals it was in flight for, less as many
+plain steps (HostSnapshot measures it from its own calls, once a step). Every K steps, that is
+cost / (K × step time) of the run; K is the smallest integer that keeps it at or under the share,
+and not below the snapshot's drain (a snapshot due before the previous one is committed waits).
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ def choose_every(
     """The cadence (steps between snapshots) that keeps `cost_s` per snapshot within `share` of a `step_s` step.
 
     Args:
-        cost_s: what one snapshot costs the training (seconds), but for waiting on its commit.
+        cost_s: what one snapshot costs the training loop (seconds).
         step_s: the step time without snapshots (seconds).
         share: the budget, e.g. 0.01 for 1 % of the step time.
         max_every: the largest cadence returned (a tiny step with a large state would ask for more).
-        background_s: the snapshot's own time off the step (a CUDA copy, the checksums, the commit): a
+        background_s: the snapshot's own time off the step (the drain, the checksums, the commit): a
             snapshot due before that time is up waits for the rest, so that wait counts at a short cadence.
 
     Raises:

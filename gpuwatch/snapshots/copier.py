@@ -2,10 +2,16 @@
 
 The state's tensors are copied where they live, while the next step's forward and backward run:
 
-* CUDA: the copies are issued on a side stream that first waits for the compute stream at the step
-  boundary; the slot's memory is pinned (cudaHostRegister), so they are DMA transfers. Before the
-  optimizer updates the parameters in place, the compute stream waits for the copy (a GPU-side
-  wait: the host does not block), so the snapshot holds exactly the boundary's state.
+* CUDA, staged: on a side stream that first waits for the compute stream at the step boundary, each
+  tensor is copied device-to-device into a staging buffer on the same GPU (memory speed: 4 GiB in
+  about 2 ms on an H200). Before the optimizer updates the parameters in place, the compute stream
+  waits for that copy only (a GPU-side wait: the host does not block); the staging buffer then
+  drains into the host slot (pinned: cudaHostRegister) over the following steps, on the same side
+  stream, a few MiB queued at a time (the copy engine serves device-to-host copies in order: the
+  job's own, such as loss.item(), wait behind what is queued).
+* CUDA, partly staged or direct: where the GPU had room for less than the whole state (staging.py),
+  the bytes past the staging buffer go device-to-host from the tensors themselves, and the update
+  waits for those too (PCIe speed).
 * CPU: a background thread copies (torch's copies release the GIL); the optimizer's update waits
   for it on the host.
 
@@ -21,6 +27,7 @@ slot's commit: the torn slot a death mid-copy leaves. Never set it outside a tes
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -28,7 +35,6 @@ import signal
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +46,8 @@ if TYPE_CHECKING:
     import torch
 
 DIE_BEFORE_COMMIT_ENV = "GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT"
+DRAIN_PIECE = 4 << 20
+DRAIN_DEPTH = 2  # 8 MiB queued: what a copy of the job's waits behind (0.2 ms at 50 GB/s)
 
 
 class CopyJob:
@@ -53,6 +61,7 @@ class CopyJob:
         owned: for each source, whether the optimizer owns it (copied directly) or it must be cloned now.
         cuda: the CUDA device the sources are on, or None for the CPU path.
         world_size, rank: recorded in the slot's header.
+        staging: a uint8 buffer on the CUDA device (payload bytes [0, its size) go through it), or None.
     """
 
     def __init__(
@@ -65,21 +74,23 @@ class CopyJob:
         cuda: int | None,
         world_size: int,
         rank: int,
+        staging: torch.Tensor | None = None,
     ) -> None:
         self.step, self.seq, self.slot, self.flat = step, seq, slot, flat
+        self.staging = staging if cuda is not None else None
         self.cuda, self.world_size, self.rank = cuda, world_size, rank
         self.copied = threading.Event()  # CPU: the copies are done; CUDA: issued (done_event says when done)
         self.committed = threading.Event()
         self.error: BaseException | None = None
         self.released = False  # the optimizer's update may run (it waited for the copy)
-        self.blocked_s = 0.0  # what the training thread waited for this snapshot (boundary, update, commit)
-        self.stall_s: float | None = None  # CUDA: how long the compute stream waited for the copy
-        self.worker_s = 0.0
-        self.commit_wait_s = 0.0  # the part of blocked_s spent waiting for the commit (a cadence shorter than it)
+        self.worker_s = 0.0  # the copier's time, from the boundary to the commit
         self.copy_s = 0.0
-        self._stall_events: tuple[Any, Any] | None = None
+        self.drain_s = 0.0  # from the boundary until the last byte was in the host slot
+        self.started = time.perf_counter()
+        self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
         self._done_event: Any = None
         self._sources: list[torch.Tensor] = []
+        self._in_flight: collections.deque[Any] = collections.deque()  # drain copies queued (their events)
         self._prepare(owned)
         self._thread = threading.Thread(target=self._run, name=f"gpuwatch-snapshot-{step}", daemon=True)
         self._thread.start()
@@ -99,53 +110,19 @@ class CopyJob:
         self._ready = torch.cuda.Event()
         self._ready.record(torch.cuda.current_stream(self.cuda))
 
-    def release_for_update(self) -> float:
-        """Before the optimizer updates in place: wait for the copy (CUDA: on the GPU). Seconds the host waited."""
+    def release_for_update(self) -> None:
+        """Before the optimizer updates in place: wait for the copy (CUDA: the compute stream waits, not the host)."""
         if self.released:
-            return 0.0
-        started = time.perf_counter()
+            return
         self.copied.wait()
         if self.cuda is not None and self._done_event is not None:
             torch = sys.modules["torch"]
-            stream = torch.cuda.current_stream(self.cuda)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(stream)
-            stream.wait_event(self._done_event)
-            after.record(stream)
-            self._stall_events = (before, after)
+            torch.cuda.current_stream(self.cuda).wait_event(self._done_event)
         self.released = True
-        waited = time.perf_counter() - started
-        self.blocked_s += waited
-        return waited
 
-    def wait_committed(self, timeout: float | None = None) -> float:
-        """Wait for the commit (or the failure); seconds waited."""
-        started = time.perf_counter()
+    def wait_committed(self, timeout: float | None = None) -> None:
+        """Wait for the commit (or the failure)."""
         self.committed.wait(timeout)
-        waited = time.perf_counter() - started
-        self.blocked_s += waited
-        self.commit_wait_s += waited
-        return waited
-
-    def measure_stall(self) -> bool:
-        """Read the compute stream's wait once the GPU got past it; True when stall_s is known."""
-        if self.stall_s is not None:
-            return True
-        if self._stall_events is None:
-            if self.cuda is None or self.released:
-                self.stall_s = 0.0
-            return self.stall_s is not None
-        before, after = self._stall_events
-        if not after.query():
-            return False
-        self.stall_s = before.elapsed_time(after) / 1e3
-        return True
-
-    @property
-    def cost_s(self) -> float:
-        """What it cost the training (cadence.py): the waits, the GPU stall; on the CPU at least the copier's time."""
-        waits = self.blocked_s + (self.stall_s or 0.0)
-        return waits if self.cuda is not None else max(waits, self.worker_s)
 
     # -- the copier thread --------------------------------------------------------------------------
 
@@ -163,34 +140,72 @@ class CopyJob:
             self.committed.set()
 
     def _copy_and_checksum(self) -> list[int]:
-        """Copy chunk by chunk; each chunk's crc32 runs on the pool as soon as its bytes are in (pipelined)."""
+        """Copy chunk by chunk; each chunk's crc32 runs on the pool as soon as its bytes are in (pipelined).
+
+        With a staging buffer the chunks it covers are first copied device-to-device (the release point
+        for the optimizer), then drained to the host; the chunks past it go device-to-host directly,
+        before the release point.
+        """
         torch = sys.modules["torch"]
         started = time.perf_counter()
         self._chunk = chunk_size_for(self.flat.size)
         ranges = tensorfile.chunk_ranges(self.flat.data_off, self.flat.size, self._chunk)
         spans = [(r.offset, r.nbytes, s) for r, s in zip(self.flat.records, self._sources, strict=True) if r.nbytes]
+        staged_end = self._staged_end(ranges)
         view = self.slot.payload_view(self.flat.size)
         pool = _pool()
         self.slot.write_prefix(self.flat.prefix)
-        futures = [pool.submit(_crc, view, ranges[0], None)]
+        futures: dict[int, Any] = {0: pool.submit(_crc, view, ranges[0], None)}
         context = torch.cuda.device(self.cuda) if self.cuda is not None else contextlib.nullcontext()
         with context:
             stream = _side_stream(torch, self.cuda) if self.cuda is not None else None
             if stream is not None:
                 stream.wait_event(self._ready)
-            for offset, length in ranges[1:]:
-                ready = self._copy_range(torch, stream, spans, offset, length)
-                futures.append(pool.submit(_crc, view, (offset, length), ready))
+                self._stage(torch, stream, staged_end)
+            for i, (offset, length) in enumerate(ranges[1:], 1):
+                if offset + length > staged_end:
+                    ready = self._copy_range(torch, stream, spans, offset, length, None)
+                    futures[i] = pool.submit(_crc, view, (offset, length), ready)
             if stream is not None:
                 self._done_event = torch.cuda.Event()
                 self._done_event.record(stream)
-            self.copied.set()
-            crcs = [f.result() for f in futures]
+            self.copied.set()  # the optimizer may update once the GPU is past _done_event
+            for i, (offset, length) in enumerate(ranges[1:], 1):
+                if offset + length <= staged_end:
+                    ready = self._copy_range(torch, stream, spans, offset, length, self.staging)
+                    futures[i] = pool.submit(_crc, view, (offset, length), ready)
+            results = [futures[i].result() for i in range(len(ranges))]
+        self.drain_s = max(t for _, t in results) - self.started
         self.copy_s = time.perf_counter() - started
-        return crcs
+        return [crc for crc, _ in results]
 
-    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int) -> Any:
-        """Copy what belongs in payload [offset, offset + length); on CUDA the event that says when it is in."""
+    def _staged_end(self, ranges: list[tuple[int, int]]) -> int:
+        """The payload offset up to which the chunks go through the staging buffer (0: none do)."""
+        if self.staging is None:
+            return 0
+        capacity = self.staging.numel()
+        end = 0
+        for offset, length in ranges[1:]:
+            if offset + length > capacity:
+                break
+            end = offset + length
+        return end
+
+    def _stage(self, torch: Any, stream: Any, staged_end: int) -> None:
+        """Device-to-device: each CUDA tensor's bytes below `staged_end` into the staging buffer, one copy each."""
+        if not staged_end or self.staging is None:
+            return
+        with torch.cuda.stream(stream):
+            for record, source in zip(self.flat.records, self._sources, strict=True):
+                if record.nbytes and source.device.type != "cpu" and record.offset < staged_end:
+                    n = min(record.nbytes, staged_end - record.offset)
+                    self.staging[record.offset : record.offset + n].copy_(source[:n], non_blocking=True)
+
+    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int, staging: Any) -> Any:
+        """Copy what belongs in payload [offset, offset + length), from the sources or from the staging buffer.
+
+        On CUDA it returns the event that says when the bytes are in.
+        """
         for piece in tensorfile.pieces(spans, offset, length):
             dst = self.slot.payload_tensor(offset + piece.at, piece.length)
             if piece.source is None:
@@ -198,13 +213,31 @@ class CopyJob:
             elif stream is None:
                 dst.copy_(piece.source[piece.start : piece.start + piece.length])
             elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
-                with torch.cuda.stream(stream):
-                    dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
+                if staging is not None:
+                    self._drain(torch, stream, dst, staging[offset + piece.at : offset + piece.at + piece.length])
+                else:
+                    with torch.cuda.stream(stream):
+                        dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
         if stream is None:
             return None
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+    def _drain(self, torch: Any, stream: Any, dst: Any, src: Any) -> None:
+        """Staging to host in DRAIN_PIECE copies, at most DRAIN_DEPTH of them queued at a time.
+
+        The copy engine serves device-to-host copies in the order they are queued: a whole drain
+        queued at once would make the job's own small copies (loss.item()) wait for all of it.
+        """
+        for at in range(0, src.numel(), DRAIN_PIECE):
+            while len(self._in_flight) >= DRAIN_DEPTH:
+                self._in_flight.popleft().synchronize()  # releases the GIL
+            with torch.cuda.stream(stream):
+                dst[at : at + DRAIN_PIECE].copy_(src[at : at + DRAIN_PIECE], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._in_flight.append(event)
 
     def _commit(self, crcs: list[int]) -> None:
         self.slot.commit(
@@ -228,19 +261,20 @@ class CopyJob:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> int:
-    """crc32 of view[offset:offset + length] once `ready` (a CUDA event, or None) says its bytes are in."""
+def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> tuple[int, float]:
+    """crc32 of view[offset:offset + length] once `ready` (a CUDA event, or None) says its bytes are in; and when."""
     if ready is not None:
         ready.synchronize()  # releases the GIL
+    arrived = time.perf_counter()
     offset, length = rng
-    return zlib.crc32(view[offset : offset + length])
+    return tensorfile.crc32(view[offset : offset + length]), arrived
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The checksum threads, one pool for the process (zlib.crc32 releases the GIL)."""
+    """The checksum threads, one pool for the process (crc32 releases the GIL)."""
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(tensorfile.workers(), thread_name_prefix="gpuwatch-crc")

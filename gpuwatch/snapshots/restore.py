@@ -12,11 +12,12 @@ refused as a whole. Only regular files of this uid are opened, without following
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import contextlib
 import mmap
 import os
 import stat
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +128,7 @@ def map_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
 
 
 def _crc_in(view: memoryview) -> Any:
-    return lambda c: zlib.crc32(view[c.offset : c.offset + c.length])
+    return lambda c: tensorfile.crc32(view[c.offset : c.offset + c.length])
 
 
 def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
@@ -148,6 +149,88 @@ def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
         return None, f"cannot read it: {exc}"
     finally:
         os.close(fd)
+
+
+def read_to_device(dir_fd: int, candidate: Candidate, device: Any) -> tuple[Any, str | None]:
+    """The state in a committed slot, its tensors on `device` (a CUDA one), verified chunk by chunk as they go.
+
+    Each worker reads a chunk into its own pinned buffer (pread: no page faults in this process),
+    checks its crc32 there, and copies it to the GPU on its own stream while it reads the next: the
+    copy and the verification overlap, at memory speed. The tensors are views of one buffer on the
+    device; 0-dim tensors (an optimizer's step counters, which torch keeps on the CPU) stay on the
+    CPU. Nothing is handed out before every chunk matched.
+    """
+    torch = sys.modules["torch"]
+    opened = _open_listed(dir_fd, candidate)
+    if isinstance(opened, str):
+        return None, opened
+    fd, header = opened
+    try:
+        chunks = header.chunks()
+        prefix = os.pread(fd, header.data_off, HEADER_LEN)
+        if len(prefix) != header.data_off or tensorfile.crc32(prefix) != chunks[0].crc:
+            return None, "crc32 mismatch in its structure"
+        tree, records, _ = tensorfile.parse_prefix(prefix, header.payload_len)
+        flat = torch.empty(header.payload_len, dtype=torch.uint8, device=device)
+        bad = _to_device(fd, chunks[1:], flat, max(c.length for c in chunks))
+        if bad is not None:
+            return None, f"crc32 mismatch in bytes {bad.offset}-{bad.offset + bad.length}"
+        after = read_header(fd)
+        if after is None or after.seq != header.seq:
+            return None, "rewritten while it was read"
+        tensors = [_view(torch, flat, r) for r in records]
+        return tensorfile.build_state(tree, tensorfile.finish_tensors(records, tensors)), None
+    except tensorfile.FlatFileError as exc:
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"cannot read it: {exc}"
+    finally:
+        os.close(fd)
+
+
+def _to_device(fd: int, chunks: list[tensorfile.Chunk], flat: Any, chunk_len: int) -> tensorfile.Chunk | None:
+    """pread, crc32 and copy each chunk into `flat`; the first chunk that does not verify, else None.
+
+    On a CUDA device the buffers are pinned and each worker copies on its own stream (two buffers
+    each: one is read and checked while the other goes to the GPU).
+    """
+    torch = sys.modules["torch"]
+    cuda = flat.device.type == "cuda"
+    n = min(tensorfile.workers(), max(1, len(chunks)))
+    queues = [chunks[i::n] for i in range(n)]
+
+    def worker(mine: list[tensorfile.Chunk]) -> tensorfile.Chunk | None:
+        buffers = [torch.empty(chunk_len, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+        events: list[Any] = [None, None]
+        stream = torch.cuda.Stream(device=flat.device) if cuda else None
+        for i, chunk in enumerate(mine):
+            buffer = buffers[i % 2]
+            if events[i % 2] is not None:
+                events[i % 2].synchronize()  # its last copy to the GPU is done: the buffer may be refilled
+            view = memoryview(buffer.numpy())[: chunk.length]
+            if os.preadv(fd, [view], HEADER_LEN + chunk.offset) != chunk.length or tensorfile.crc32(view) != chunk.crc:
+                return chunk
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                flat[chunk.offset : chunk.offset + chunk.length].copy_(buffer[: chunk.length], non_blocking=cuda)
+            if cuda:
+                events[i % 2] = torch.cuda.Event()
+                events[i % 2].record(stream)
+        if stream is not None:
+            stream.synchronize()
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpuwatch-restore") as pool:
+        bad = [b for b in pool.map(worker, queues) if b is not None]
+    return bad[0] if bad else None
+
+
+def _view(torch: Any, flat: Any, record: tensorfile.TensorRecord) -> Any:
+    """The record's tensor as a view of `flat` (0-dim ones as CPU copies: see read_to_device)."""
+    dtype, numel = tensorfile._dtype_and_numel(record)
+    if not numel:
+        return torch.empty(record.shape, dtype=dtype)
+    tensor = flat[record.offset : record.offset + record.nbytes].view(dtype).view(record.shape)
+    return tensor.cpu() if not record.shape else tensor
 
 
 def localize(state: Any) -> Any:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("gpuwatch.snapshots")
+_PIN_WARNED = False  # the pinning failure is said once per process
 
 MAGIC = b"GWSNAP01"
 VERSION = 1
@@ -119,6 +120,7 @@ class Slot:
         self.size = 0
         self.payload_capacity = 0
         self._registered: int | None = None  # the address registered with CUDA (cudaHostRegister)
+        self.map_s = 0.0  # of the last ensure(): sizing and mapping (the rest was pinning)
         self.pin_failed = False
 
     def header(self) -> SlotHeader | None:
@@ -126,6 +128,8 @@ class Slot:
 
     def ensure(self, payload_len: int, *, pin: bool) -> float:
         """Size the file for `payload_len` bytes (fallocate, map, pin); seconds it took (0 when already so).
+
+        A file already of that size keeps its contents (a committed snapshot stays loadable until begin()).
 
         Raises:
             OSError: no room in the shared-memory file system (ENOSPC), or mapping failed.
@@ -136,11 +140,13 @@ class Slot:
         started = time.monotonic()
         self.release()
         size = HEADER_LEN + tensorfile._align(payload_len, tensorfile.PAGE)
-        self._invalidate_on_disk()
-        os.ftruncate(self.fd, size)
+        if os.fstat(self.fd).st_size != size:  # a committed slot of the same size stays loadable until begin()
+            self._invalidate_on_disk()
+            os.ftruncate(self.fd, size)
         os.posix_fallocate(self.fd, 0, size)
         self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self.size, self.payload_capacity = size, size - HEADER_LEN
+        self.map_s = time.monotonic() - started
         if pin:
             self._pin()
         return time.monotonic() - started
@@ -196,25 +202,37 @@ class Slot:
     def _pin(self) -> None:
         """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are DMA transfers.
 
-        When CUDA refuses (a locked-memory limit, an old driver), the slot stays pageable: the copies
-        still run on the copier's thread, only slower (the driver stages them). Said once in the log.
+        The registration walks every page (seconds for GiBs under a sandbox's memory manager), which is
+        why slots are prepared off the training thread. Where CUDA refuses (a locked-memory limit, an old
+        driver), the slot stays pageable: the copies still run, at about a quarter of the bandwidth.
+        Said once in the log with CUDA's error, which is then cleared so that it does not surface in
+        the job's next CUDA call.
         """
         torch = sys.modules.get("torch")
         if torch is None or self.map is None or not torch.cuda.is_available():
             return
         address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         try:
-            code = int(torch.cuda.cudart().cudaHostRegister(address, self.size, 0))
+            cudart = torch.cuda.cudart()
+            code = int(cudart.cudaHostRegister(address, self.size, 0))
         except Exception as exc:  # no cudart binding in this torch build
             code, reason = -1, f"{type(exc).__name__}: {exc}"
         else:
-            reason = f"CUDA error {code}"
+            reason = _cuda_error(cudart, code)
         if code != 0:
-            log.warning("slot %s: cudaHostRegister of %d bytes failed (%s): copies go unpinned", self.name,
-                        self.size, reason)  # fmt: skip
+            global _PIN_WARNED
+            if not _PIN_WARNED:
+                log.warning("slot %s: cudaHostRegister(%#x, %d bytes, 0) failed (%s): copies go unpinned",
+                            self.name, address, self.size, reason)  # fmt: skip
+                _PIN_WARNED = True
             self.pin_failed = True
             return
         self._registered = address
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the mapping is registered with CUDA (page-locked)."""
+        return self._registered is not None
 
     def release(self) -> None:
         """Unpin and unmap (the file and its contents stay)."""
@@ -233,3 +251,15 @@ class Slot:
         self.release()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _cuda_error(cudart: Any, code: int) -> str:
+    """CUDA's name for error `code`; the error is read back (cudaGetLastError) so later calls do not see it."""
+    if code == 0:
+        return "success"
+    with contextlib.suppress(Exception):
+        cudart.cudaGetLastError()
+    try:
+        return f"CUDA error {code}: {cudart.cudaGetErrorString(cudart.cudaError(code))}"
+    except Exception:  # a torch build without these bindings
+        return f"CUDA error {code}"

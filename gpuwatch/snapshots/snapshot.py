@@ -15,12 +15,15 @@
             if step % 500 == 0:
                 snap.checkpoint(ckpt_dir, step)   # rank 0 writes it from the snapshot, in the background
 
-Every K steps `step()` starts copying the state into the older of the rank's two slots (copier.py)
-and returns; the copy runs beside the next step's forward and backward, the optimizer's update
-waits for it, and the next `step()` waits for its commit, so a death with no survivor loses at most
-K steps. `every="auto"` takes the first snapshot after three steps, measures what it cost the step
-and picks the K that keeps it under 1 % (cadence.py). A relaunch on the same node restores the
-newest step every rank holds (agree.py), verified chunk by chunk, before it reads the disk.
+The first `step()` sets both slots (and, on a GPU, a staging buffer) up on a thread (prepare.py).
+Then every K steps `step()` starts copying the state into the older of the rank's two slots
+(copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
+the staging buffer, which drains to the host over the next steps; the next snapshot due waits for
+the previous commit, so a death with no survivor loses at most K steps plus the steps a drain spans.
+`every="auto"` judges a snapshot by the loop's own step intervals with and without one in flight
+and picks (and keeps re-checking) the K that keeps that under 1 % (cadence.py). A relaunch on the
+same node restores the newest step every rank holds (agree.py), verified chunk by chunk, before it
+reads the disk.
 
 The slots are removed when the job finishes (the context exits without an error); a rank that
 stops for resume or dies leaves them for the relaunch, and the daemon prunes a dead job's slots
@@ -58,7 +61,17 @@ from gpuwatch.snapshots.layout import (
     snapshot_root,
     user_dir_name,
 )
-from gpuwatch.snapshots.restore import Candidate, candidates, header_of, like, localize, map_state, read_state
+from gpuwatch.snapshots.prepare import Preparation, Prepared
+from gpuwatch.snapshots.restore import (
+    Candidate,
+    candidates,
+    header_of,
+    like,
+    localize,
+    map_state,
+    read_state,
+    read_to_device,
+)
 from gpuwatch.snapshots.slot import Slot, SlotHeader
 from gpuwatch.trainer import tensorfile
 from gpuwatch.trainer.checkpoint import latest_step, load_latest, save_checkpoint, save_flat_buffer
@@ -68,6 +81,7 @@ log = logging.getLogger("gpuwatch.snapshots")
 AUTO_WARMUP_STEPS = 3
 """With every="auto": step intervals measured before the first snapshot (its cost is judged against them)."""
 _INTERVALS = 50
+_COSTS = 8
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,8 @@ class HostSnapshot:
         root: where the per-user directory goes; default $GPUWATCH_SNAPSHOT_ROOT, else /dev/shm.
         share: with every="auto", the share of the step a snapshot may cost (0.01: 1 %).
         max_every: with every="auto", the largest K it picks.
+        staging: on a GPU, stage the copy in GPU memory (as much of the state as fits) so the optimizer
+            waits only for a device-to-device copy (prepare.py); False: copy device-to-host directly.
 
     Raises:
         ValueError: every is neither a positive integer nor "auto", or there is no job id.
@@ -119,8 +135,10 @@ class HostSnapshot:
         root: str | None = None,
         share: float = TARGET_SHARE,
         max_every: int = MAX_EVERY,
+        staging: bool = True,
     ) -> None:
         self._state_fn = state
+        self._staging_wanted = staging
         self._every = parse_every(every)
         self._auto = self._every is None
         self.share, self.max_every = share, max_every
@@ -145,14 +163,16 @@ class HostSnapshot:
             self._disable(str(exc))
         self._slots: dict[int, Slot] = {}
         self._job: CopyJob | None = None
-        self._unmeasured: list[CopyJob] = []
+        self._preparation: Preparation | None = None
+        self._prepared: Prepared | None = None
+        self._renames: dict[int, str] = {}
         self._seq = self._max_seq() + 1
         self._base: int | None = None  # the step this process resumed from (None: not told yet)
         self._last_snap_step: int | None = None
-        self._first_started = False
         self._last_t: float | None = None
         self._plain: deque[float] = deque(maxlen=_INTERVALS)  # step intervals with no snapshot in flight
-        self._costs: deque[float] = deque(maxlen=_INTERVALS)
+        self._costs: deque[float] = deque(maxlen=_COSTS)  # each snapshot's excess over the plain steps
+        self._drains: deque[float] = deque(maxlen=_COSTS)  # boundary to commit, per snapshot
         self._cuda: int | None = None
         self._aliased: int | None = None  # the own slot the restored state is a mapping of
         self._disk_lock = threading.Lock()
@@ -166,10 +186,13 @@ class HostSnapshot:
         self.last_copy_s: float | None = None
         self.last_cost_s: float | None = None
         self.auto_basis: tuple[float, float] | None = None  # with "auto": (cost_s, step_s) it chose K from
+        self.mode: str | None = None  # how a snapshot leaves the GPU (prepare.py); None until prepared
 
     # -- resuming -----------------------------------------------------------------------------------
 
-    def resume(self, checkpoint_dir: str | os.PathLike[str], *, like_state: Any = None) -> Restored | None:
+    def resume(
+        self, checkpoint_dir: str | os.PathLike[str], *, like_state: Any = None, device: Any = None
+    ) -> Restored | None:
         """The host snapshot when every rank has one at least as new as the disk's newest, else `load_latest`.
 
         All ranks call it (it agrees with the others). None when neither has anything.
@@ -178,12 +201,13 @@ class HostSnapshot:
             checkpoint_dir: the checkpoint directory to fall back to.
             like_state: for sharded state, a state of the same structure (get_state_dict's): its DTensors'
                 meshes and placements turn the restored local shards back into DTensors.
+            device: a CUDA device: a host snapshot is restored onto it (see `restore`); None: CPU tensors.
 
         Raises:
             CheckpointError: the disk has checkpoints and none verifies (as load_latest).
         """
         started = time.perf_counter()
-        restored = self.restore(like_state=like_state, at_least=latest_step(checkpoint_dir))
+        restored = self.restore(like_state=like_state, at_least=latest_step(checkpoint_dir), device=device)
         if restored is not None:
             return restored
         loaded = load_latest(checkpoint_dir)
@@ -193,10 +217,13 @@ class HostSnapshot:
         seconds = time.perf_counter() - started
         return Restored(loaded.step, loaded.state, "disk", str(loaded.path), seconds, loaded.skipped)
 
-    def restore(self, *, like_state: Any = None, at_least: int | None = None) -> Restored | None:
+    def restore(self, *, like_state: Any = None, at_least: int | None = None, device: Any = None) -> Restored | None:
         """The newest host snapshot every rank holds (at least step `at_least`), verified; None if there is none.
 
         All ranks call it: it is collective when there are several, also on a rank whose snapshots are off.
+        device: None: CPU tensors (the rank's own slot mapped copy-on-write, no copy); a CUDA device:
+        the tensors are copied onto it through pinned buffers, each chunk verified as it goes (memory
+        speed; load_state_dict then copies on the GPU), and the slot is reused by the next snapshots.
         """
         started = time.perf_counter()
         found = self._candidates(at_least)
@@ -204,7 +231,7 @@ class HostSnapshot:
         for candidate in found:
             by_step.setdefault(candidate.header.step, []).append(candidate)
         for step in common_steps(by_step):
-            state, where, mapped = self._read_one(by_step.get(step, []))
+            state, where, mapped = self._read_one(by_step.get(step, []), device)
             if everyone(state is not None):
                 self._aliased = mapped.slot if mapped is not None else None  # never to be written in place again
                 self._resumed(step)
@@ -221,13 +248,17 @@ class HostSnapshot:
         found = candidates(self._dir_fd, rank=self.rank, world_size=self.world_size, replicated=self.replicated)
         return [c for c in found if at_least is None or c.header.step >= at_least]
 
-    def _read_one(self, options: list[Candidate]) -> tuple[Any, str, Candidate | None]:
+    def _read_one(self, options: list[Candidate], device: Any) -> tuple[Any, str, Candidate | None]:
         """The state of the first option that verifies; where it was; the own slot it is mapped from (else None)."""
         dir_fd = self._dir_fd
+        on_gpu = device is not None and str(device).startswith("cuda")
         for candidate in options:
             assert dir_fd is not None
-            own = candidate.rank == self.rank
-            state, reason = map_state(dir_fd, candidate) if own else read_state(dir_fd, candidate)
+            own = candidate.rank == self.rank and not on_gpu
+            if on_gpu:
+                state, reason = read_to_device(dir_fd, candidate, device)
+            else:
+                state, reason = map_state(dir_fd, candidate) if own else read_state(dir_fd, candidate)
             if state is not None:
                 return state, str(self.directory / candidate.name), candidate if own else None
             log.warning("host snapshot %s (step %d) not used: %s", candidate.name, candidate.header.step, reason)
@@ -243,7 +274,14 @@ class HostSnapshot:
         self._last_snap_step = self._base
         for k in SLOTS:
             header = self._own_header(k)
-            if header is not None and header.step > self._base:
+            if header is None or header.step <= self._base:
+                continue
+            if k in self._renames:  # the slot's file, not the new one waiting under the temp name
+                assert self._dir_fd is not None
+                stale = Slot(self._dir_fd, slot_name(self.rank, k))
+                stale.invalidate()
+                stale.close()
+            else:
                 self._slot(k).invalidate()
 
     # -- the training loop's side ---------------------------------------------------------------------
@@ -251,8 +289,11 @@ class HostSnapshot:
     def step(self, step: int) -> None:
         """Call after each step's update with the step just finished; every K steps it starts a snapshot.
 
-        It waits for the previous snapshot's commit (usually long done), so the newest committed
-        snapshot is never more than K steps behind.
+        The first call sets the slots up on a thread (prepare.py); snapshots start once they are ready.
+        A snapshot in flight drains to the host over the next steps; the next one due waits for its
+        commit, so the newest committed snapshot is never more than K steps behind the boundary of
+        the one in flight. The step intervals seen here, with and without a snapshot in flight, are
+        what a snapshot costs the loop (stats(), and "auto"'s choice of K).
         """
         if not self.enabled:
             return
@@ -261,13 +302,23 @@ class HostSnapshot:
         self._last_t = now
         if self._base is None:
             self._resumed(step - 1)
-        if self._job is not None:
-            self._finish(self._job)
-        elif interval is not None:
-            self._plain.append(interval)
-        self._measure()
+        if not self.ready():
+            if interval is not None:
+                self._plain.append(interval)
+            return
+        job = self._job
+        if interval is not None:
+            if job is not None:
+                job.intervals.append(interval)
+            else:
+                self._plain.append(interval)
+        if job is not None and job.committed.is_set():
+            self._finish(job)
         if self._due(step):
-            self._start(step)
+            if self._job is not None:  # K below the drain's floor: wait for the previous commit
+                self._finish(self._job)
+            if self.enabled:
+                self._start(step)
 
     def wait(self) -> None:
         """Wait until the snapshot in flight (if any) is committed."""
@@ -276,7 +327,7 @@ class HostSnapshot:
 
     def snapshot_now(self, step: int) -> bool:
         """Take a snapshot of `step` and wait for its commit; False when snapshots are off or it failed."""
-        if not self.enabled:
+        if not self.enabled or not self.ready(wait=True):
             return False
         self.wait()
         self._start(step)
@@ -296,14 +347,71 @@ class HostSnapshot:
         if job is not None and not job.released:
             job.release_for_update()
 
+    def ready(self, *, wait: bool = False) -> bool:
+        """Whether the slots (and the GPU staging) are set up; the first call starts that, on a thread.
+
+        `step` calls it; call it yourself (wait=True) to have them before the loop starts, once the
+        state exists (after the optimizer's first step, or the restore). False: not yet, or snapshots are off.
+        """
+        if self._prepared is not None:
+            return self.enabled
+        if not self.enabled:
+            return False
+        if self._preparation is None:
+            self._prepare()
+        preparation = self._preparation
+        if preparation is None or not (wait or preparation.done):
+            return False
+        self._adopt(preparation.join())
+        return self.enabled
+
+    def _prepare(self) -> None:
+        """Lay the state out (references only) and start preparing slots and staging for its size."""
+        assert self._dir_fd is not None
+        try:
+            flat = tensorfile.plan(localize(self._state_fn()))
+            if flat is None:
+                self._disable("the state holds values a flat tensor file cannot (custom objects, sparse tensors)")
+                return
+            cuda = _cuda_device(flat)
+        except (OSError, ValueError) as exc:
+            self._disable(f"cannot keep the state in {self.directory}: {exc}")
+            return
+        replace = {self._aliased} if self._aliased is not None else set()
+        self._cuda, self.state_bytes = cuda, flat.size
+        self._preparation = Preparation(self._dir_fd, self.rank, flat.size, cuda, staging=self._staging_wanted,
+                                        replace=replace)  # fmt: skip
+
+    def _adopt(self, prepared: Prepared) -> None:
+        """Take the prepared slots over, or turn snapshots off (one line) when they could not be made."""
+        self._prepared = prepared
+        if prepared.error is not None:
+            for slot in prepared.slots.values():
+                slot.close()
+            error = prepared.error
+            self._disable(f"cannot keep the state in {self.directory}: {type(error).__name__}: {error}")
+            return
+        for slot in self._slots.values():
+            slot.close()
+        self._slots = dict(prepared.slots)
+        self._renames = dict(prepared.renames)
+        self.setup_s += prepared.seconds
+        self.mode = prepared.mode
+        staged = 0 if prepared.staging is None else int(prepared.staging.numel())
+        host = "pinned" if prepared.pinned else "pageable" if self._cuda is not None else "host"
+        gpu = f", {_size(staged)} of GPU memory for staging" if staged else ""
+        mapped = max((slot.map_s for slot in self._slots.values()), default=0.0)
+        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (mapped in %.2f s; set up off "
+                 "the training thread)", _size(self.state_bytes), prepared.mode, gpu, host, self.directory,
+                 prepared.seconds, mapped)  # fmt: skip
+
     def _due(self, step: int) -> bool:
         if self._every is None:
-            return not self._first_started and len(self._plain) >= AUTO_WARMUP_STEPS
+            return self._job is None and len(self._plain) >= AUTO_WARMUP_STEPS
         last = self._last_snap_step if self._last_snap_step is not None else 0
         return step - last >= self._every
 
     def _start(self, step: int) -> None:
-        started = time.perf_counter()
         try:
             flat = tensorfile.plan(localize(self._state_fn()))
             if flat is None:
@@ -311,6 +419,13 @@ class HostSnapshot:
                 return
             cuda = _cuda_device(flat)
             k = self._target_slot()
+            if k in self._renames:  # the new file prepared for the restored slot takes its name now
+                assert self._dir_fd is not None
+                os.rename(self._renames.pop(k), slot_name(self.rank, k), src_dir_fd=self._dir_fd,
+                          dst_dir_fd=self._dir_fd)  # fmt: skip
+                self._slot(k).name = slot_name(self.rank, k)
+                if k == self._aliased:
+                    self._aliased = None
             if k == self._aliased:
                 self._replace_slot(k)
             slot = self._slot(k)
@@ -319,16 +434,15 @@ class HostSnapshot:
                 log.info("host snapshot slot %s: %s in %s, set up in %.2f s", slot.name, _size(flat.size),
                          self.directory, setup_s)  # fmt: skip
             self.setup_s += setup_s
-            job = CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank)
+            staging = self._prepared.staging if self._prepared is not None else None
+            job = CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank, staging)
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
         self._seq += 1
         self._cuda, self.state_bytes = cuda, flat.size
-        self._first_started = True
         self._last_snap_step = step
         self._job = job
-        job.blocked_s += time.perf_counter() - started - setup_s
         if not self._optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
 
@@ -342,30 +456,28 @@ class HostSnapshot:
         self.snapshots += 1
         self.committed_step = job.step
         self.last_copy_s = job.copy_s
-        self._unmeasured.append(job)
+        self._drains.append(job.worker_s)
+        if self._plain and job.intervals:
+            plain = statistics.median(self._plain)
+            cost = sum(interval - plain for interval in job.intervals)
+            self.last_cost_s = cost
+            self._costs.append(cost)
+            if self._auto:
+                self._choose_every(plain)
 
-    def _measure(self) -> None:
-        """Costs of committed snapshots whose GPU stall is known by now; with "auto", the cadence from the first."""
-        for job in list(self._unmeasured):
-            if not job.measure_stall():
-                continue
-            self._unmeasured.remove(job)
-            self.last_cost_s = job.cost_s
-            self._costs.append(job.cost_s)
-            if self._every is None:
-                step_s = statistics.median(self._plain) if self._plain else 0.0
-                if job.cuda is not None:  # the copy runs off the step: its commit wait only counts at a short cadence
-                    cost_s, background_s = job.cost_s - job.commit_wait_s, job.worker_s
-                else:  # on the CPU the copier competes with the training for cores: its whole time is the cost
-                    cost_s, background_s = job.cost_s, 0.0
-                self._every = choose_every(
-                    cost_s, step_s, share=self.share, max_every=self.max_every, background_s=background_s
-                )
-                self.auto_basis = (cost_s, step_s)
-                log.info(
-                    "host snapshot of %s costs %.3f s of a %.3f s step: every %d step(s) keeps it under %g %%",
-                    _size(self.state_bytes), job.cost_s, step_s, self._every, self.share * 100,
-                )  # fmt: skip
+    def _choose_every(self, step_s: float) -> None:
+        """ "auto": the K that keeps the mean stall snapshots cost the loop under the share, given the drain's floor."""
+        cost_s = max(0.0, statistics.fmean(self._costs))
+        drain_s = statistics.median(self._drains)
+        every = choose_every(cost_s, step_s, share=self.share, max_every=self.max_every, background_s=drain_s)
+        self.auto_basis = (cost_s, step_s)
+        if every != self._every:
+            log.info(
+                "host snapshot of %s costs the loop %.4f s per snapshot (%d measured) of a %.4f s step, drains in "
+                "%.3f s: every %d step(s) keeps it under %g %%",
+                _size(self.state_bytes), cost_s, len(self._costs), step_s, drain_s, every, self.share * 100,
+            )  # fmt: skip
+        self._every = every
 
     def _target_slot(self) -> int:
         """The slot not holding the newest commit (nor being written to disk: then wait for that write)."""
@@ -412,15 +524,22 @@ class HostSnapshot:
         if self.rank != 0:
             return
         self._join_disk()
-        k = self._slot_of(step)
-        if k is None and self.snapshot_now(step):  # K does not divide the checkpoint cadence: one copy now
-            k = self._slot_of(step)
+        job = self._job if self._job is not None and self._job.step == step else None
+        k = None if job is not None else self._committed_slot(step)
+        if job is None and k is None and self.ready(wait=True):  # K does not divide the checkpoint cadence
+            if self._job is not None:
+                self._finish(self._job)
+            if self.enabled:
+                self._start(step)  # a snapshot of this step now; the disk write waits for its commit
+                job = self._job
+        if job is not None:
+            k = next(key for key, slot in self._slots.items() if slot is job.slot)
         if k is None:
             save_checkpoint(directory, step, self._state_fn(), keep=keep, single_writer=True)
             return
         self._disk_slot = k
         thread = threading.Thread(
-            target=self._write_disk_in_background, args=(Path(directory), step, k, keep),
+            target=self._write_disk_in_background, args=(Path(directory), step, k, keep, job),
             name="gpuwatch-snapshot-ckpt", daemon=True,
         )  # fmt: skip
         self._disk_thread = thread
@@ -455,6 +574,12 @@ class HostSnapshot:
             return None
         if self._job is not None and self._job.step == step:
             self._finish(self._job)
+        return self._committed_slot(step)
+
+    def _committed_slot(self, step: int) -> int | None:
+        """The slot holding the committed snapshot of `step`, else None (no waiting)."""
+        if not self.enabled:
+            return None
         for k in SLOTS:
             header = self._own_header(k)
             if header is not None and header.step == step:
@@ -474,8 +599,12 @@ class HostSnapshot:
         log.info("checkpoint of step %d written from host memory: %s", step, path)
         return path
 
-    def _write_disk_in_background(self, directory: Path, step: int, k: int, keep: int) -> None:
+    def _write_disk_in_background(self, directory: Path, step: int, k: int, keep: int, job: CopyJob | None) -> None:
         try:
+            if job is not None:  # the snapshot of `step` is still draining: write once it is committed
+                job.committed.wait()
+                if job.error is not None:
+                    raise CheckpointError(f"the host snapshot of step {step} failed: {job.error}")
             self._write_disk(directory, step, k, keep, False)
         except BaseException as exc:  # reported by the training thread at the next checkpoint or at close
             self._disk_error = exc
@@ -502,6 +631,8 @@ class HostSnapshot:
             if self._job is not None and self.enabled:
                 self._finish(self._job)
             self._join_disk()
+            if self._preparation is not None and self._prepared is None:
+                self._adopt(self._preparation.join())  # its slots are closed below
         except Exception as exc:  # at exit, perhaps after another error (a lost GPU): say it, do not mask that one
             log.error("host snapshot of rank %s at close: %s: %s", self.rank, type(exc).__name__, exc)
         finally:
@@ -511,6 +642,13 @@ class HostSnapshot:
             for slot in self._slots.values():
                 slot.close()
             self._slots = {}
+            if self._prepared is not None:
+                self._prepared.staging = None  # the GPU memory goes back to the caching allocator
+                for name in self._renames.values():
+                    with contextlib.suppress(OSError):
+                        assert self._dir_fd is not None
+                        os.unlink(name, dir_fd=self._dir_fd)
+                self._renames = {}
             if remove and self._dir_fd is not None:
                 self._remove_slots()
             if self._dir_fd is not None:
@@ -540,7 +678,19 @@ class HostSnapshot:
         self.close(remove=finished)
 
     def stats(self) -> dict[str, Any]:
-        """What the snapshots cost and hold, for logs and the bench."""
+        """What the snapshots cost and hold, for logs and the bench.
+
+        cost_s is what the last snapshot cost the loop: the step intervals it was in flight for, less
+        as many plain steps (step_s, their median); cost_share is the mean of that over K plain steps.
+        drain_s: from a snapshot's boundary to its commit (its bytes in the host slot, checksummed).
+        """
+        staging = self._prepared.staging if self._prepared is not None else None
+        staged = 0 if staging is None else int(staging.numel())
+        mean_cost = statistics.fmean(self._costs) if self._costs else None
+        step_s = statistics.median(self._plain) if self._plain else None
+        cost_share = None
+        if mean_cost is not None and step_s and self._every:
+            cost_share = max(0.0, mean_cost) / (self._every * step_s)
         return {
             "enabled": self.enabled,
             "disabled_reason": self.disabled_reason,
@@ -551,10 +701,15 @@ class HostSnapshot:
             "state_bytes": self.state_bytes,
             "host_bytes": 2 * self.state_bytes,
             "setup_s": self.setup_s,
+            "mode": self.mode,
+            "pinned": bool(self._prepared and self._prepared.pinned),
+            "staging_bytes": staged,
             "copy_s": self.last_copy_s,
+            "drain_s": statistics.median(self._drains) if self._drains else None,
             "cost_s": self.last_cost_s,
-            "mean_cost_s": statistics.fmean(self._costs) if self._costs else None,
-            "step_s": statistics.median(self._plain) if self._plain else None,
+            "mean_cost_s": mean_cost,
+            "step_s": step_s,
+            "cost_share": cost_share,
             "device": "cpu" if self._cuda is None else f"cuda:{self._cuda}",
             "auto_basis": self.auto_basis,
         }
@@ -589,9 +744,9 @@ class HostSnapshot:
     def _own_header(self, k: int) -> SlotHeader | None:
         if not self.enabled or self._dir_fd is None:
             return None
-        if k in self._slots:
+        if k in self._slots and k not in self._renames:
             return self._slots[k].header()
-        return header_of(self._dir_fd, slot_name(self.rank, k))
+        return header_of(self._dir_fd, slot_name(self.rank, k))  # (a new file waits under its temp name)
 
     def _max_seq(self) -> int:
         return max((h.seq for h in (self._own_header(k) for k in SLOTS) if h is not None), default=0)

@@ -12,7 +12,9 @@ pool of threads copies, checksums and writes (or reads) several chunks at once.
 
 The checksum is zlib.crc32 per chunk: the fastest the stdlib has (measured on a 2-core VM: crc32 1.6 GiB/s
 a core, adler32 1.2, sha1 and sha256 0.8, blake2b 0.7), and zlib releases the GIL, so the chunks are
-checksummed on every core at once. `Chunk`s (offset, length, crc) tile the file; the first covers
+checksummed on every core at once. Where the optional `isal` package is installed, its crc32 (the same
+value, computed with the CPU's carry-less multiply: about 20 GiB/s a core against zlib's 1.6) is used
+instead. `Chunk`s (offset, length, crc) tile the file; the first covers
 the header and the meta, so a reader verifies the structure before it unpickles it, then reads
 and verifies every data chunk and hands out nothing before all of them match.
 
@@ -37,7 +39,6 @@ import os
 import pickle
 import struct
 import sys
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -54,6 +55,11 @@ HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, flags, meta_off, meta_len
 VERSION = 1
 MAX_WORKERS = 8
 MAX_PREFIX = 1 << 30  # header and structure: a million tensors' records are ~100 MiB
+
+try:  # the same crc32 as zlib's, an order of magnitude faster (optional: pip install isal)
+    from isal.isal_zlib import crc32 as crc32  # type: ignore[import-not-found, unused-ignore]
+except ImportError:  # pragma: no cover - depends on the environment
+    from zlib import crc32 as crc32
 
 _TORCH_GLOBALS = {"Size", "device"}
 _BUILTIN_GLOBALS = {"complex", "slice", "set", "frozenset"}
@@ -339,9 +345,9 @@ def workers() -> int:
 
 
 def crc_of(buffers: Sequence[Any], crc: int = 0) -> int:
-    """zlib.crc32 over buffers as if concatenated."""
+    """crc32 over buffers as if concatenated."""
     for buf in buffers:
-        crc = zlib.crc32(buf, crc)
+        crc = crc32(buf, crc)
     return crc
 
 
@@ -423,7 +429,7 @@ def write_flat(fd: int, flat: FlatState, chunk: int = CHUNK) -> list[Chunk]:
         try:
             _fill(bounce, pieces(spans, offset, length))
             view = bounce.view(length)
-            crc = zlib.crc32(view)
+            crc = crc32(view)
             _pwrite_all(fd, view, offset)
             return Chunk(offset, length, crc)
         finally:
@@ -442,7 +448,7 @@ def write_buffer(fd: int, buffer: memoryview, chunks: Sequence[tuple[int, int]])
     def one(rng: tuple[int, int]) -> Chunk:
         offset, length = rng
         view = buffer[offset : offset + length]
-        crc = zlib.crc32(view)
+        crc = crc32(view)
         _pwrite_all(fd, view, offset)
         return Chunk(offset, length, crc)
 
@@ -490,7 +496,7 @@ def read_flat(
         raise FlatFileError(f"first chunk of {first.length} bytes: more than a header and structure ({MAX_PREFIX})")
     prefix = bytearray(first.length)
     _preadv_all(fd, [memoryview(prefix)], base, first.length)
-    if zlib.crc32(prefix) != first.crc:
+    if crc32(prefix) != first.crc:
         raise FlatFileError(f"crc32 mismatch in bytes 0-{first.length}")
     tree, records, data_off = parse_prefix(memoryview(prefix), size)
     tensors = empty_tensors(records)
@@ -571,7 +577,7 @@ def verify_fd(fd: int, size: int, chunks: Sequence[Chunk]) -> str | None:
             for at in range(c.offset, c.offset + c.length, max(piece, 1)):
                 view = memoryview(buf)[: min(piece, c.offset + c.length - at)]
                 _preadv_all(fd, [view], at, len(view))
-                crc = zlib.crc32(view, crc)
+                crc = crc32(view, crc)
             if crc != c.crc:
                 failed.append(f"crc32 mismatch in bytes {c.offset}-{c.offset + c.length}")
         finally:
@@ -612,7 +618,7 @@ def chunks_of_fd(fd: int, size: int, chunk: int = CHUNK) -> list[Chunk]:
         try:
             view = memoryview(buf)[:length]
             _preadv_all(fd, [view], offset, length)
-            return Chunk(offset, length, zlib.crc32(view))
+            return Chunk(offset, length, crc32(view))
         finally:
             pool.append(buf)
 

@@ -1,5 +1,5 @@
-"""Host snapshots of a CUDA state (run on a GPU machine: GPUWATCH_TEST_GPU=1): the pinned side-stream copy
-holds the boundary's state while the next update runs, the stall is measured, and a restore is exact."""
+"""Host snapshots of a CUDA state (run on a GPU machine: GPUWATCH_TEST_GPU=1): the staged copy holds the
+boundary's state while the next update runs, drains to the pinned slot, and a restore is exact."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def test_a_cuda_snapshot_is_pinned_async_and_exact(tmp_path: Path, caplog: pytes
         return {"params": [p.detach() for p in params], "optim": optim.state_dict()}
 
     snap = HostSnapshot(state, every=1, optimizer=optim, job_id="gpu-test", root=str(tmp_path))
+    assert snap.ready(wait=True)  # 2 GiB: set up on a thread, here waited for
     snap.step(1)
     boundary = [p.detach().cpu() for p in params]
     # The slot is pinned where the driver lets it register the shared mapping; where not (seen on an H200 in
@@ -38,15 +39,15 @@ def test_a_cuda_snapshot_is_pinned_async_and_exact(tmp_path: Path, caplog: pytes
     optim.step()  # right after the boundary: waits on the GPU for the copy, then updates in place
     snap.wait()
     torch.cuda.synchronize()
-    snap._measure()
     stats = snap.stats()
     snap.close(remove=False)
-    assert stats["device"] == "cuda:0" and stats["cost_s"] is not None and stats["copy_s"] > 0
+    assert stats["device"] == "cuda:0" and stats["mode"] == "staged" and stats["copy_s"] > 0
+    assert stats["staging_bytes"] >= stats["state_bytes"] and stats["drain_s"] > 0
 
     restored = HostSnapshot(dict, every=1, job_id="gpu-test", root=str(tmp_path)).restore()
     assert restored is not None and restored.step == 1
     after = [p.detach().cpu() for p in params]
     assert all(torch.equal(a, b) for a, b in zip(restored.state["params"], boundary, strict=True))
     assert not any(torch.equal(a, b) for a, b in zip(boundary, after, strict=True))
-    print(f"\nCUDA snapshot of 2 GiB: copy {stats['copy_s']:.3f} s, cost {stats['cost_s']:.3f} s, "
-          f"setup {stats['setup_s']:.2f} s; pid {os.getpid()}")  # fmt: skip
+    print(f"\nCUDA snapshot of 2 GiB: copy {stats['copy_s']:.3f} s, drain {stats['drain_s']:.3f} s, "
+          f"setup {stats['setup_s']:.2f} s, pinned {stats['pinned']}; pid {os.getpid()}")  # fmt: skip

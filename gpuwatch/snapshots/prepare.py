@@ -1,0 +1,142 @@
+"""Setting a rank's snapshots up once, off the training thread: both host slots, pinned, and the GPU staging buffer.
+
+Sizing a slot (fallocate), mapping it with its pages populated, and registering it with CUDA walk
+every page of it: seconds per GiB under a sandbox's memory manager (an H200 in gVisor: 3.3 s for
+4 GiB). Done at the first snapshot, that landed on the step; here it runs on its own thread from
+the first `HostSnapshot.step`, and snapshots start once it is done (a state under 128 MiB is set up
+at once, in milliseconds).
+
+The mode says how a CUDA snapshot leaves the GPU (copier.py):
+
+* "staged": the whole state fits a staging buffer on the GPU: the optimizer waits only for a
+  device-to-device copy; the drain to the host runs over the following steps;
+* "partial": the GPU had room for part of it: that part is staged, the rest goes device-to-host
+  from the tensors, and the optimizer waits for that part (PCIe speed);
+* "direct": no room (or staging=False): everything goes device-to-host before the update;
+* "cpu": the state is on the CPU, copied on a thread.
+
+The staging buffer is taken from the GPU memory free after the first step, less a headroom (the
+larger of 2 GiB and 5 % of the GPU), so it does not take what the job's next steps need.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatch.snapshots.layout import SLOTS, slot_name
+from gpuwatch.snapshots.slot import Slot
+
+STAGING_HEADROOM = 2 << 30
+STAGING_HEADROOM_SHARE = 0.05
+MIN_STAGING = 64 << 20  # below this a staging buffer saves too little of the wait to be worth the memory
+_ALIGN = 2 << 20
+TEMP = ".tmp"
+PREPARE_INLINE_BELOW = 128 << 20  # a smaller state is set up on the training thread (milliseconds)
+
+
+@dataclass
+class Prepared:
+    """What the preparation made: the slots, the staging buffer, the mode, how long it took (or why it failed)."""
+
+    slots: dict[int, Slot] = field(default_factory=dict)
+    renames: dict[int, str] = field(default_factory=dict)  # slot -> the temp name its new file has until used
+    staging: Any = None
+    mode: str = "cpu"
+    pinned: bool = False
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+class Preparation:
+    """Prepares the slots (and staging) for a state of `nbytes` on a thread; `done` says when.
+
+    Args:
+        dir_fd: the job directory.
+        rank: this rank (the slots' names).
+        nbytes: the state's flat size.
+        cuda: the CUDA device of the state, or None.
+        staging: whether to stage on the GPU at all.
+        replace: slots whose files must be replaced, not reused (a restored state is a mapping of them):
+            a new file is made under the temp name, and the old one keeps its snapshot until the new one
+            takes its name (HostSnapshot, when it first writes that slot).
+    """
+
+    def __init__(
+        self, dir_fd: int, rank: int, nbytes: int, cuda: int | None, *, staging: bool, replace: set[int]
+    ) -> None:
+        self.nbytes, self.cuda = nbytes, cuda
+        self.result = Prepared()
+        self._args = (dir_fd, rank, staging, replace)
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-snapshot-prepare", daemon=True)
+        if nbytes < PREPARE_INLINE_BELOW:
+            self._run()  # milliseconds: done before the first snapshot is due, so the cadence is exact
+        else:
+            self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> Prepared:
+        if self._thread.ident is not None:
+            self._thread.join()
+        return self.result
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        dir_fd, rank, staging, replace = self._args
+        result = self.result
+        try:
+            for k in SLOTS:
+                name = slot_name(rank, k)
+                if k in replace:  # a new file under the temp name; it takes the slot's name when first written
+                    name += TEMP
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=dir_fd)
+                    result.renames[k] = name
+                result.slots[k] = Slot(dir_fd, name)
+            with concurrent.futures.ThreadPoolExecutor(len(SLOTS)) as pool:  # both page walks at once
+                pin = self.cuda is not None
+                sizing = [pool.submit(slot.ensure, self.nbytes, pin=pin) for slot in result.slots.values()]
+                for done in sizing:
+                    done.result()
+            result.pinned = all(slot.pinned for slot in result.slots.values())
+            if self.cuda is not None:
+                result.staging = allocate_staging(self.nbytes, self.cuda) if staging else None
+                result.mode = mode_of(self.nbytes, result.staging)
+        except BaseException as exc:  # reported by the training thread: snapshots off, one line
+            result.error = exc
+        result.seconds = time.perf_counter() - started
+
+
+def mode_of(nbytes: int, staging: Any) -> str:
+    """The mode for a CUDA state of `nbytes` with this staging buffer (see the module doc)."""
+    capacity = 0 if staging is None else int(staging.numel())
+    return "staged" if capacity >= nbytes else "partial" if capacity else "direct"
+
+
+def allocate_staging(nbytes: int, device: int, *, free_bytes: Callable[[int], tuple[int, int]] | None = None) -> Any:
+    """A uint8 buffer on `device` of up to `nbytes` (what fits under the headroom), or None when too little fits."""
+    torch = sys.modules["torch"]
+    free, total = (free_bytes or torch.cuda.mem_get_info)(device)
+    room = free - max(STAGING_HEADROOM, int(total * STAGING_HEADROOM_SHARE))
+    want = min(_round_up(nbytes), room // _ALIGN * _ALIGN)
+    with torch.cuda.device(device):
+        while want >= MIN_STAGING:
+            try:
+                return torch.empty(want, dtype=torch.uint8, device=f"cuda:{device}")
+            except torch.cuda.OutOfMemoryError:
+                want = want // 2 // _ALIGN * _ALIGN
+    return None
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
