@@ -583,7 +583,9 @@ class _Nproc(click.ParamType):
 @click.option("--nproc-per-node", "nproc", type=_Nproc(), default="auto", show_default=True, help="Ranks per launch.")
 @click.option("--min-nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Stop below this.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True, help="Relaunches at most.")
-@click.option("--runtime-dir", help="The daemon's runtime dir, for the trainers (default: from the config).")
+@click.option(
+    "--runtime-dir", help="Only checked: the ranks get the daemon's own runtime dir (a different one: exit 2)."
+)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @click.option("--listen", help="HOST:PORT of the daemon's API (default 127.0.0.1:9835).")
 @click.option("--state-dir", help="The daemon's state dir.")

@@ -67,6 +67,7 @@ class QuarantineWatch:
         self.poll_s = poll_s
         self.clock = clock
         self._seen: dict[str, float] = {}  # uuid → when we first saw it quarantined
+        self._heard: set[str] = set()  # uuids the daemon mapped a rank of this job to, at any poll
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-launch-gpu-watch", daemon=True)
 
@@ -90,15 +91,21 @@ class QuarantineWatch:
         """Stop the launch when a quarantined GPU of its own has waited long enough (see the module docstring)."""
         now = self.clock()
         for gpu in now_gpus:
-            if gpu.uuid not in self.chosen or not gpu.quarantined:
+            if gpu.uuid not in self.chosen:
+                continue
+            if self._maps_a_rank_to(gpu):
+                self._heard.add(gpu.uuid)
+            if not gpu.quarantined:
                 continue
             first = self._seen.setdefault(gpu.uuid, now)
-            reported = self._reports_on(gpu)
+            reported = gpu.uuid in self._heard
             wait_s = self.grace_s + MARGIN_S if reported else 0.0
             if now - first < wait_s:
                 continue
-            unheard = "none of its ranks there reports to the daemon" if not reported else (
-                f"the job was still on it {wait_s:.0f} s later"
+            unheard = (
+                "none of its ranks there reports to the daemon"
+                if not reported
+                else (f"the job was still on it {wait_s:.0f} s later")
             )
             self.switch.stop(
                 f"GPU {gpu.index} ({gpu.uuid}) left, quarantined: {gpu.quarantine_reason}; {unheard}, so launch "
@@ -106,6 +113,7 @@ class QuarantineWatch:
             )
             return
 
-    def _reports_on(self, gpu: Gpu) -> bool:
-        """The daemon holds a report of a live rank of this job on `gpu`: it stops that rank itself."""
-        return any(t.job_id == self.job_id and t.ended is None for t in gpu.trainers)
+    def _maps_a_rank_to(self, gpu: Gpu) -> bool:
+        """The daemon maps a rank of this job to `gpu` (from its reports and the process table): it stops that
+        rank itself. Remembered (`_heard`): a rank that stopped as asked leaves the list before torchrun ends."""
+        return any(t.job_id == self.job_id for t in (*gpu.trainers, *(gpu.ranks or ())))

@@ -22,7 +22,7 @@ from typing import BinaryIO
 from gpuwatch.trainer.contract import EXIT_RESUME
 
 TEE_ARGS = ("--tee", "2")  # workers' stderr to torchrun's, prefixed, and to per-rank files under --log-dir
-_WORKER_LINE = re.compile(rb"^\[\D*?(\d+)\]:")
+_WORKER_LINE = re.compile(rb"^\[[^\]\d]+(\d+)\]:")  # [default0]: (its role, its local rank); not the summary's [0]:
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Fault|Interrupt)\b|\berror\b|\bfailed\b", re.IGNORECASE)
 _TAIL_BYTES = 64 * 1024
 
