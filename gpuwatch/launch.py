@@ -9,12 +9,17 @@ on them (CUDA_VISIBLE_DEVICES = their UUIDs, never indices), and reads how the j
 * the root-cause worker exited 75 (TrainerLink.exit_for_resume: checkpoint saved, stop requested
   or peers' state rescued): relaunch on the GPUs usable now, with GPUWATCH_RESUME=1, and log which
   GPUs left and why. torchrun itself exits 1 whatever its workers did; the workers' codes and
-  signals come from the summary torchrun prints on its stderr (which passes through us) and from
-  the error file it writes to TORCHELASTIC_ERROR_FILE (only when the root cause left one).
+  signals come from the summary torchrun prints on its stderr (gpuwatch.launching.torchrun_output
+  keeps it, and all of torchrun's own output, in a log file) and from the error file it writes to
+  TORCHELASTIC_ERROR_FILE (only when the root cause left one).
 * anything else (a rank killed by a signal, a non-zero exit, torchrun tearing the group down): a
   crash. Relaunch the same way, logging which rank, which GPU, the exit code or signal, and the
   daemon's finding on that GPU. A crash that did not get past the furthest step of the previous
   crash, with no hardware finding on the launch's GPUs, is a software fault: stop (exit 3).
+
+The ranks report to the daemon's own runtime dir (GET /v1/daemon; one given by hand that differs is
+refused), and while torchrun runs launch watches the daemon's GPU list itself
+(gpuwatch.launching.gpu_watch): a job the daemon cannot stop is moved off a quarantined GPU anyway.
 
 The job's progress (furthest step, first step of a relaunch) comes from its ranks' step pages in
 a directory of the launch's own (GPUWATCH_LAUNCH_DIR), exact even for a rank killed by SIGKILL.
@@ -631,9 +636,6 @@ def launch(
             f"(or {sys.executable} -m pip install torch)",
             command=COMMAND,
         )
-    missing = missing_job(command, Path.cwd())
-    if missing is not None:
-        fail(missing, command=COMMAND)
     if rendezvous["nnodes"] not in _SINGLE_NODE and not (rdzv_id or os.environ.get("GPUWATCH_JOB_ID")):
         fail("a multi-node job needs --rdzv-id, the same on every node (it is also the job id)", command=COMMAND)
     job_id = rdzv_id or os.environ.get("GPUWATCH_JOB_ID") or f"gpuwatch-{uuid.uuid4().hex[:12]}"
@@ -642,6 +644,9 @@ def launch(
 
         config = load(config_path, overrides={"listen": listen, "state_dir": state_dir, "runtime_dir": runtime_dir})
         daemon = DaemonClient(config).daemon_info()
+        missing = missing_job(command, Path.cwd())
+        if missing is not None:
+            fail(missing, command=COMMAND)
         given_as = "--runtime-dir" if runtime_dir is not None else RUNTIME_DIR_ENV
         ranks_dir = runtime_dir_for_ranks(daemon.runtime_dir, runtime_dir or os.environ.get(RUNTIME_DIR_ENV), given_as)
         plan = Plan(
