@@ -15,9 +15,14 @@ from gpuwatch.bench.daemon_process import DaemonProcess, child_env
 pytestmark = pytest.mark.slow
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def gpuwatch(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`gpuwatch ARGS` of this checkout, run in `cwd`."""
+    env = {**child_env(), "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "gpuwatch", *args], env=child_env(), cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "gpuwatch", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
     )
 
 
