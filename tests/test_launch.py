@@ -517,6 +517,7 @@ def test_a_crash_is_one_line_naming_the_rank_its_exit_its_own_error_and_the_log(
     tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
 ) -> None:
     outcome, shown = _run_real_torchrun(tmp_path, ENDS_WITH % ((0, "raise"),), capfdbinary)
+    print(shown, end="")
 
     assert "ChildFailedError" not in shown and "closing signal" not in shown, shown
     assert "ValueError: boom in rank 1" in shown  # the rank's own traceback is its output: it stays

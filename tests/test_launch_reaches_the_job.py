@@ -51,6 +51,7 @@ def test_a_job_launched_without_a_runtime_dir_reports_to_the_daemons_own_and_a_q
     _quarantine(node, 1)
     _, stderr = proc.communicate(timeout=TIMEOUT_S)
 
+    print(stderr, end="")
     assert proc.returncode == 0, stderr
     assert {r["job_id"] for r in ranks} == {ranks[0]["job_id"]}
     assert "GPU 1 (" in stderr and "left, quarantined: test" in stderr and "1 rank(s) on GPU 0" in stderr, stderr
