@@ -567,6 +567,17 @@ def _why_relaunch(
     return f"the job stopped for resume ({message or 'no reason given'}) with all its GPUs usable"
 
 
+def _check_in_place_flags(rendezvous: dict[str, Any]) -> None:
+    """--in-place runs its own store: torchrun's rendezvous flags are one line and exit 2."""
+    torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
+    given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
+    given += ["--rdzv-backend"] if rendezvous["rdzv_backend"] not in (None, "c10d") else []
+    if given:
+        fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
+    if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
+        fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
+
+
 class _Nproc(click.ParamType):
     name = "N|auto"
 
@@ -643,6 +654,9 @@ def launch(
         from gpuwatch.client import DaemonClient
 
         config = load(config_path, overrides={"listen": listen, "state_dir": state_dir, "runtime_dir": runtime_dir})
+        torchrun_rendezvous = rendezvous_args(job_id=job_id, **rendezvous)
+        if in_place:
+            _check_in_place_flags(rendezvous)
         daemon = DaemonClient(config).daemon_info()
         missing = missing_job(command, Path.cwd())
         if missing is not None:
@@ -655,18 +669,11 @@ def launch(
             max_restarts=max_restarts,
             runtime_dir=ranks_dir,
             job_id=job_id,
-            rendezvous=rendezvous_args(job_id=job_id, **rendezvous),
+            rendezvous=torchrun_rendezvous,
             command=command,
             stop_grace_s=daemon.stop_grace_s,
         )
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
-            torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
-            given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
-            given += ["--rdzv-backend"] if rendezvous["rdzv_backend"] not in (None, "c10d") else []
-            if given:
-                fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
-            if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
-                fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
 
             client = DaemonClient(config)
