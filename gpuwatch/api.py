@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import logging
+import os
 import socket
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, TypeVar
@@ -176,6 +177,17 @@ def create_api(
             backend=snap.backend,
             gpus=[gpu_body(g, now) for g in snap.gpus],
             node_findings=[wire.Finding(**f.as_dict()) for f in snap.node_findings],
+        )
+
+    @app.get("/v1/daemon")
+    def daemon_info() -> wire.DaemonInfo:
+        """The daemon's version, directories and stop grace: `gpuwatch launch` gives the ranks this runtime dir."""
+        config = monitor.config
+        return wire.DaemonInfo(
+            version=__version__,
+            state_dir=os.path.abspath(config.state_dir),
+            runtime_dir=os.path.abspath(config.runtime_dir),
+            stop_grace_s=config.trainer.grace_period_s,
         )
 
     @app.get("/v1/gpus/{index}", responses=NOT_FOUND)

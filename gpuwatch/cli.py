@@ -78,7 +78,8 @@ def build_config(config_path: str | None, **flags: Any) -> Config:
         "seed": "sim.seed",
     }
     overrides = {keys.get(name, name): value for name, value in flags.items()}
-    return load(config_path, overrides=overrides, known_rules=_rule_names())
+    flag_names = {"interval_s": "--interval"} | {key: f"--{name.replace('_', '-')}" for name, key in keys.items()}
+    return load(config_path, overrides=overrides, known_rules=_rule_names(), flag_names=flag_names)
 
 
 def _rule_names() -> frozenset[str]:
@@ -104,10 +105,19 @@ def main() -> None:
 def run(config_path: str | None, **flags: Any) -> None:
     """Run the daemon: sample, judge, export, serve."""
     from gpuwatch.daemon import Daemon, setup_logging
+    from gpuwatch.statelock import NewDaemonDir
 
     config = build_config(config_path, **flags)
     setup_logging(config.log_level)
-    Daemon(config).serve()
+    new_dirs, daemon = [NewDaemonDir(config.state_dir), NewDaemonDir(config.runtime_dir)], None
+    try:
+        daemon = Daemon(config)
+        daemon.serve()
+    except BaseException:
+        if daemon is None or not daemon.started:  # a start that failed leaves nothing behind
+            for new_dir in new_dirs:
+                new_dir.remove()
+        raise
 
 
 @main.command()

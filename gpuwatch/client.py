@@ -145,6 +145,12 @@ class DaemonClient:
 
         return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus")
 
+    def daemon_info(self) -> wire.DaemonInfo:
+        """GET /v1/daemon: the daemon's version, state dir, runtime dir and stop grace."""
+        from gpuwatch import wire
+
+        return wire.read(wire.DaemonInfo, self.request("GET", "/v1/daemon"), "GET /v1/daemon")
+
     def injections(self) -> list[wire.Injection]:
         from gpuwatch import wire
 

@@ -269,6 +269,7 @@ def load(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     known_rules: Collection[str] | None = None,
+    flag_names: Mapping[str, str] | None = None,
 ) -> Config:
     """Build a validated Config from a TOML file, the environment and flag overrides.
 
@@ -279,6 +280,8 @@ def load(
         overrides: dotted keys from the command line (`sim.gpus`), None values ignored.
         known_rules: the rule ids and rule modules `rules.disabled` may name (the health layer's
             catalog, handed in by the commands that judge GPUs); None leaves `rules.disabled` unchecked.
+        flag_names: the flag that sets a dotted key, where it is not `--key-with-dashes` (`interval_s`:
+            `--interval`), so an error names the flag the user typed.
 
     Raises:
         ConfigError: naming the file, key or variable and what is wrong.
@@ -295,7 +298,7 @@ def load(
     config = _apply_env(config, env, given)
     for dotted, value in (overrides or {}).items():
         if value is not None:
-            where = f"option --{dotted.replace('_', '-')}"
+            where = f"option {(flag_names or {}).get(dotted) or '--' + dotted.replace('_', '-')}"
             config = _set_dotted(config, dotted, value, where)
             given[dotted] = f"from {where}"
     try:

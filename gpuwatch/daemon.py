@@ -131,6 +131,7 @@ class Daemon:
     def __init__(self, config: Config, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
+        self.started = False
         self.state_lock = StateDirLock.acquire(config.state_dir)  # a second daemon stops here, exit 2
         self.backend, statics = open_backend(config)
         self.rules = scenario_rules(self.backend, config.rules)
@@ -273,6 +274,7 @@ class Daemon:
         The fleet breaker asks Prometheus first (at most fleet.timeout_s), so that the first automatic
         quarantines (XIDs the kernel log replays after a fleet-wide driver roll-out) are judged on an answer.
         """
+        self.started = True  # from here on the state dir holds a real run's state: a failure keeps it
         if self.fleet is not None:
             self.fleet.start()
         self.monitor.tick()

@@ -9,12 +9,17 @@ on them (CUDA_VISIBLE_DEVICES = their UUIDs, never indices), and reads how the j
 * the root-cause worker exited 75 (TrainerLink.exit_for_resume: checkpoint saved, stop requested
   or peers' state rescued): relaunch on the GPUs usable now, with GPUWATCH_RESUME=1, and log which
   GPUs left and why. torchrun itself exits 1 whatever its workers did; the workers' codes and
-  signals come from the summary torchrun prints on its stderr (which passes through us) and from
-  the error file it writes to TORCHELASTIC_ERROR_FILE (only when the root cause left one).
+  signals come from the summary torchrun prints on its stderr (gpuwatch.launching.torchrun_output
+  keeps it, and all of torchrun's own output, in a log file) and from the error file it writes to
+  TORCHELASTIC_ERROR_FILE (only when the root cause left one).
 * anything else (a rank killed by a signal, a non-zero exit, torchrun tearing the group down): a
   crash. Relaunch the same way, logging which rank, which GPU, the exit code or signal, and the
   daemon's finding on that GPU. A crash that did not get past the furthest step of the previous
   crash, with no hardware finding on the launch's GPUs, is a software fault: stop (exit 3).
+
+The ranks report to the daemon's own runtime dir (GET /v1/daemon; one given by hand that differs is
+refused), and while torchrun runs launch watches the daemon's GPU list itself
+(gpuwatch.launching.gpu_watch): a job the daemon cannot stop is moved off a quarantined GPU anyway.
 
 The job's progress (furthest step, first step of a relaunch) comes from its ranks' step pages in
 a directory of the launch's own (GPUWATCH_LAUNCH_DIR), exact even for a rank killed by SIGKILL.
@@ -31,7 +36,6 @@ torchrun numbers the ranks across nodes of different sizes, though its docs only
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import io
 import json
@@ -45,7 +49,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +58,15 @@ import click
 from gpuwatch.command_error import OneLineCommand, fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
+from gpuwatch.launching.daemon_dir import runtime_dir_for_ranks
+from gpuwatch.launching.gpu_watch import QuarantineWatch, StopSwitch
+from gpuwatch.launching.job_check import missing_job
+from gpuwatch.launching.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
     LAUNCH_DIR_ENV,
+    REPORTS_REQUIRED_ENV,
+    RUNTIME_DIR_ENV,
     STEP_PAGE_BYTES,
     StepPage,
     read_step_page,
@@ -72,8 +82,7 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 _SINGLE_NODE = {None, "1", "1:1"}
 
 Gpus = Callable[[], list["Gpu"]]
-Runner = Callable[[list[str], dict[str, str]], "Outcome"]
-_TAIL_BYTES = 64 * 1024
+Runner = Callable[..., "Outcome"]  # (argv, env, stop, log_path): run_torchrun
 
 
 class LaunchStopped(Exception):
@@ -95,6 +104,8 @@ class Plan:
     job_id: str
     rendezvous: tuple[str, ...]
     command: tuple[str, ...]
+    stop_grace_s: float = 60.0  # the daemon's trainer.grace_period_s (GET /v1/daemon)
+    watch_poll_s: float = 1.0  # how often QuarantineWatch asks the daemon
 
 
 def usable(gpus: Sequence[Gpu]) -> list[Gpu]:
@@ -160,49 +171,15 @@ def root_cause(error_file: Path) -> tuple[int | None, str]:
 
 
 @dataclass(frozen=True)
-class Failure:
-    """One failed worker as torchrun's closing summary lists it."""
-
-    rank: int
-    local_rank: int
-    exitcode: int  # negative: killed by that signal
-    pid: int | None = None
-
-    def how(self) -> str:
-        """ "killed by SIGKILL" or "exited 7"."""
-        if self.exitcode < 0:
-            try:
-                return f"killed by {signal.Signals(-self.exitcode).name}"
-            except ValueError:
-                return f"killed by signal {-self.exitcode}"
-        return f"exited {self.exitcode}"
-
-
-@dataclass(frozen=True)
 class Outcome:
     """How one torchrun run ended: its exit code, the signal we forwarded to it, its failed workers."""
 
     rc: int
     forwarded: int | None = None
     failures: tuple[Failure, ...] = ()  # torchrun's root cause first
-
-
-_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
-_ROOT_HEADER = "Root Cause (first observed failure):"
-
-
-def parse_failures(stderr_tail: str) -> tuple[Failure, ...]:
-    """The failed workers of torchrun's last summary (ChildFailedError), root cause first; () when none."""
-    root_at = stderr_tail.rfind(_ROOT_HEADER)
-    if root_at < 0:
-        return ()
-    others_at = stderr_tail.rfind("Failures:", 0, root_at)
-    sections = (stderr_tail[root_at:], stderr_tail[others_at:root_at] if others_at >= 0 else "")
-    return tuple(
-        Failure(int(rank), int(local_rank), int(code), int(pid))
-        for section in sections
-        for rank, local_rank, code, pid in _FAILURE.findall(section)
-    )
+    stopped: str | None = None  # why launch stopped it itself (QuarantineWatch)
+    errors: dict[int, str] = field(default_factory=dict)  # local rank → its own last error line
+    log: str | None = None  # torchrun's full output
 
 
 def cause_of(failures: Sequence[Failure]) -> Failure | None:
@@ -218,12 +195,15 @@ def cause_of(failures: Sequence[Failure]) -> Failure | None:
     return root
 
 
-def run_torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
-    """Run torchrun in its own session; SIGINT/SIGTERM to us go to it once. How it ended.
+def run_torchrun(
+    argv: list[str], env: dict[str, str], stop: StopSwitch | None = None, log_path: str | None = None
+) -> Outcome:
+    """Run torchrun in its own session; SIGINT/SIGTERM to us go to it once; `stop` ends it early. How it ended.
 
-    Its own session, so a terminal's Ctrl-C reaches torchrun once (through us), not twice. Its
-    stderr passes through us, unchanged, so we can read its closing summary: which worker failed
-    and how (torchrun's error file is not written for a worker killed by a signal).
+    Its own session, so a terminal's Ctrl-C reaches torchrun once (through us), not twice. Its stderr
+    goes through TorchrunOutput: all of it to `log_path`, the workers' lines on to ours, and one line
+    per failed rank at the end (torchrun's summary is also how we learn which worker failed and how:
+    its error file is not written for a worker killed by a signal).
 
     Raises:
         LaunchStopped: torchrun could not be started.
@@ -233,94 +213,58 @@ def run_torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
     except OSError as exc:
         raise LaunchStopped(2, f"cannot start torchrun ({argv[0]}): {exc.strerror or exc}") from None
     assert isinstance(proc.stderr, io.BufferedReader)
-    tail = bytearray()
-    copier = threading.Thread(target=_pass_through, args=(proc.stderr, tail), name="torchrun-stderr", daemon=True)
-    copier.start()
-    received: list[int] = []
+    with open(log_path or os.devnull, "ab") as log:
+        output = TorchrunOutput(log)
+        copier = threading.Thread(target=_copy, args=(proc.stderr, output), name="torchrun-stderr", daemon=True)
+        copier.start()
+        received: list[int] = []
 
-    def forward(signum: int, _frame: object) -> None:
-        received.append(signum)
-        proc.send_signal(signum)
+        def forward(signum: int, _frame: object) -> None:
+            received.append(signum)
+            proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        rc = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    copier.join(timeout=5)
-    text = bytes(tail).decode(errors="replace")
-    return Outcome(rc, received[0] if received else None, parse_failures(text))
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rc = _wait(proc, stop)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        copier.join(timeout=5)
+    failures = output.failures()
+    stopped = stop.reason if stop is not None and stop.stopped else None
+    if stopped is None and rc != 0:
+        for line in failure_lines(failures, output.last_error, log_path or "(none)", COMMAND):
+            say(line)
+        if not failures and not received:
+            error = output.own_error()
+            say(f"{COMMAND}: torchrun exited {rc}{f': {error}' if error else ''}; its full output: {log_path}")
+    return Outcome(rc, received[0] if received else None, failures, stopped, dict(output.last_error), log_path)
 
 
-def _pass_through(stream: io.BufferedReader, tail: bytearray) -> None:
-    """Copy torchrun's stderr to ours as it comes, keeping its last _TAIL_BYTES for the summary.
+def _wait(proc: subprocess.Popen[bytes], stop: StopSwitch | None) -> int:
+    """torchrun's exit code; when `stop` is set first, SIGTERM to torchrun (it tears its workers down), and
+    SIGKILL if it has not ended _STOP_KILL_S later."""
+    while stop is not None and not stop.stopped:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            continue
+    if stop is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=_STOP_KILL_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
 
-    From the first line of torchrun's ending on (`Sending process N closing signal`, `failed (exitcode: N)`:
-    it stops the other ranks and raises ChildFailedError), the rest is held until torchrun exits. When the job
-    stopped for resume (every rank exited 75, or was torn down by torchrun's SIGTERM after one did: what launch
-    relaunches as planned), torchrun's lines and its 40-line traceback, which read like a crash, give way to one
-    line per rank; any other end, a crash, is written as it came.
-    """
-    held: bytearray | None = None
+
+_STOP_KILL_S = 60.0  # torchrun gives its workers 30 s after its SIGTERM
+
+
+def _copy(stream: io.BufferedReader, output: TorchrunOutput) -> None:
     for chunk in iter(lambda: stream.read1(65536), b""):
-        tail += chunk
-        del tail[:-_TAIL_BYTES]
-        if held is not None and len(held) < _HELD_BYTES:
-            held += chunk
-            continue
-        if held is not None:  # a teardown this talkative is written as it comes
-            _write_stderr(bytes(held))
-            held = None
-        ending = _TORCHRUN_ENDING.search(chunk)
-        if ending is None:
-            _write_stderr(chunk)
-            continue
-        start = chunk.rfind(b"\n", 0, ending.start()) + 1
-        _write_stderr(chunk[:start])
-        held = bytearray(chunk[start:])
-    if held is not None:
-        _write_stderr(_planned_stop(bytes(held)) or bytes(held))
-
-
-# torchrun's own log lines as the job ends: the other workers are sent SIGTERM, a worker failed.
-_TORCHRUN_ENDING = re.compile(rb"\] (Sending process \d+ closing signal|failed \(exitcode: -?\d+\) local_rank: \d+)")
-_HELD_BYTES = 1024 * 1024
-
-
-def _planned_stop(text: bytes) -> bytes | None:
-    """torchrun's ending after a stop for resume: the ranks' own lines kept, torchrun's `failed` lines and its
-    ChildFailedError traceback replaced by one line per rank. None for any other end (a crash)."""
-    decoded = text.decode(errors="replace")
-    failures = parse_failures(decoded)
-    torn_down = -signal.SIGTERM
-    if not any(f.exitcode == EXIT_RESUME for f in failures) or any(
-        f.exitcode not in (EXIT_RESUME, torn_down) for f in failures
-    ):
-        return None
-    lines = decoded.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")), None)
-    boxes = [i for i, line in enumerate(lines) if re.fullmatch(r"={20,}\s*", line)]
-    if start is None or len(boxes) < 2 or boxes[-1] < start:
-        return None
-    kept = [line for line in lines[:start] + lines[boxes[-1] + 1 :] if not _TORCHRUN_ENDING.search(line.encode())]
-    why = {EXIT_RESUME: "stopped for resume", torn_down: "stopped by torchrun once a peer had stopped"}
-    said = [
-        f"{COMMAND}: rank {f.rank} (local rank {f.local_rank}, pid {f.pid}) {f.how()}: {why[f.exitcode]}\n"
-        for f in sorted(failures, key=lambda f: f.rank)
-    ]
-    return "".join(kept + said).encode()
-
-
-def _write_stderr(data: bytes) -> None:
-    try:
-        out = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        sys.stderr.write(data.decode(errors="replace"))
-        return
-    with contextlib.suppress(OSError):
-        while data:
-            data = data[os.write(out, data) :]
+        output.feed(chunk)
+    output.finish()
 
 
 class ProgressWatch:
@@ -406,6 +350,7 @@ class Launcher:
         self.gpus = gpus
         self.runner = runner
         self.echo = echo
+        self._log: str | None = None  # torchrun's full output, made by run()
 
     def run(self) -> int:
         """Launch until the job finishes; 0 on success.
@@ -415,6 +360,7 @@ class Launcher:
                 was interrupted.
             GpuwatchError: the daemon could not be asked before the first launch.
         """
+        self._log = log_path = _torchrun_log(self.plan.job_id)
         with tempfile.TemporaryDirectory(prefix="gpuwatch-launch-") as tmp:
             launch, reason, gpus = 0, "first launch", usable(self.gpus())
             last_crash: _Crash | None = None
@@ -430,9 +376,14 @@ class Launcher:
                 launch_dir.mkdir(mode=0o700)
                 env = self._env(chosen, error_file, launch_dir, resume=launch > 0)
                 resumed_line = self._say_resumed(launch + 1) if launch > 0 else None
-                with ProgressWatch(launch_dir, resumed_line) as progress:
-                    outcome = self.runner(self._argv(n), env)
-                if outcome.rc == 0:
+                switch = StopSwitch()
+                watch = QuarantineWatch(
+                    self.gpus, chosen, self.plan.job_id, switch,
+                    grace_s=self.plan.stop_grace_s, poll_s=self.plan.watch_poll_s,
+                )  # fmt: skip
+                with ProgressWatch(launch_dir, resumed_line) as progress, watch:
+                    outcome = self.runner(self._argv(n, Path(tmp) / f"torchrun-{launch}"), env, switch, log_path)
+                if outcome.rc == 0 and outcome.stopped is None:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {launch} relaunch(es)")
                     return 0
                 if outcome.forwarded is not None:
@@ -443,7 +394,10 @@ class Launcher:
                 failure = cause_of(outcome.failures)
                 resumed = failure.exitcode == EXIT_RESUME if failure is not None else code == EXIT_RESUME
                 everything = self._ask_daemon()
-                if resumed:
+                if outcome.stopped is not None:
+                    what = "launch stopped the job off a quarantined GPU"
+                    cause = outcome.stopped
+                elif resumed:
                     what = "the job stopped for resume"
                     cause = None
                 else:
@@ -456,6 +410,8 @@ class Launcher:
                 if everything is None:
                     gpus = chosen
                     reason = cause or "the job stopped for resume"
+                elif outcome.stopped is not None:
+                    gpus, reason = usable(everything), outcome.stopped
                 else:
                     gpus = usable(everything)
                     reason = _why_relaunch(chosen, everything, gpus, message, cause)
@@ -485,7 +441,7 @@ class Launcher:
         """ "rank 1 on GPU 1 (GPU-…) killed by SIGKILL after step 37, daemon: no finding on GPU 1"."""
         at = f" after step {furthest}" if furthest is not None else " before its first step"
         if failure is None:
-            return f"torchrun exited {rc}{at}, no worker named: see torchrun's log above"
+            return f"torchrun exited {rc}{at}, no worker named: see its full output in {self._log}"
         gpu = chosen[failure.local_rank] if failure.local_rank < len(chosen) else None
         if gpu is None:
             return f"rank {failure.rank} {failure.how()}{at}"
@@ -530,13 +486,17 @@ class Launcher:
             )
         return gpus[:want]
 
-    def _argv(self, nproc: int) -> list[str]:
+    def _argv(self, nproc: int, log_dir: Path) -> list[str]:
+        """torchrun's command line; its workers' stderr is teed (prefixed) for TorchrunOutput."""
         return [
             *TORCHRUN,
             "--max-restarts",
             "0",
             "--nproc-per-node",
             str(nproc),
+            "--log-dir",
+            str(log_dir),
+            *TEE_ARGS,
             *self.plan.rendezvous,
             *self.plan.command,
         ]
@@ -550,9 +510,18 @@ class Launcher:
             TORCHELASTIC_ERROR_FILE=str(error_file),
         )
         env[LAUNCH_DIR_ENV] = str(launch_dir)
+        env[REPORTS_REQUIRED_ENV] = "1"  # the runtime dir is the daemon's: a rank that cannot report is an error
         if resume:
             env["GPUWATCH_RESUME"] = "1"
         return env
+
+
+def _torchrun_log(job_id: str) -> str:
+    """A new file, ours alone, for torchrun's full output across the launch's relaunches; kept after it ends."""
+    safe = re.sub(r"[^\w.-]", "_", job_id)[:64]
+    fd, path = tempfile.mkstemp(prefix=f"gpuwatch-launch-{safe}-", suffix=".log")
+    os.close(fd)
+    return path
 
 
 def _hardware_findings(chosen: list[Gpu], everything: list[Gpu]) -> list[str]:
@@ -598,6 +567,19 @@ def _why_relaunch(
     return f"the job stopped for resume ({message or 'no reason given'}) with all its GPUs usable"
 
 
+def _check_in_place_flags(rendezvous: dict[str, Any], secret_file: str | None) -> None:
+    """--in-place runs its own store: torchrun's rendezvous flags are one line and exit 2."""
+    torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
+    given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
+    given += ["--rdzv-backend"] if rendezvous["rdzv_backend"] not in (None, "c10d") else []
+    if given:
+        fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
+    if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
+        fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
+    if rendezvous["rdzv_endpoint"] and not secret_file:
+        fail("--in-place with --rdzv-endpoint needs --inplace-secret-file (the job's secret)", command=COMMAND)
+
+
 class _Nproc(click.ParamType):
     name = "N|auto"
 
@@ -619,7 +601,9 @@ class _Nproc(click.ParamType):
 @click.option("--nproc-per-node", "nproc", type=_Nproc(), default="auto", show_default=True, help="Ranks per launch.")
 @click.option("--min-nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Stop below this.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True, help="Relaunches at most.")
-@click.option("--runtime-dir", help="The daemon's runtime dir, for the trainers (default: from the config).")
+@click.option(
+    "--runtime-dir", help="Only checked: the ranks get the daemon's own runtime dir (a different one: exit 2)."
+)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @click.option("--listen", help="HOST:PORT of the daemon's API (default 127.0.0.1:9835).")
 @click.option("--state-dir", help="The daemon's state dir.")
@@ -679,25 +663,26 @@ def launch(
         from gpuwatch.client import DaemonClient
 
         config = load(config_path, overrides={"listen": listen, "state_dir": state_dir, "runtime_dir": runtime_dir})
+        torchrun_rendezvous = rendezvous_args(job_id=job_id, **rendezvous)
+        if in_place:
+            _check_in_place_flags(rendezvous, inplace_secret_file)
+        daemon = DaemonClient(config).daemon_info()
+        missing = missing_job(command, Path.cwd())
+        if missing is not None:
+            fail(missing, command=COMMAND)
+        given_as = "--runtime-dir" if runtime_dir is not None else RUNTIME_DIR_ENV
+        ranks_dir = runtime_dir_for_ranks(daemon.runtime_dir, runtime_dir or os.environ.get(RUNTIME_DIR_ENV), given_as)
         plan = Plan(
             nproc=nproc,
             min_nproc=min_nproc,
             max_restarts=max_restarts,
-            runtime_dir=config.runtime_dir,
+            runtime_dir=ranks_dir,
             job_id=job_id,
-            rendezvous=rendezvous_args(job_id=job_id, **rendezvous),
+            rendezvous=torchrun_rendezvous,
             command=command,
+            stop_grace_s=daemon.stop_grace_s,
         )
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
-            torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
-            given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
-            given += ["--rdzv-backend"] if rendezvous["rdzv_backend"] not in (None, "c10d") else []
-            if given:
-                fail(f"--in-place runs its own store: {', '.join(given)} apply to torchrun only", command=COMMAND)
-            if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
-                fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
-            if rendezvous["rdzv_endpoint"] and not inplace_secret_file:
-                fail("--in-place with --rdzv-endpoint needs --inplace-secret-file (the job's secret)", command=COMMAND)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
 
             client = DaemonClient(config)
@@ -708,7 +693,7 @@ def launch(
                 return [GpuView(g.index, g.uuid, g.uuid in ok, g.epoch) for g in gpus]
 
             in_place_plan = InPlacePlan(
-                job_id, command, config.runtime_dir, nproc, min_nproc, max_restarts,
+                job_id, command, ranks_dir, nproc, min_nproc, max_restarts,
                 rendezvous["rdzv_endpoint"], rendezvous["nnodes"], secret_file=inplace_secret_file,
             )  # fmt: skip
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ def check(config: Config, samples: int = 3, spacing_s: float = 1.0, duration_s: 
             duration_s = scenario.judged_by_s
     if duration_s is not None:
         samples = max(samples, int(duration_s / spacing_s) + 1)
+    monitor_log = logging.getLogger("gpuwatch.monitor")
+    monitor_log.addFilter(_no_decision_lines)
     try:
         monitor = Monitor(backend, statics, config, rules=rules, clock=clock)
         snapshot = monitor.tick()
@@ -53,7 +56,14 @@ def check(config: Config, samples: int = 3, spacing_s: float = 1.0, duration_s: 
             snapshot = monitor.tick()
         return snapshot
     finally:
+        monitor_log.removeFilter(_no_decision_lines)
         backend.close()
+
+
+def _no_decision_lines(record: logging.LogRecord) -> bool:
+    """Drop the monitor's decision lines (`GPU 5 (…): quarantine: …`): a check keeps no quarantine and acts on
+    nothing; its own output says each GPU's state."""
+    return record.funcName != "_log"
 
 
 @dataclass

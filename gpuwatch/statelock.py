@@ -8,8 +8,10 @@ carries the holder's pid so the refusal can name it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 from gpuwatch.errors import ConfigError
@@ -60,3 +62,25 @@ def _read_pid(fd: int) -> int | None:
     """The pid the holder wrote, or None when the file does not hold one (a local user can write it)."""
     text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
     return int(text) if text.isdigit() and len(text) <= 10 else None
+
+
+class NewDaemonDir:
+    """What of a daemon dir's path (state or runtime) is missing before it starts: a start that fails removes
+    what it made.
+
+    A first `gpuwatch run` that fails (a busy port, no GPU) must leave no state dir, lock file or token behind
+    that the next try, or `rm -rf`, would have to deal with. A directory that was there is never touched.
+    """
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir).absolute()
+        self.made = [d for d in (self.path, *self.path.parents) if not d.exists()]  # deepest first
+
+    def remove(self) -> None:
+        """Remove the directory and the parents this start made, when it made the directory."""
+        if not self.made:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        for parent in self.made[1:]:
+            with contextlib.suppress(OSError):  # something else lives there now
+                parent.rmdir()

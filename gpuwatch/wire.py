@@ -249,6 +249,17 @@ class GpuList(Body):
     node_findings: list[Finding] = []
 
 
+class DaemonInfo(Body):
+    """GET /v1/daemon: where this daemon keeps its files, and how long it lets a rank stop. `gpuwatch launch` passes
+    `runtime_dir` to the ranks, so their reports reach the daemon that quarantines their GPUs whatever runtime dir
+    it was started with, and waits `stop_grace_s` for the ranks it reports to stop before it stops them itself."""
+
+    version: str = ""
+    state_dir: str = ""
+    runtime_dir: str = ""
+    stop_grace_s: float = 60.0  # trainer.grace_period_s
+
+
 # --- findings, injections, health -----------------------------------------------------------------
 
 

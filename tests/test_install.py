@@ -46,6 +46,14 @@ def install_lines() -> list[str]:
     return [line for line in code.splitlines() if line.strip()]
 
 
+def wheel_command() -> str:
+    """The one command the docs give for building the wheel in a clone (into dist/, not the checkout's root)."""
+    block = README.read_text().split("<!-- wheel:")[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    (line,) = [line for line in block.splitlines() if line.strip()]
+    assert f"`{line}`" in (ROOT / "README.md").read_text()  # the README gives the same one
+    return line
+
+
 def under(prefix: Path, text: str) -> str:
     """`text` with every absolute path into /opt, /etc, /usr, /var or /run moved under `prefix`."""
     return re.sub(r"(?<![\w./*-])/(opt|etc|usr|var|run)/", lambda m: f"{prefix}/{m.group(1)}/", text)
@@ -120,7 +128,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
         pytest.skip("systemctl is not installed (Debian: apt-get install systemd)")
     prefix = tmp_path_factory.mktemp("root")
     wheels = tmp_path_factory.mktemp("wheels")
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels)]
+    documented = wheel_command().split()  # python3 -m pip wheel --no-deps -w dist .
+    assert documented[-3:] == ["-w", "dist", "."], documented
+    build = [sys.executable, *documented[1:-3], "-q", "--no-build-isolation", "-w", str(wheels)]  # offline here
     subprocess.run([*build, str(ROOT)], check=True, capture_output=True, timeout=300)
     if STOCK_UNITS.is_dir():
         shutil.copytree(STOCK_UNITS, prefix / STOCK_UNITS.relative_to("/"), symlinks=True)

@@ -6,8 +6,8 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -27,17 +27,22 @@ from gpuwatch.launch import (
     LaunchStopped,
     Outcome,
     Plan,
-    _pass_through,
     cause_of,
     launch,
-    parse_failures,
     rendezvous_args,
     root_cause,
     run_torchrun,
     usable,
 )
+from gpuwatch.launching.torchrun_output import parse_failures
 from gpuwatch.trainer.contract import LAUNCH_DIR_ENV, STEP_LAYOUT, STEP_PAGE_MAGIC, step_page_name
-from gpuwatch.wire import Gpu
+from gpuwatch.wire import DaemonInfo, Gpu
+
+
+@pytest.fixture(autouse=True)
+def _logs_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's log files (one per Launcher.run, kept after it) go to the test's own directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def gpu(index: int, state: str = "healthy", quarantined: bool = False, reason: str | None = None) -> dict[str, Any]:
@@ -59,6 +64,7 @@ def plan(**overrides: Any) -> Plan:
         "job_id": "job-7",
         "rendezvous": ("--nnodes", "1"),
         "command": ("-m", "train", "--lr", "3"),
+        "watch_poll_s": 3600.0,  # QuarantineWatch must not take the fake daemon's scripted answers
     }
     return Plan(**{**values, **overrides})
 
@@ -90,7 +96,7 @@ class FakeTorchrun:
         self.outcomes = list(outcomes)
         self.calls: list[tuple[list[str], dict[str, str]]] = []
 
-    def __call__(self, argv: list[str], env: dict[str, str]) -> Outcome:
+    def __call__(self, argv: list[str], env: dict[str, str], *_stop_and_log: object) -> Outcome:
         self.calls.append((argv, env))
         outcome = self.outcomes.pop(0)
         if outcome == 0:
@@ -131,9 +137,10 @@ def test_stop_for_resume_relaunches_on_the_gpus_left_with_resume_set() -> None:
     assert Launcher(plan(), daemon, torchrun, lines.append).run() == 0
 
     (argv1, env1), (argv2, env2) = torchrun.calls
+    log_dir = argv1[argv1.index("--log-dir") + 1]
     assert argv1[1:] == [
-        "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2", "--nnodes", "1",
-        "-m", "train", "--lr", "3",
+        "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2", "--log-dir", log_dir,
+        "--tee", "2", "--nnodes", "1", "-m", "train", "--lr", "3",
     ]  # fmt: skip
     assert argv1[0] == sys.executable
     assert env1["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-111" and "GPUWATCH_RESUME" not in env1
@@ -268,7 +275,7 @@ def test_an_unreachable_daemon_relaunches_on_the_same_gpus_and_says_so() -> None
     assert [c[1]["CUDA_VISIBLE_DEVICES"] for c in torchrun.calls] == ["GPU-000,GPU-111"] * 3  # no crash-loop verdict
 
 
-def test_a_failure_torchrun_does_not_name_points_at_the_log() -> None:
+def test_a_failure_torchrun_does_not_name_points_at_the_log(tmp_path: Path) -> None:
     torchrun = FakeTorchrun(Run(2), Run(2))
     lines: list[str] = []
 
@@ -276,12 +283,12 @@ def test_a_failure_torchrun_does_not_name_points_at_the_log() -> None:
         Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lines.append).run()
     assert lines[1] == (
         "gpuwatch launch: relaunch 1/3: torchrun exited 2 before its first step, no worker named: "
-        "see torchrun's log above"
+        f"see its full output in {next(tmp_path.glob('gpuwatch-launch-job-7-*.log'))}"
     )
 
 
 def test_a_forwarded_signal_never_relaunches() -> None:
-    def torchrun(argv: list[str], env: dict[str, str]) -> Outcome:
+    def torchrun(argv: list[str], env: dict[str, str], *_stop_and_log: object) -> Outcome:
         Path(env["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": {"errorCode": 75}}))
         return Outcome(1, signal.SIGTERM, (exited(0, EXIT_RESUME),))
 
@@ -379,9 +386,15 @@ def test_the_cause_is_a_real_failure_over_a_75_or_a_teardown_of_the_same_second(
 
 
 @pytest.fixture
-def daemon_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+def daemon_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
+    """A daemon with GPUs 0 and 1 and runtime dir /run/gpuwatch; the jobs' scripts in the cwd."""
     gpus = [gpu(0), gpu(1)]
     monkeypatch.setattr(DaemonClient, "gpus", lambda self: [Gpu.model_validate(g) for g in gpus])
+    monkeypatch.setattr(DaemonClient, "daemon_info", lambda self: DaemonInfo(runtime_dir="/run/gpuwatch"))
+    monkeypatch.delenv("GPUWATCH_RUNTIME_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for script in ("train.py", "t.py"):
+        (tmp_path / script).touch()
     yield gpus
 
 
@@ -421,7 +434,9 @@ def test_too_few_gpus_is_one_line_and_exit_3(daemon_gpus: list[dict[str, Any]], 
     assert (code, stderr) == (3, "gpuwatch launch: error: 2 usable GPU(s) on this node, fewer than --min-nproc 3\n")
 
 
-def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").touch()
     code, stderr = invoke("--listen", "127.0.0.1:1", "--state-dir", str(tmp_path), "--", "train.py")
 
     assert code == 2
@@ -456,40 +471,36 @@ def test_sigterm_to_the_launcher_is_forwarded_to_torchrun_once(tmp_path: Path) -
     assert signal.getsignal(signal.SIGTERM) == previous
 
 
-def _torchrun_stderr(tmp_path: Path, exit_codes: tuple[int, int]) -> bytes:
-    """What real torchrun (2 ranks, --max-restarts 0) writes on stderr when rank N exits exit_codes[N]."""
+def _run_real_torchrun(tmp_path: Path, job: str, capfdbinary: pytest.CaptureFixture[bytes]) -> tuple[Outcome, str]:
+    """Real torchrun (2 ranks, --max-restarts 0, launch's --tee) on `job` through run_torchrun: how it ended, and
+    what launch showed on its stderr."""
     script = tmp_path / "job.py"
-    script.write_text(
-        "import os, sys, time\n"
-        "rank = int(os.environ['RANK'])\n"
-        "print(f'rank {rank}: checkpoint saved', file=sys.stderr, flush=True)\n"
-        "time.sleep(0.5 * (1 - rank))\n"  # rank 1 ends first, rank 0 may be torn down by torchrun
-        f"sys.exit({exit_codes!r}[rank])\n"
-    )
+    script.write_text(job)
     argv = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2"]
+    argv += ["--log-dir", str(tmp_path / "logs"), "--tee", "2"]
     argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "t", str(script)]
-    done = subprocess.run(argv, capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 1 and b"ChildFailedError" in done.stderr, done.stderr
-    return done.stderr
+    log = tmp_path / "torchrun.log"
+    outcome = run_torchrun(argv, {**os.environ, "OMP_NUM_THREADS": "1"}, log_path=str(log))
+    assert b"ChildFailedError" in log.read_bytes()  # torchrun's whole account is in the log
+    return outcome, capfdbinary.readouterr().err.decode()
 
 
-def _passed_through(data: bytes, capfdbinary: pytest.CaptureFixture[bytes]) -> str:
-    """What launch writes on its stderr for torchrun's `data`, fed through a pipe in small reads."""
-    read_end, write_end = os.pipe()
-    writer = threading.Thread(target=lambda: (os.write(write_end, data), os.close(write_end)))
-    writer.start()
-    tail = bytearray()
-    with open(read_end, "rb") as stream:
-        _pass_through(stream, tail)  # type: ignore[arg-type]
-    writer.join()
-    assert bytes(tail) == data[-len(tail) :]  # the summary launch reads is the untouched stream
-    return capfdbinary.readouterr().err.decode()
+ENDS_WITH = """
+import os, sys, time
+rank = int(os.environ['RANK'])
+print(f'rank {rank}: checkpoint saved', file=sys.stderr, flush=True)
+time.sleep(0.5 * (1 - rank))  # rank 1 ends first, rank 0 may be torn down by torchrun
+CODES = %r
+if CODES[rank] == 'raise':
+    raise ValueError(f'boom in rank {rank}')
+sys.exit(CODES[rank])
+"""
 
 
 def test_a_planned_stop_prints_one_line_per_rank_instead_of_torchruns_traceback(
     tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    shown = _passed_through(_torchrun_stderr(tmp_path, (75, 75)), capfdbinary)
+    _, shown = _run_real_torchrun(tmp_path, ENDS_WITH % ((75, 75),), capfdbinary)
     assert "Traceback" not in shown and "ChildFailedError" not in shown and "failed (exitcode" not in shown, shown
     assert "closing signal" not in shown
     assert "rank 0: checkpoint saved" in shown and "rank 1: checkpoint saved" in shown  # the ranks' own lines stay
@@ -502,10 +513,16 @@ def test_a_planned_stop_prints_one_line_per_rank_instead_of_torchruns_traceback(
     assert len(said) == 2
 
 
-def test_a_crash_still_shows_torchruns_traceback_as_it_came(
+def test_a_crash_is_one_line_naming_the_rank_its_exit_its_own_error_and_the_log(
     tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    data = _torchrun_stderr(tmp_path, (75, 3))
-    shown = _passed_through(data, capfdbinary)
-    assert shown == data.decode()
-    assert "ChildFailedError" in shown and "exitcode  : 3" in shown
+    outcome, shown = _run_real_torchrun(tmp_path, ENDS_WITH % ((0, "raise"),), capfdbinary)
+    print(shown, end="")
+
+    assert "ChildFailedError" not in shown and "closing signal" not in shown, shown
+    assert "ValueError: boom in rank 1" in shown  # the rank's own traceback is its output: it stays
+    said = [line for line in shown.splitlines() if line.startswith("gpuwatch launch:")]
+    assert said == [
+        f"gpuwatch launch: rank 1 (local rank 1, pid {outcome.failures[0].pid}) exited 1, its last error line: "
+        f"ValueError: boom in rank 1; torchrun's full output: {tmp_path / 'torchrun.log'}"
+    ], shown

@@ -49,6 +49,12 @@ def quick_start() -> list[str]:
     return [line for line in code.splitlines() if line.strip()]
 
 
+def demo() -> list[str]:
+    block = README.read_text().split("<!-- demo:")[1].split("<!-- end of demo -->")[0]
+    code = block.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line for line in code.splitlines() if line.strip()]
+
+
 def test_the_readme_is_short() -> None:
     lines = README.read_text().splitlines()
     assert len(lines) <= 250, len(lines)
@@ -123,9 +129,10 @@ def test_every_command_and_option_the_readme_names_exists() -> None:
 
 
 @pytest.mark.slow
-def test_the_quick_start_daemon_runs_as_written(tmp_path: Path) -> None:
+def test_the_quick_start_daemon_and_the_demo_run_as_written(tmp_path: Path) -> None:
     """The first line in a fresh copy of the checkout (its own venv, from the package index as a user's would
-    be), its /tmp/gpuwatch moved into the test's tmp dir and its port picked free; then the status command."""
+    be), its /tmp/gpuwatch moved into the test's tmp dir and its port picked free; then the status command, and
+    the training demo's lines in order in that venv: it ends with a resume and leaves no quarantine behind."""
     checkout = tmp_path / "checkout"
     ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info", "build", "dist", ".*_cache")
     shutil.copytree(REPO, checkout, ignore=ignore)
@@ -148,11 +155,36 @@ def test_the_quick_start_daemon_runs_as_written(tmp_path: Path) -> None:
         )
         assert status.returncode == 0, status.stderr
         assert "GPU 5, " in status.stdout and "state: unhealthy, quarantined: yes" in status.stdout
+        _run_the_demo(checkout, scratch, env, f"http://{listen}")
     finally:
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as the README says
         code = process.wait(timeout=60)
         log.close()
     assert code == 0, (tmp_path / "daemon.log").read_text()[-3000:]
+
+
+def _run_the_demo(checkout: Path, scratch: str, env: dict[str, str], url: str) -> None:
+    """The demo's lines as written, pasted into one shell (torch from wherever pip is configured to take it): the
+    job resumes on the GPUs left without losing a step, and GPU 1 is back in service at the end."""
+    lines = demo()
+    assert lines[0] == ".venv/bin/pip install torch numpy" and "kill -0 $! && " in lines[2]
+    done = subprocess.run(
+        ["bash", "-c", "\n".join(lines).replace("/tmp/gpuwatch", scratch)],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    said = done.stdout + done.stderr
+    print(said[-3000:])
+    assert done.returncode == 0, said[-4000:]
+    summary = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"steps_done"')))
+    assert (summary["restarts"], summary["lost_steps"], summary["world_sizes"]) == (1, 0, [2, 2]), summary
+    assert "gpuwatch launch: launch 2 resumed from step " in said and "2 rank(s) on GPU 0,2" in said, said[-3000:]
+    assert "none of its ranks there reports" not in said  # the daemon stopped the ranks it hears from itself
+    with urllib.request.urlopen(url + "/v1/gpus/1", timeout=5) as response:
+        assert json.loads(response.read())["quarantined"] is False
 
 
 def _wait_for_both_faults(url: str, process: subprocess.Popen[bytes], log: Path) -> dict[int, dict[str, Any]]:

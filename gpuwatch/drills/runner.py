@@ -146,10 +146,18 @@ def _guard(run: Run) -> None:
         kind_guard(run)
 
 
+def _busy(run: Run) -> DrillRefused:
+    """GPU N has processes on it, and where to find a GPU without (the sim gives each GPU one but in `idle`)."""
+    hint = "pick a GPU without any"
+    if node(run.api).backend == "sim":
+        hint += " (the sim puts a process on every GPU: run its daemon with --sim-scenario idle)"
+    return DrillRefused("target_busy", f"GPU {run.gpu} has processes on it ({pids(run.before)}): {hint}")
+
+
 def _no_process(run: Run) -> None:
     """xid_fault: the sacrificial process must be the only one on the GPU."""
     if pids(run.before):
-        raise DrillRefused("target_busy", f"GPU {run.gpu} has processes on it ({pids(run.before)})")
+        raise _busy(run)
     script = injectors.xid_script(run.config)
     if not script.exists():
         raise DrillRefused("not_supported", f"{script} not found (set tools.xid_fault)")
@@ -191,7 +199,7 @@ def _dcgm_backend(run: Run) -> None:
 def _idle(run: Run) -> None:
     """validate: the GPU test never runs beside anything else."""
     if pids(run.before):
-        raise DrillRefused("target_busy", f"GPU {run.gpu} has processes on it ({pids(run.before)})")
+        raise _busy(run)
 
 
 _KIND_GUARDS: dict[str, Callable[[Run], None]] = {

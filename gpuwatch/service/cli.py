@@ -51,13 +51,17 @@ def service() -> None:
 @service.command()
 @click.option("--now", is_flag=True, help="Also enable and start the service (systemctl enable --now).")
 @click.option("--pcie-drill", is_flag=True, help="Also the drop-in that lets the pcie_remove drill write /sys.")
+@click.option("--dry-run", is_flag=True, help="Print each file it would write, link or enable; change nothing.")
 @_placement
-def install(root: Root, prefix: Path, now: bool, pcie_drill: bool) -> None:
+def install(root: Root, prefix: Path, now: bool, pcie_drill: bool, dry_run: bool) -> None:
     """Put the unit, the example config (never over an edited one) and the command link in place, verify the
-    unit with systemd-analyze; with --now enable and start it. Run as root."""
+    unit with systemd-analyze; with --now enable and start it. Run as root.
+
+    With --root DIR (an image being built, or an empty directory to try it in) the venv must be inside DIR;
+    the units are verified only when DIR has systemd's own units (usr/lib/systemd/system)."""
     from gpuwatch.service.install import install as run_install
 
-    run_install(root, prefix, now=now, pcie_drill=pcie_drill, say=click.echo)
+    run_install(root, prefix, now=now, pcie_drill=pcie_drill, say=click.echo, dry_run=dry_run)
 
 
 @service.command()

@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import shutil
+import stat
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,23 +54,29 @@ class Manifest:
         return next((w for w in self.files if w.target == target), None)
 
 
-def install(root: Root, prefix: Path, *, now: bool, pcie_drill: bool, say: Say) -> None:
+def install(root: Root, prefix: Path, *, now: bool, pcie_drill: bool, say: Say, dry_run: bool = False) -> None:
     """Put the node's files in place (see the module), verify the units; with `now`, enable and start them.
+
+    `dry_run`: say each file it would write, put aside, link or enable, and change nothing.
 
     Raises:
         ServiceError: not root, a file could not be written, systemd-analyze or systemctl refused.
     """
-    _require_root(root)
+    if not dry_run:
+        _require_root(root)
     share = root / prefix / SHARE
     manifest = _load(share) or Manifest(str(prefix))
     wanted = [f for f in NODE_FILES if not f.only_with or (f.only_with == "pcie_drill" and pcie_drill)]
+    units = [Path(f.target).name for f in wanted if f.unit]
+    if dry_run:
+        _dry_run(root, share, prefix, wanted, manifest, now, say)
+        return
     try:
         for node_file in wanted:
             _place(root, share, prefix, node_file, manifest, say)
         _link(root, prefix, manifest, say)
     finally:
         _save(share, manifest)
-    units = [Path(f.target).name for f in wanted if f.unit]
     _verify(root, [f.target for f in wanted if f.unit], say)
     if root.live and _systemd_running():
         _systemctl(root, "daemon-reload")
@@ -76,10 +84,62 @@ def install(root: Root, prefix: Path, *, now: bool, pcie_drill: bool, say: Say) 
     monitoring = prefix / SHARE / MONITORING
     say(f"the monitoring assets are in {monitoring}: gpuwatch service assets --out DIR copies them for Prometheus")
     if not now:
-        say(f"next: edit {config} if this is not an 8-GPU NVML node, then: systemctl enable --now {' '.join(units)}")
+        say(f"next: edit {config} if this is not an 8-GPU NVML node, then: {enable_command(units)}")
         return
     _enable(root, units, manifest, say)
     _save(share, manifest)
+
+
+def enable_command(units: list[str]) -> str:
+    """What starts the service by hand: both units, the socket first (it holds the port)."""
+    return f"systemctl enable --now {' '.join(units)}"
+
+
+def _dry_run(
+    root: Root, share: Path, prefix: Path, wanted: list[NodeFile], manifest: Manifest, now: bool, say: Say
+) -> None:
+    """Say, one line each, what install would write, put aside, make, link, verify and enable; change nothing."""
+    made: set[Path] = set()
+
+    def make_parents(node_path: str) -> None:
+        for directory in reversed([d for d in Path(node_path).parents if not (root / d).exists()]):
+            if directory not in made:
+                made.add(directory)
+                say(f"would make directory {directory}")
+
+    for node_file in wanted:
+        target = root / node_file.target
+        content = _content(share, prefix, node_file)
+        recorded = manifest.written(node_file.target)
+        if target.exists() or target.is_symlink():
+            if node_file.keep_edited and (recorded is None or _sha256(target) != recorded.sha256):
+                say(f"would keep {node_file.target} as it is")
+                continue
+            if target.is_file() and target.read_bytes() == content:
+                say(f"would leave {node_file.target}: already as shipped")
+                continue
+            aside = f", putting the old one aside in {prefix / SHARE / REPLACED}" if recorded is None else ""
+            say(f"would write {node_file.target} (mode {node_file.mode:o}){aside}")
+            continue
+        make_parents(node_file.target)
+        say(f"would write {node_file.target} (mode {node_file.mode:o})")
+    link = root / COMMAND_LINK
+    if not (link.is_symlink() and _resolves_into(link, root / prefix)):
+        if link.exists() or link.is_symlink():
+            say(f"would leave {COMMAND_LINK} as it is (it is not this install's)")
+        else:
+            make_parents(COMMAND_LINK)
+            say(f"would link {COMMAND_LINK} -> {prefix}/bin/gpuwatch")
+    say(f"would write {prefix / SHARE / MANIFEST} (the record `gpuwatch service uninstall` undoes)")
+    units = [Path(f.target).name for f in wanted if f.unit]
+    reason = _why_not_verified(root)
+    say(f"would verify {', '.join(units)} with systemd-analyze" if reason is None else f"would not verify: {reason}")
+    if now:
+        live = root.live and _systemd_running()
+        say(f"would {'enable and start' if live else 'enable'} {', '.join(units)}" + ("" if live else " (not started)"))
+    else:
+        say(f"would enable nothing (then: {enable_command(units)})")
+    say("dry run: nothing was changed")
 
 
 def uninstall(root: Root, prefix: Path, *, purge: bool, say: Say) -> None:
@@ -126,9 +186,7 @@ def uninstall(root: Root, prefix: Path, *, purge: bool, say: Say) -> None:
 
 def _place(root: Root, share: Path, prefix: Path, node_file: NodeFile, manifest: Manifest, say: Say) -> None:
     """Write one file unless it is there as wanted; an unrecorded different file is put aside first."""
-    content = (share / node_file.shipped).read_bytes()
-    if node_file.templated and str(prefix) != DEFAULT_PREFIX:
-        content = content.replace(DEFAULT_PREFIX.encode(), str(prefix).encode())
+    content = _content(share, prefix, node_file)
     target = root / node_file.target
     recorded = manifest.written(node_file.target)
     if target.exists() or target.is_symlink():
@@ -150,6 +208,14 @@ def _place(root: Root, share: Path, prefix: Path, node_file: NodeFile, manifest:
     _write(target, content, node_file.mode)
     recorded.sha256 = hashlib.sha256(content).hexdigest()
     say(f"installed {node_file.target}" + (f" (the old one is kept in {share / REPLACED})" if recorded.backup else ""))
+
+
+def _content(share: Path, prefix: Path, node_file: NodeFile) -> bytes:
+    """The shipped file as this prefix wants it (the unit names the venv's gpuwatch)."""
+    content = (share / node_file.shipped).read_bytes()
+    if node_file.templated and str(prefix) != DEFAULT_PREFIX:
+        content = content.replace(DEFAULT_PREFIX.encode(), str(prefix).encode())
+    return content
 
 
 def _remove(root: Root, share: Path, written: Written, purge: bool, say: Say) -> None:
@@ -182,16 +248,46 @@ def _make_parents(root: Root, directory: Path, manifest: Manifest) -> None:
 
 
 def _write(target: Path, content: bytes, mode: int) -> None:
-    """Replace `target` atomically (a half-written unit must never be what systemd reads)."""
-    temp = target.with_name(f".{target.name}.gpuwatch-new")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    """Replace `target` atomically (a half-written unit must never be what systemd reads), never through a link.
+
+    The temp file is new (O_CREAT|O_EXCL|O_NOFOLLOW, a name nobody can guess) in the target's own directory,
+    which must be ours alone: a directory another user can write could swap the file under us.
+
+    Raises:
+        ServiceError: the directory is not root's (or ours) or others can write it.
+    """
+    _require_private_dir(target.parent)
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".gpuwatch-new")
     try:
         os.fchmod(fd, mode)
         os.write(fd, content)
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        os.unlink(temp)
+        raise
+    os.close(fd)
     os.replace(temp, target)
+
+
+def _require_private_dir(directory: Path) -> None:
+    """ServiceError, one line, unless `directory` is a real directory of root's (or ours) that only its owner
+    can write."""
+    try:
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise ServiceError(f"{directory}: {exc.strerror or exc}") from None
+    owners = {0, os.geteuid()}
+    why = (
+        "not a directory" if not stat.S_ISDIR(st.st_mode)
+        else f"owned by uid {st.st_uid}" if st.st_uid not in owners
+        else f"writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):o})"
+        if st.st_mode & 0o022 else None
+    )  # fmt: skip
+    if why is not None:
+        raise ServiceError(
+            f"refusing to write into {directory}: it is {why}; it must be root's and writable by root alone"
+        )
 
 
 def _link(root: Root, prefix: Path, manifest: Manifest, say: Say) -> None:
@@ -293,6 +389,10 @@ def _verify(root: Root, units: list[str], say: Say) -> None:
     if analyze is None:
         say("warning: systemd-analyze not found: the unit was not verified")
         return
+    reason = _why_not_verified(root)
+    if reason is not None:
+        say(f"not verified: {reason}")
+        return
     scope = [] if root.live else [f"--root={root.path}"]
     argv = [analyze, "verify", "--man=no", *scope, *(str(root / unit) for unit in units)]
     done = run_tool(argv, 60.0, error=ServiceError, setting="PATH", what="systemd-analyze verify")
@@ -303,6 +403,25 @@ def _verify(root: Root, units: list[str], say: Say) -> None:
             "or `gpuwatch service uninstall`)"
         )
     say(f"verified {', '.join(Path(u).name for u in units)} with systemd-analyze")
+
+
+STOCK_UNIT_DIRS = ("usr/lib/systemd/system", "lib/systemd/system")
+
+
+def _why_not_verified(root: Root) -> str | None:
+    """Why systemd-analyze cannot verify the units in `root` (one line), or None when it can.
+
+    It resolves the units the unit is ordered against (sysinit.target, ...) inside the root: an image
+    without systemd's own units would fail on those, not on ours.
+    """
+    if shutil.which("systemd-analyze") is None:
+        return "systemd-analyze not found"
+    if root.live or any((root / d / "sysinit.target").exists() for d in STOCK_UNIT_DIRS):
+        return None
+    return (
+        f"{root.path} has no systemd units of its own (no /usr/lib/systemd/system/sysinit.target), which "
+        "systemd-analyze verify resolves ours against; it verifies once systemd is installed in that root"
+    )
 
 
 def _lines(text: str) -> Iterator[str]:

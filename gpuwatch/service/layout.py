@@ -96,17 +96,28 @@ def prefix_of(root: Root, prefix: str | None) -> Path:
     Raises:
         ServiceError: it holds no gpuwatch command or no shipped files (not a wheel install).
     """
+    if prefix is None and not root.live and not Path(sys.prefix).resolve().is_relative_to(root.path.resolve()):
+        raise ServiceError(f"--root {root.path}: the venv to install from must be inside it, {_make_venv(root)}")
     node_prefix = Path(prefix) if prefix else root.inside(Path(sys.prefix))
     if not node_prefix.is_absolute():
         raise ServiceError(f"--prefix {prefix}: give the venv's absolute path, e.g. {DEFAULT_PREFIX}")
     command = root / node_prefix / "bin" / "gpuwatch"
     if not os.access(command, os.X_OK):
-        raise ServiceError(
-            f"--prefix {node_prefix}: no gpuwatch command at {command}; "
-            f"python3 -m venv {node_prefix} && {node_prefix}/bin/pip install gpuwatch_daemon-*.whl first"
-        )
+        raise ServiceError(f"--prefix {node_prefix}: no gpuwatch command at {command}; {_make_venv(root, node_prefix)}")
     share = root / node_prefix / SHARE
     missing = [f.shipped for f in NODE_FILES if not (share / f.shipped).is_file()]
     if missing:
-        raise ServiceError(f"{share} lacks {', '.join(missing)}: install the gpuwatch-daemon wheel into {node_prefix}")
+        raise ServiceError(f"{share} lacks {', '.join(missing)}: {_make_venv(root, node_prefix)}")
     return node_prefix
+
+
+def _make_venv(root: Root, node_prefix: Path = Path(DEFAULT_PREFIX)) -> str:
+    """The commands that make a venv at `node_prefix` in `root` with the wheel, and run its install."""
+    venv = root / node_prefix
+    again = "" if root.live else f" --root {root.path}"
+    if node_prefix != Path(DEFAULT_PREFIX):
+        again += f" --prefix {node_prefix}"
+    return (
+        f"make one with the wheel: python3 -m venv {venv} && {venv}/bin/pip install ./gpuwatch_daemon-*.whl, "
+        f"then run {venv}/bin/gpuwatch service install{again}"
+    )

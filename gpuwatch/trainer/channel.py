@@ -31,6 +31,7 @@ from gpuwatch.trainer.contract import (
     LAUNCH_DIR_ENV,
     NO_STEP,
     REPORT_PROTOCOL,
+    REPORTS_REQUIRED_ENV,
     STEP_LAYOUT,
     STEP_PAGE_BYTES,
     STEP_PAGE_MAGIC,
@@ -87,6 +88,11 @@ class StepPageWriter:
             return None
         self.path = path
         return fd
+
+
+class ReportsUnreachable(RuntimeError):
+    """Under `gpuwatch launch`, the daemon's report socket cannot be reached at start: no quarantine could stop
+    this rank, so it does not train."""
 
 
 class ReportSender:
@@ -148,6 +154,22 @@ class ReportSender:
                 "reports go on as far as both understand them; install the same gpuwatch in both",
                 self.socket_path, version, REPORT_PROTOCOL,
             )  # fmt: skip
+
+    def connect_or_raise(self) -> None:
+        """Connect now (the first report uses this connection); ReportsUnreachable, one line, when it cannot."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            with unix_address(self.socket_path) as address:
+                sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            raise ReportsUnreachable(
+                f"gpuwatch trainer: {REPORTS_REQUIRED_ENV} is set (gpuwatch launch) and reports cannot reach "
+                f"{self.socket_path}: {exc.strerror or exc}; is the daemon running with runtime dir "
+                f"{self.socket_path.parent}?"
+            ) from None
+        self._sock, self._page_sent = sock, False
 
     def close(self) -> None:
         if self._sock is not None:

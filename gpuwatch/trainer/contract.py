@@ -47,6 +47,9 @@ MAX_REPORT_BYTES = 8 * 1024
 """A report message larger than this is dropped (a rank's report is under 1 KiB)."""
 LAUNCH_DIR_ENV = "GPUWATCH_LAUNCH_DIR"
 """Set by `gpuwatch launch` for its ranks: a directory only the job's user can write, for the step pages."""
+REPORTS_REQUIRED_ENV = "GPUWATCH_REPORTS_REQUIRED"
+"""Set by `gpuwatch launch`, which gives its ranks the daemon's own runtime dir: a rank that cannot reach the
+report socket there at start raises ReportsUnreachable (no daemon could stop it) instead of warning."""
 STEP_PAGE_SUFFIX = ".step"
 
 ENDED_FINISHED = "finished"  # the job's loop ended normally (TrainerLink closed without an exception)

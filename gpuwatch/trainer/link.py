@@ -45,7 +45,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
-from gpuwatch.trainer.channel import ReportSender, StepPageWriter
+from gpuwatch.trainer.channel import ReportSender, ReportsUnreachable, StepPageWriter
 from gpuwatch.trainer.contract import (
     DEFAULT_RUNTIME_DIR,
     ENDED_ERROR,
@@ -57,6 +57,7 @@ from gpuwatch.trainer.contract import (
     LAUNCH_DIR_ENV,
     RECOVERY_RELAUNCH,
     REPORT_SOCKET,
+    REPORTS_REQUIRED_ENV,
     RUNTIME_DIR_ENV,
     STATUS_FILE,
     STEP_SLOT,
@@ -155,6 +156,12 @@ class TrainerLink:
         self._page = StepPageWriter(self.pid, os.environ.get(LAUNCH_DIR_ENV))
         self._page_ints, self._page_floats = self._page.ints, self._page.floats
         self._sender = ReportSender(self.runtime_dir / REPORT_SOCKET, self._page.fd)
+        if os.environ.get(REPORTS_REQUIRED_ENV):  # under gpuwatch launch: the daemon must hear this rank
+            try:
+                self._sender.connect_or_raise()
+            except ReportsUnreachable:
+                self._page.close()
+                raise
         self._status_key: tuple[int, int, int] | None = None
         self._closed = threading.Event()
         self._ended: str | None = None

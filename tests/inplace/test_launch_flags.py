@@ -10,14 +10,20 @@ from click.testing import CliRunner
 
 from gpuwatch.client import DaemonClient
 from gpuwatch.launch import launch
-from gpuwatch.wire import Gpu
+from gpuwatch.wire import DaemonInfo, Gpu
 
 
 @pytest.fixture(autouse=True)
-def two_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def two_gpus(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """A daemon with GPUs 0 and 1 (runtime dir /run/gpuwatch); the jobs' scripts in the cwd."""
     gpus = [Gpu(index=i, uuid=f"GPU-{i}", state="healthy") for i in (0, 1)]
     monkeypatch.setattr(DaemonClient, "gpus", lambda self: gpus)
+    monkeypatch.setattr(DaemonClient, "daemon_info", lambda self: DaemonInfo(runtime_dir="/run/gpuwatch"))
     monkeypatch.delenv("GPUWATCH_JOB_ID", raising=False)
+    monkeypatch.delenv("GPUWATCH_RUNTIME_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for script in ("train.py", "t.py"):
+        (tmp_path / script).touch()
     yield
 
 
