@@ -635,6 +635,9 @@ class _Nproc(click.ParamType):
 @click.option(
     "--in-place", is_flag=True, help="Recover in place: run the workers here, survivors go on (gpuwatch.inplace)."
 )
+@click.option(
+    "--spares", type=click.IntRange(min=0), help="Warm standby workers to keep (--in-place; default trainer.spares)."
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True, metavar="-- [-m] SCRIPT [ARGS]...")
 def launch(
     nproc: int | None,
@@ -647,6 +650,7 @@ def launch(
     command: tuple[str, ...],
     rdzv_id: str | None,
     in_place: bool,
+    spares: int | None,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -681,6 +685,9 @@ def launch(
             rendezvous=rendezvous_args(job_id=job_id, **rendezvous),
             command=command,
         )
+        spare_count = config.trainer.spares if spares is None else spares
+        if spare_count and not in_place:
+            fail("--spares (trainer.spares) needs --in-place: torchrun starts its own workers", command=COMMAND)
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
             torchrun_only = ("rdzv_conf", "node_rank", "master_addr", "master_port")
             given = [f"--{k.replace('_', '-')}" for k in torchrun_only if rendezvous[k] is not None]
@@ -690,6 +697,7 @@ def launch(
             if rendezvous["nnodes"] not in _SINGLE_NODE and not rendezvous["rdzv_endpoint"]:
                 fail("a multi-node --in-place job needs --rdzv-endpoint HOST:PORT (its store)", command=COMMAND)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
+            from gpuwatch.spares import SparePool
 
             client = DaemonClient(config)
 
@@ -703,7 +711,9 @@ def launch(
                 rendezvous["rdzv_endpoint"], rendezvous["nnodes"],
             )  # fmt: skip
             try:
-                code = Supervisor(in_place_plan, gpu_views, echo=lambda line: click.echo(line, err=True)).run()
+                echo = lambda line: click.echo(line, err=True)  # noqa: E731
+                pool = SparePool(spare_count, os.environ, cuda=config.trainer.spare_cuda_context, echo=echo)
+                code = Supervisor(in_place_plan, gpu_views, echo=echo, spares=pool if spare_count else None).run()
             except InPlaceStopped as exc:
                 raise LaunchStopped(exc.code, str(exc)) from None
             sys.exit(code)
