@@ -130,7 +130,7 @@ class ShardedJob(InPlaceJob):
                 self._updating, self._has_state = False, False
             self._after_failure(failure, before)
         self._step += 1
-        self._snap.step(self._step)
+        self._snapshot().step(self._step)
         return result
 
     def close(self, *, remove: bool = True) -> None:
@@ -156,7 +156,7 @@ class ShardedJob(InPlaceJob):
 
     def _position(self, generation: Generation) -> int:
         keys = {m: _key(self._store.get(f"shard/{m}").decode()) for m in generation.members}
-        return sorted(generation.members, key=lambda m: keys[m]).index(self.member)
+        return sorted(generation.members, key=lambda m: keys[m]).index(str(self.member))
 
     def _sync_state(self, generation: Generation) -> tuple[str, int]:
         """Every rank at the same step: held when all hold it, else the newest step all hold in host memory."""
