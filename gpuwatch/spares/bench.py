@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -108,7 +109,9 @@ def _one_fault(
         time.sleep(0.05)
     lines = _lines(logs)
     victim = max(lines, key=lambda ln: ln["t"])["pid"]
+    spare_pid = pool.spares[0].process.pid if pool is not None and pool.spares else None
     spare_rss = pool.spares[0].rss_bytes() if pool is not None and pool.spares else None
+    spare_gpu = _gpu_bytes(spare_pid) if spare_pid is not None and pool is not None and pool.cuda else None
     faulted = time.time()
     killed = faulted
     if fault == "kill":
@@ -131,8 +134,25 @@ def _one_fault(
         "source": first.get("change", {}).get("source"),
         "spare_warm_s": first.get("spare_warm_s"),
         "spare_rss_bytes": spare_rss,
+        "spare_gpu_bytes": spare_gpu,
         "replacement_start_to_step_s": round(first["t"] - first["started"], 3),
     }
+
+
+def _gpu_bytes(pid: int) -> int | None:
+    """The GPU memory process `pid` holds, as nvidia-smi reports it (None where it cannot say)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20, check=False,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+            return int(fields[1]) << 20
+    return None
 
 
 def _steady(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
