@@ -61,3 +61,22 @@ def test_spares_without_in_place_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.stderr == (
         "gpuwatch launch: error: --spares (trainer.spares) needs --in-place: torchrun starts its own workers\n"
     )
+
+
+def test_a_replacement_due_on_a_gpu_no_longer_usable_moves_to_a_free_usable_gpu_with_its_rank(tmp_path: Path) -> None:
+    from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, Supervisor
+
+    views = [GpuView(0, "GPU-0", False, 1), GpuView(1, "GPU-1", True, 0)]  # GPU 0 quarantined since its rank died
+    said: list[str] = []
+    supervisor = Supervisor(InPlacePlan("j", ("t.py",), str(tmp_path)), lambda: views, echo=said.append,
+                            spares=SparePool(0, {}))  # fmt: skip
+    supervisor.gpus.replace_at["GPU-0"] = 0.0
+    supervisor.gpus.rank_of["GPU-0"] = (1, 3)
+    supervisor.gpus.used.add("GPU-0")
+    started: list[tuple[str, int, int, bool]] = []
+    supervisor._start = lambda gpu, rank=0, world=1, replacement=False: started.append(  # type: ignore[method-assign]
+        (gpu.uuid, rank, world, replacement)
+    )
+    supervisor._grow()
+    assert started == [("GPU-1", 1, 3, True)], (started, said)
+    assert "GPU-0 is not usable: its rank moves to GPU-1" in said[0], said
