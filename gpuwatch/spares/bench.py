@@ -22,6 +22,7 @@ completed step; steps_redone, the furthest step logged before the fault minus th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,9 @@ def measure_spare(
     step_sleep: float = 0.05,
     hang_s: float = 2.0,
     timeout_s: float = 300.0,
+    report: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One job, each fault in turn; the figures above, one dict per fault.
+    """One job, each fault in turn; the figures above, one dict per fault (also passed to `report` as each comes).
 
     Raises:
         ValueError: an unknown fault, xid without CUDA, or a negative state size.
@@ -88,13 +90,15 @@ def measure_spare(
     figures = []
     try:
         for fault in faults:
-            figures.append(_one_fault(fault, logs, thread, pool, hang_s, timeout_s))
+            entry = _one_fault(fault, logs, thread, pool, hang_s, timeout_s)
+            entry.update(state_bytes=state_bytes, every=every, replacement="spare" if spare else "cold start")
+            figures.append(entry)
+            if report is not None:
+                report(entry)
     finally:
         supervisor.stop()
         thread.join(timeout=60)
         shutil.rmtree(Path(snapshot_root()) / user_dir_name(os.getuid()) / job_dir_name(plan.job_id), True)
-    for entry in figures:
-        entry.update(state_bytes=state_bytes, every=every, replacement="spare" if spare else "cold start")
     return figures
 
 
@@ -168,6 +172,10 @@ def _new(lines: list[dict[str, Any]], victim: int, t: float) -> list[dict[str, A
     return [ln for ln in lines if ln["pid"] != victim and ln["t"] > t and "started" in ln]
 
 
+def _print(gib: float, entry: dict[str, Any]) -> None:
+    print(json.dumps({"state_gib": gib, **entry}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure at each --gib, with a spare and with a cold start; one JSON line each."""
     parser = argparse.ArgumentParser(prog="python -m gpuwatch.spares.bench", description=__doc__.splitlines()[0])
@@ -187,11 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             for spare, faults in ((True, args.faults), (False, cold)):
                 if not faults:
                     continue
-                for entry in measure_spare(
+                measure_spare(
                     int(gib * (1 << 30)), Path(args.workdir or tmp), spare=spare, faults=faults, every=args.every,
                     step_sleep=args.step_sleep, hang_s=args.hang_s,
-                ):  # fmt: skip
-                    print(json.dumps({"state_gib": gib, **entry}), flush=True)
+                    report=functools.partial(_print, gib),
+                )  # fmt: skip
     return 0
 
 
