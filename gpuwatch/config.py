@@ -105,6 +105,8 @@ class TrainerConfig:
     hang_step_times: float = 10.0  # ... or this many of its recent step times, when that is longer
     hang_idle_util_pct: int = 5  # where the backend sees the job's GPUs, "idle" is at most this utilization
     restart_hung_jobs: bool = True  # stop a hung job (stop signal, SIGTERM, SIGKILL) so its launcher relaunches it
+    spares: int = 0  # warm standby workers per node that gpuwatch launch --in-place keeps (gpuwatch.spares)
+    spare_cuda_context: bool = False  # each spare also creates its CUDA context (GPU memory) while it waits
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,8 @@ def validate(config: Config, known_rules: Collection[str] | None = None) -> None
         raise ConfigError(f"log_level: {config.log_level!r} is not debug, info, warning or error")
     if config.nvml.events not in NVML_EVENT_MODES:
         raise ConfigError(f"nvml.events: {config.nvml.events!r} is not {', '.join(NVML_EVENT_MODES[:-1])} or none")
+    if not 0 <= config.trainer.spares <= 64:
+        raise ConfigError(f"trainer.spares: {config.trainer.spares} is out of range (0 to 64)")
     if config.sim.gpus < 1 or config.sim.gpus > 64:
         raise ConfigError(f"sim.gpus: {config.sim.gpus} is out of range (1 to 64)")
     if not 0.0 < config.policy.breaker_max_share <= 1.0:

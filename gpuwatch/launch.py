@@ -623,6 +623,9 @@ class _Nproc(click.ParamType):
     "--inplace-secret-file",
     help="--in-place with --rdzv-endpoint: your file (mode 600) holding the job's secret, the same on every node.",
 )
+@click.option(
+    "--spares", type=click.IntRange(min=0), help="Warm standby workers to keep (--in-place; default trainer.spares)."
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True, metavar="-- [-m] SCRIPT [ARGS]...")
 def launch(
     nproc: int | None,
@@ -636,6 +639,7 @@ def launch(
     rdzv_id: str | None,
     in_place: bool,
     inplace_secret_file: str | None,
+    spares: int | None,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -682,8 +686,12 @@ def launch(
             command=command,
             stop_grace_s=daemon.stop_grace_s,
         )
+        spare_count = config.trainer.spares if spares is None else spares
+        if spare_count and not in_place:
+            fail("--spares (trainer.spares) needs --in-place: torchrun starts its own workers", command=COMMAND)
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
+            from gpuwatch.spares import SparePool
 
             client = DaemonClient(config)
 
@@ -697,7 +705,9 @@ def launch(
                 rendezvous["rdzv_endpoint"], rendezvous["nnodes"], secret_file=inplace_secret_file,
             )  # fmt: skip
             try:
-                code = Supervisor(in_place_plan, gpu_views, echo=lambda line: click.echo(line, err=True)).run()
+                echo = lambda line: click.echo(line, err=True)  # noqa: E731
+                pool = SparePool(spare_count, os.environ, cuda=config.trainer.spare_cuda_context, echo=echo)
+                code = Supervisor(in_place_plan, gpu_views, echo=echo, spares=pool if spare_count else None).run()
             except InPlaceStopped as exc:
                 raise LaunchStopped(exc.code, str(exc)) from None
             sys.exit(code)

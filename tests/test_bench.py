@@ -74,7 +74,9 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
     assert recovery["snapshot"]["step_s"] > 0 and recovery["snapshot"]["every"] >= 1
     assert recovery["snapshot"]["rescue_s"] > 0
     paths = recovery["paths"]
-    assert [paths[name]["source"] for name in ("disk", "snapshot", "in_place")] == ["disk", "memory", "peers' memory"]
+    names = ("disk", "snapshot", "in_place", "spare", "cold_start")
+    assert [paths[name]["source"] for name in names] == ["disk", "memory", "peers' memory", "memory", "memory"]
+    assert paths["spare"]["spare_warm_s"] is not None and paths["cold_start"]["spare_warm_s"] is None
     for result in paths.values():
         assert result["fault_to_step_s"] > 0 and 0 <= result["steps_lost"] <= 4, result
     assert paths["in_place"]["steps_lost"] == 0

@@ -351,10 +351,39 @@ def in_place(trial: Trial) -> dict[str, Any]:
     return {**result, "fault_to_step_s": result["fault_to_next_step_s"], "source": "peers' memory"}
 
 
+def _one_rank_in_place(trial: Trial, *, spare: bool) -> dict[str, Any]:
+    """A 1-rank job under the in-place launcher (gpuwatch.inplace.sharded_worker, a host snapshot every
+    SPARE_EVERY steps), SIGKILLed; its replacement is a warm spare or a cold start (gpuwatch.spares.bench)."""
+    from gpuwatch.snapshots import snapshot_root
+    from gpuwatch.spares.bench import measure_spare
+
+    if (reason := _shm_short(snapshot_root(), int(trial.gib * 2**30))) is not None:
+        raise Skip(reason)
+    workdir = trial.workdir / ("spare" if spare else "cold")
+    (result,) = measure_spare(
+        int(trial.gib * 2**30), workdir, spare=spare, every=SPARE_EVERY, step_sleep=min(trial.step_s, 0.1),
+        timeout_s=trial.timeout_s,
+    )  # fmt: skip
+    return {**result, "steps_lost": result["steps_redone"], "source": "memory"}
+
+
+def spare(trial: Trial) -> dict[str, Any]:
+    """The rank's replacement is a warm spare (interpreter and torch started): it restores the host snapshot."""
+    return _one_rank_in_place(trial, spare=True)
+
+
+def cold_start(trial: Trial) -> dict[str, Any]:
+    """The same job and fault as `spare`, the replacement started cold: the spare's gain, in the same run."""
+    return _one_rank_in_place(trial, spare=False)
+
+
+SPARE_EVERY = 4
 RECOVERY_PATHS: dict[str, RecoveryPath] = {
     "disk": relaunch_from_disk,
     "snapshot": relaunch_from_snapshot,
     "in_place": in_place,
+    "spare": spare,
+    "cold_start": cold_start,
 }
 
 

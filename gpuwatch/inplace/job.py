@@ -317,7 +317,7 @@ class InPlaceJob:
         if self.member not in generation.members:
             self._leave(generation)
         marks.append(time.monotonic())
-        rank, world = generation.members.index(self.member), len(generation.members)
+        rank, world = self._position(generation), len(generation.members)
         sockets_before = socket_inodes()
         dist.init_process_group(
             self.backend,
@@ -350,6 +350,10 @@ class InPlaceJob:
             "member %s: generation %d (%s): rank %d of %d, state %s, %.2f s",
             self.member, generation.number, generation.reason, rank, world, source, self.last_change.seconds,
         )  # fmt: skip
+
+    def _position(self, generation: Generation) -> int:
+        """This rank in the generation's group: its place among the members (a sharded job keeps its shard's)."""
+        return generation.members.index(self.member)
 
     def _rendezvous(self, target: int) -> Generation:
         """Wait until every member of the newest generation (from `target` on) is here; that generation."""

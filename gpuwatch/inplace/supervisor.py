@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from gpuwatch.inplace.protocol import (
     read_generation,
 )
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
+from gpuwatch.spares.pool import SparePool
 from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
 
 EXIT_STOPPED = 3
@@ -75,6 +76,7 @@ GpuList = Callable[[], list[GpuView]]
 
 _POLL_S = 0.02
 _REPLACE_AFTER_S = 1.0  # a dead worker's GPU: let the daemon judge it before a replacement starts there
+_SPARE_AFTER_S = 0.2  # ... shorter when a warm spare takes the rank: the daemon is asked again just before
 _STOP_GRACE_S = 30.0
 _STORE_TIMEOUT = datetime.timedelta(seconds=600)
 
@@ -120,6 +122,7 @@ class _Gpus:
     left: dict[str, int] = field(default_factory=dict)  # exit 75: uuid -> its epoch when the worker started
     epoch_at_start: dict[str, int] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)
+    rank_of: dict[str, tuple[int, int]] = field(default_factory=dict)  # uuid -> (RANK, WORLD_SIZE) of its worker
 
 
 class Supervisor:
@@ -131,8 +134,10 @@ class Supervisor:
         gpu_list: GpuList,
         echo: Callable[[str], None] = print,
         python: str = sys.executable,
+        spares: SparePool | None = None,
     ) -> None:
         self.plan = plan
+        self.spares = spares  # warm standby workers that take a dead worker's place (gpuwatch.spares)
         self.gpu_list = gpu_list
         self.echo = echo
         self.python = python
@@ -187,6 +192,9 @@ class Supervisor:
         append_event(self.store, NODE, node=self.node, workers=want)
         for rank, gpu in enumerate(chosen):
             self._start(gpu, rank=rank, world=want)
+        if self.spares is not None:
+            self.spares.env = _worker_env(os.environ)
+            self.spares.start([g.uuid for g in chosen])
         coordinator = None
         if hosting:
             coordinator = threading.Thread(
@@ -202,6 +210,8 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._stop.set()
+            if self.spares is not None:
+                self.spares.close()
             if coordinator is not None:
                 coordinator.join(timeout=2)
 
@@ -264,12 +274,13 @@ class Supervisor:
 
     # -- workers --------------------------------------------------------------------------------
 
-    def _start(self, gpu: GpuView, *, rank: int = 0, world: int = 1) -> None:
+    def _start(self, gpu: GpuView, *, rank: int = 0, world: int = 1, replacement: bool = False) -> None:
         index, uuid = gpu.index, gpu.uuid
         self.gpus.epoch_at_start[uuid] = gpu.epoch
+        self.gpus.rank_of[uuid] = (rank, world)
         member = f"n{self.node}.g{index}.{self._count}"
         self._count += 1
-        env = dict(os.environ)
+        env = _worker_env(os.environ)
         env.update(
             CUDA_VISIBLE_DEVICES=uuid,
             LOCAL_RANK="0",
@@ -283,12 +294,11 @@ class Supervisor:
         env[STORE_ENV] = self.address
         env[SECRET_FILE_ENV] = self.secret_file
         env[MEMBER_ENV] = member
-        env.setdefault("OMP_NUM_THREADS", "1")
-        # NCCL: abort the communicator on an error but do not end the process (3, torch's default, ends it;
-        # torchrun's 1 aborts and ends it): the survivor must live through its peer's death.
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        spare = self.spares.hand_over(self.plan.command, env, uuid) if replacement and self.spares else None
+        if spare is not None:
+            self.echo(f"gpuwatch launch: in place: a spare (pid {spare.pid}) takes {member}'s place on GPU {index}")
         try:
-            process = subprocess.Popen([self.python, *self.plan.command], env=env, start_new_session=True)
+            process = spare or subprocess.Popen([self.python, *self.plan.command], env=env, start_new_session=True)
         except OSError as exc:
             raise InPlaceStopped(2, f"cannot start {self.python}: {exc.strerror or exc}") from None
         worker = _Worker(member, index, uuid, process)
@@ -319,6 +329,8 @@ class Supervisor:
                 if self.finished:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {self.restarts} restart(s)")
                     return 0
+            if self.spares is not None and self.gpus.replace_at:  # a spare waits: do not wait for the next poll
+                next_daemon = min(next_daemon, min(self.gpus.replace_at.values()))
             if time.monotonic() >= next_daemon or (not self._live() and not self.finished):
                 next_daemon = time.monotonic() + self.plan.daemon_poll_s
                 self._grow()
@@ -340,7 +352,8 @@ class Supervisor:
             self.gpus.left[worker.uuid] = self.gpus.epoch_at_start.get(worker.uuid, 0)
             self.echo(f"gpuwatch launch: in place: {worker.member} on {where} left (exit 75): the others go on")
         else:
-            self.gpus.replace_at[worker.uuid] = time.monotonic() + _REPLACE_AFTER_S
+            after = _SPARE_AFTER_S if self.spares is not None and self.spares.count else _REPLACE_AFTER_S
+            self.gpus.replace_at[worker.uuid] = time.monotonic() + after
             self.echo(f"gpuwatch launch: in place: {worker.member} on {where} {_how(code)}: the others go on")
 
     def _grow(self) -> None:
@@ -357,6 +370,8 @@ class Supervisor:
         self._daemon_down = False
         busy = {w.uuid for w in self._live()}
         room = len(gpus) if self.plan.nproc is None else self.plan.nproc - len(busy)
+        if self.spares is not None:
+            self._move_replacements(gpus, busy)
         for gpu in gpus:
             uuid = gpu.uuid
             if uuid in busy or room <= 0:
@@ -372,6 +387,11 @@ class Supervisor:
                 del self.gpus.replace_at[uuid]
                 self.restarts += 1
                 why = f"replacement {self.restarts}/{self.plan.max_restarts}"
+                self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")
+                rank, world = self.gpus.rank_of.get(uuid, (0, 1))
+                self._start(gpu, rank=rank, world=world, replacement=True)
+                room -= 1
+                continue
             elif uuid in self.gpus.used:
                 continue  # its worker finished
             else:
@@ -379,6 +399,19 @@ class Supervisor:
             self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")
             self._start(gpu)
             room -= 1
+
+    def _move_replacements(self, usable: list[GpuView], busy: set[str]) -> None:
+        """A replacement due on a GPU the daemon no longer calls usable goes to a usable GPU that no worker had."""
+        ok = {g.uuid for g in usable}
+        free = [g.uuid for g in usable if g.uuid not in busy and g.uuid not in self.gpus.used]
+        for uuid in [u for u in self.gpus.replace_at if u not in ok]:
+            if not free:
+                return
+            target = free.pop(0)
+            self.gpus.replace_at[target] = self.gpus.replace_at.pop(uuid)
+            self.gpus.rank_of[target] = self.gpus.rank_of.get(uuid, (0, 1))
+            self.gpus.used.add(target)
+            self.echo(f"gpuwatch launch: in place: {uuid} is not usable: its rank moves to {target}")
 
     def _replacement_due(self) -> bool:
         return bool(self.gpus.replace_at) and self.restarts < self.plan.max_restarts
@@ -422,6 +455,16 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 worker.process.kill()
                 worker.process.wait()
+
+
+def _worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment every worker (and spare) starts from: the launcher's, with the workers' defaults."""
+    env = dict(environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # NCCL: abort the communicator on an error but do not end the process (3, torch's default, ends it;
+    # torchrun's 1 aborts and ends it): the survivor must live through its peer's death.
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    return env
 
 
 def _min_nodes(nnodes: str | None) -> int:

@@ -118,6 +118,24 @@ def launch_in_place(
     return InPlaceRun(process, logs)
 
 
+def launch_sharded(
+    node: DaemonProcess, workdir: Path, steps: int, *launch_args: str, every: int = 3, step_sleep: float = 0.05
+) -> InPlaceRun:
+    """`gpuwatch launch --in-place` running gpuwatch.inplace.sharded_worker (ZeroRedundancyOptimizer, a host
+    snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
+    logs = workdir / "steps"
+    command = [
+        sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
+        "--in-place", *launch_args,
+        "--", "-m", "gpuwatch.inplace.sharded_worker", "--log-dir", str(logs), "--steps", str(steps),
+        "--every", str(every), "--step-sleep", str(step_sleep), "--collective-timeout", "20",
+    ]  # fmt: skip
+    (workdir / "shm").mkdir(exist_ok=True)
+    env = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"))
+    process = subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return InPlaceRun(process, logs)
+
+
 def by_pid(lines: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     found: dict[int, list[dict[str, Any]]] = {}
     for line in lines:

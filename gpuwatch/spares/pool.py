@@ -1,0 +1,167 @@
+"""SparePool: the launcher's warm spares, and the hand-over of a rank to one of them.
+
+A spare (gpuwatch.spares.worker) is a process that imported torch and waits on a pipe. When a rank
+must be replaced, `hand_over` writes it the rank's command and environment and returns its process,
+which from then on is the rank (the launcher waits on it like on any worker); a new spare is started
+behind it at once. A spare that holds a CUDA context (cuda=True) was started for one GPU and is only
+handed a rank of that GPU; one without a context takes a rank of any GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm
+CUDA_ENV = "GPUWATCH_SPARE_CUDA"  # "1": the spare creates its CUDA context on its one visible GPU
+WARM_S_ENV = "GPUWATCH_SPARE_WARM_S"  # in the rank's environment: the seconds its spare waited warm
+_CLOSE_GRACE_S = 2.0
+
+
+@dataclass
+class Spare:
+    """One standby process; `gpu` is the GPU its CUDA context is on (None: no context, any GPU)."""
+
+    process: subprocess.Popen[bytes]
+    ready_fd: int  # the read end of its ready pipe
+    gpu: str | None
+    started: float
+    warm: bool = False
+
+    def is_warm(self) -> bool:
+        """Whether it finished its warm-up (imported torch, created its context); never blocks."""
+        if not self.warm and self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
+            self.warm = bool(os.read(self.ready_fd, 1))
+            self._close_ready()
+        return self.warm
+
+    def _close_ready(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+
+    def rss_bytes(self) -> int | None:
+        """Its resident memory (what a spare costs the host), from /proc; None when it cannot be read."""
+        try:
+            with open(f"/proc/{self.process.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+
+class SparePool:
+    """N warm spares on this node (see the module docstring).
+
+    Args:
+        count: how many spares to keep (0: none; hand_over then always returns None).
+        env: the environment spares start with (the launcher's, as its workers get it, without a rank's own keys).
+        cuda: whether each spare creates its CUDA context (on the GPU it is started for) while it waits.
+        python: the interpreter (the job's).
+        echo: one line per event worth saying (a spare that died while waiting).
+    """
+
+    def __init__(
+        self,
+        count: int,
+        env: Mapping[str, str],
+        *,
+        cuda: bool = False,
+        python: str = sys.executable,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        if count < 0:
+            raise ValueError(f"the number of spares must not be negative, not {count}")
+        self.count, self.cuda, self.python, self.echo = count, cuda, python, echo
+        self.env = dict(env)
+        self.spares: list[Spare] = []
+        self.handed_over = 0
+
+    def start(self, gpus: Sequence[str]) -> None:
+        """Start the spares; with cuda, spread over `gpus` (uuids) in turn."""
+        for i in range(self.count):
+            self._spawn(gpus[i % len(gpus)] if self.cuda and gpus else None)
+
+    def hand_over(self, argv: Sequence[str], env: Mapping[str, str], gpu: str) -> subprocess.Popen[bytes] | None:
+        """Give the rank (`python ARGV` with `env`, on GPU `gpu`) to a spare; its process, or None when none fits.
+
+        A warm spare is taken before one still warming up (which is still further along than a cold
+        start); a spare bound to another GPU's context is left alone. A new spare starts behind it.
+        """
+        self._drop_dead()
+        fits = [s for s in self.spares if s.gpu in (None, gpu)]
+        if not fits:
+            return None
+        spare = max(fits, key=lambda s: (s.is_warm(), s.gpu == gpu, -s.started))
+        self.spares.remove(spare)
+        spare._close_ready()
+        order = json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n"
+        try:
+            assert spare.process.stdin is not None
+            spare.process.stdin.write(order)
+            spare.process.stdin.close()
+        except (OSError, ValueError):  # it died just now
+            self._spawn(spare.gpu)
+            return self.hand_over(argv, env, gpu)
+        self.handed_over += 1
+        self._spawn(spare.gpu)
+        return spare.process
+
+    def warm(self) -> int:
+        """How many spares are warm now."""
+        return sum(1 for s in self.spares if s.process.poll() is None and s.is_warm())
+
+    def close(self) -> None:
+        """End the waiting spares: an empty stdin ends each with 0; one still warming up is killed after a grace."""
+        for spare in self.spares:
+            with contextlib.suppress(OSError, ValueError):
+                if spare.process.stdin is not None:
+                    spare.process.stdin.close()
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        for spare in self.spares:
+            try:
+                spare.process.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                spare.process.kill()
+                spare.process.wait()
+            spare._close_ready()
+        self.spares = []
+
+    def _spawn(self, gpu: str | None) -> None:
+        read_fd, write_fd = os.pipe()
+        env = dict(self.env)
+        env[READY_FD_ENV] = str(write_fd)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"], env[CUDA_ENV] = gpu, "1"
+        try:
+            process = subprocess.Popen(
+                [self.python, "-m", "gpuwatch.spares.worker"],
+                env=env,
+                stdin=subprocess.PIPE,
+                pass_fds=(write_fd,),
+                start_new_session=True,  # as a worker: the launcher signals its session
+            )
+        except OSError as exc:
+            os.close(read_fd)
+            self.echo(f"gpuwatch launch: cannot start a spare: {exc.strerror or exc}")
+            return
+        finally:
+            os.close(write_fd)
+        self.spares.append(Spare(process, read_fd, gpu, time.monotonic()))
+
+    def _drop_dead(self) -> None:
+        for spare in [s for s in self.spares if s.process.poll() is not None]:
+            code = spare.process.returncode
+            self.echo(f"gpuwatch launch: a spare (pid {spare.process.pid}) ended while waiting (exit {code})")
+            spare._close_ready()
+            self.spares.remove(spare)
+            self._spawn(spare.gpu)

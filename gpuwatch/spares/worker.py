@@ -1,0 +1,101 @@
+"""The spare: start the interpreter, import torch (and create the CUDA context when told), then wait.
+
+    python -m gpuwatch.spares.worker        # started by SparePool, never by hand
+
+The launcher starts it with the job's environment minus the rank's own variables, a pipe on stdin
+and the write end of a second pipe in $GPUWATCH_SPARE_READY_FD. Once warm it writes one byte there
+(so the launcher knows it is warm), then reads one JSON line from stdin, the hand-over:
+`{"argv": ["-m", "module", ...] or ["script.py", ...], "env": {...}}`. It takes that environment as
+its own, points stdin at /dev/null and runs the job's module or script as `__main__` (runpy), as
+`python [-m] SCRIPT ARGS` would; the job's exit is the process's exit. An empty stdin (the launcher
+is gone, or it stops the spare) ends it with 0.
+
+With $GPUWATCH_SPARE_CUDA=1 the spare creates its CUDA context on the one GPU of its
+CUDA_VISIBLE_DEVICES before it says it is warm: the launcher then hands it only a rank of that GPU
+(a context cannot move to another GPU, and CUDA_VISIBLE_DEVICES is read once, when CUDA starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+
+from gpuwatch.spares.pool import CUDA_ENV, READY_FD_ENV, WARM_S_ENV
+
+# What a rank of an in-place job imports besides torch: paid once, while nothing waits for it.
+_PRELOAD = (
+    "torch.distributed", "torch.nn.parallel", "torch.distributed.optim", "torch.distributed.checkpoint",
+    "torch.distributed.fsdp", "torch._dynamo", "gpuwatch.inplace.job", "gpuwatch.inplace.sharded", "gpuwatch.snapshots",
+    "gpuwatch.trainer",
+)  # fmt: skip
+PRELOAD_ENV = "GPUWATCH_SPARE_PRELOAD"  # more modules to import while waiting (the job's own), comma-separated
+
+
+def main() -> int:
+    """Warm up, say so, wait for the hand-over, run the job (its exit code is ours)."""
+    _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
+    ready_fd = os.environ.pop(READY_FD_ENV, "")
+    if ready_fd.isdigit():
+        try:
+            os.write(int(ready_fd), b"1")
+            os.close(int(ready_fd))
+        except OSError:
+            pass
+    warm_at = time.monotonic()
+    line = sys.stdin.buffer.readline()
+    if not line.strip():
+        return 0
+    order = json.loads(line)
+    argv, env = [str(a) for a in order["argv"]], {str(k): str(v) for k, v in order["env"].items()}
+    env[WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
+    env.pop(CUDA_ENV, None)
+    _take_over(env)
+    return _run(argv)
+
+
+def _warm_up(*, cuda: bool) -> None:
+    import importlib
+
+    import torch
+
+    extra = [m.strip() for m in os.environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    for name in (*_PRELOAD, *extra):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the job will import it itself (and fail there if it must)
+            print(f"gpuwatch spare: cannot preload {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    # What a first optimizer step imports and sets up lazily (torch._dynamo's checks among it), on a dummy.
+    dummy = torch.nn.Parameter(torch.zeros(4))
+    dummy.sum().backward()
+    torch.optim.Adam([dummy]).step()
+    if cuda and torch.cuda.is_available():
+        torch.cuda.init()
+        torch.zeros(1, device="cuda").sum().item()  # the context and the caching allocator, on its one GPU
+
+
+def _take_over(env: dict[str, str]) -> None:
+    """Become the rank: its environment, no terminal input (a worker started by the launcher has none either)."""
+    os.environ.clear()
+    os.environ.update(env)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def _run(argv: list[str]) -> int:
+    """`python [-m] SCRIPT ARGS` in this process: the job runs as __main__ and its SystemExit is ours."""
+    if argv[0] in ("-m", "--module"):
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())  # the job's own SystemExit passes through unchanged

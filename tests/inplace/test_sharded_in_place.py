@@ -1,0 +1,116 @@
+"""Sharded state and one-rank jobs recover in place through a warm spare (CPU, gloo, sim daemon).
+
+`gpuwatch launch --in-place --spares 1` runs gpuwatch.inplace.sharded_worker (ZeroRedundancyOptimizer:
+each rank holds its own shard of Adam's moments; a host snapshot every K steps). A SIGKILLed rank is
+replaced by the spare, which reads the lost rank's host snapshot; every rank rolls back to the newest
+step all of them hold, so the survivors keep their processes, nothing is read from disk, and each
+rank's own step log shows at most K steps redone and none missing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.inplace.jobs import InPlaceRun, by_pid, launch_sharded, sim_node
+
+pytestmark = pytest.mark.slow
+K = 3
+NEXT_STEP_S = 3.0
+STEPS = 300
+
+
+def _spare_warm() -> bool:
+    """A spare of this machine has imported torch and said so (it closed its ready pipe)."""
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if b"gpuwatch.spares.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            environ = dict(
+                item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+            )
+            fd = environ[b"GPUWATCH_SPARE_READY_FD"].decode()
+            if not os.path.exists(f"/proc/{pid}/fd/{fd}"):
+                return True
+        except (OSError, KeyError):
+            continue
+    return False
+
+
+def _kill_when_warm(run: InPlaceRun, ranks: int, rank: int) -> tuple[int, float]:
+    """Past step 30 on every rank with a warm spare, SIGKILL `rank` after a step K - 1 past a snapshot; its pid
+    and the time of the kill."""
+    run.wait_for(f"{ranks} rank(s) past step 30", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= 30}) == ranks)
+    deadline = time.monotonic() + 90
+    while not _spare_warm():
+        assert time.monotonic() < deadline, "no spare got warm in 90 s"
+        time.sleep(0.1)
+    victim = next(ln["pid"] for ln in run.steps() if ln["rank"] == rank)
+    now = max(ln["step"] for ln in run.steps())  # kill one step short of a snapshot: K - 1 steps to redo
+    run.wait_for(
+        "a step just short of a snapshot", lambda ls: any(ln["step"] > now and ln["step"] % K == K - 1 for ln in ls)
+    )
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    return victim, killed
+
+
+def _check_rank_log(own: list[dict[str, Any]], killed: float, resumed: int) -> int:
+    """One rank's log (a survivor's, or the lost rank's followed by its replacement's): steps redone after the
+    kill, at most K; no step missing (it resumed at most one step past where it was)."""
+    steps = [ln["step"] for ln in own]
+    before = max(ln["step"] for ln in own if ln["t"] < killed)
+    redone = before - (resumed - 1)
+    assert 0 <= redone <= K, (redone, steps)
+    after = [s for s, ln in zip(steps, own, strict=True) if ln["t"] > killed]
+    assert after == list(range(resumed, resumed + len(after))), after
+    return redone
+
+
+def test_a_killed_shard_is_taken_over_by_a_spare_and_every_rank_rolls_back_at_most_k(tmp_path: Path) -> None:
+    with sim_node(tmp_path / "node", gpus=3) as node:
+        run = launch_sharded(node, tmp_path, STEPS, "--spares", "1", every=K, step_sleep=0.02)
+        victim, killed = _kill_when_warm(run, 3, rank=1)
+        out, err = run.output(90)
+    assert run.process.returncode == 0, err
+    lines = run.steps()
+    logs = by_pid(lines)
+    survivors = sorted(pid for pid in logs if pid != victim and any(ln["t"] < killed for ln in logs[pid]))
+    (spare,) = [pid for pid in logs if pid not in (*survivors, victim)]
+    assert len(survivors) == 2 and all(
+        logs[pid][-1]["step"] == STEPS for pid in survivors
+    )  # same processes, to the end
+    took_over = logs[spare][0]
+    assert took_over["rank"] == 1 and took_over["spare_warm_s"] is not None, took_over  # a warm spare, its rank
+    assert took_over["change"]["source"] == "memory", took_over  # the lost rank's host snapshot
+    first = min((ln for ln in lines if ln["t"] > killed), key=lambda ln: ln["t"])
+    assert first["t"] - killed <= NEXT_STEP_S, first["t"] - killed
+    resumed = took_over["step"]
+    redone = {pid: _check_rank_log(logs[pid], killed, resumed) for pid in survivors}
+    redone[victim] = _check_rank_log([*logs[victim], *logs[spare]], killed, resumed)
+    for step in (resumed, STEPS):
+        at = {ln["pid"]: ln["checksum"] for ln in lines if ln["step"] == step and ln["t"] > killed}
+        assert len(at) == 3 and len(set(at.values())) == 1, (step, at)
+    assert "a spare (pid" in err and "loaded checkpoint" not in err, err
+    print(f"\nsharded, SIGKILL of rank 1: next step {first['t'] - killed:.2f} s after the kill, redone {redone}")
+
+
+def test_a_one_rank_job_killed_is_taken_over_by_a_spare_from_its_host_snapshot(tmp_path: Path) -> None:
+    with sim_node(tmp_path / "node", gpus=1) as node:
+        run = launch_sharded(node, tmp_path, STEPS, "--spares", "1", every=K, step_sleep=0.02)
+        victim, killed = _kill_when_warm(run, 1, rank=0)
+        out, err = run.output(90)
+    assert run.process.returncode == 0, err
+    logs = by_pid(run.steps())
+    (spare,) = [pid for pid in logs if pid != victim]
+    took_over = logs[spare][0]
+    assert took_over["spare_warm_s"] is not None and took_over["change"]["source"] == "memory", took_over
+    assert took_over["t"] - killed <= NEXT_STEP_S, took_over["t"] - killed
+    redone = _check_rank_log([*logs[victim], *logs[spare]], killed, took_over["step"])
+    assert logs[spare][-1]["step"] == STEPS
+    print(f"\none rank, SIGKILL: next step {took_over['t'] - killed:.2f} s after the kill, redone {redone}")
