@@ -670,6 +670,9 @@ def launch(
         torchrun_rendezvous = rendezvous_args(job_id=job_id, **rendezvous)
         if in_place:
             _check_in_place_flags(rendezvous, inplace_secret_file)
+        spare_count = config.trainer.spares if spares is None else spares
+        if spare_count and not in_place:
+            fail("--spares (trainer.spares) needs --in-place: torchrun starts its own workers", command=COMMAND)
         daemon = DaemonClient(config).daemon_info()
         missing = missing_job(command, Path.cwd())
         if missing is not None:
@@ -686,9 +689,6 @@ def launch(
             command=command,
             stop_grace_s=daemon.stop_grace_s,
         )
-        spare_count = config.trainer.spares if spares is None else spares
-        if spare_count and not in_place:
-            fail("--spares (trainer.spares) needs --in-place: torchrun starts its own workers", command=COMMAND)
         if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
             from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
             from gpuwatch.spares import SparePool
