@@ -44,6 +44,7 @@ class SimConfig:
     gpus: int = 8
     seed: int = 0
     scenario: str = "demo"
+    kernel_log: bool = False  # follow tools.kmsg as on real GPUs (a FIFO of kmsg lines: the bench, the tests)
 
 
 @dataclass(frozen=True)
