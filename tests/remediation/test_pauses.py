@@ -4,8 +4,9 @@ Each job is one rank stepping every 50 ms through a real TrainerLink, then pausi
 loops do: a blocking 12 s checkpoint save and an evaluation pass (both declared with
 `link.pause`), a data-loader stall with the main thread idle for 8 s and a compile stand-in that
 burns CPU for 12 s without a step (neither declared). None of them may be stopped; a rank frozen
-by SIGSTOP (what the hang drill does) must be found within 5 s. All jobs run at once, so the test
-takes about 20 s.
+by SIGSTOP (what the hang drill does) must be found within 5 s, and a rank whose main thread
+blocks for good (a deadlock: no CPU time, no step, its link's thread still reporting) within its
+stated limit, max(10 s, 20 × its p99 step), plus a margin. All jobs run at once: about 20 s.
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ with TrainerLink(runtime_dir, report_interval_s=1.0, gpu_uuid=gpu_uuid) as link:
         time.sleep(8)  # the DataLoader's workers are behind: the main thread idles, undeclared
     elif kind == "compile":
         burn(12)  # torch.compile's first step on a new shape: CPU busy, no step, undeclared
+    elif kind == "deadlock":
+        print("frozen", flush=True)
+        time.sleep(3600)  # the main thread waits on a lock no one releases; the link's thread reports on
     else:
         step = steps(link, step, 400)  # the one to be stopped
     steps(link, step, 20)
     print("done", flush=True)
 """
-KINDS = ("checkpoint", "eval", "loader", "compile", "stopped")
+KINDS = ("checkpoint", "eval", "loader", "compile", "deadlock", "stopped")
+HEALTHY = KINDS[:4]
 STOPPED_FOUND_S = 5.0
+FROZEN_LIMIT_S = 10.0  # trainer.hang_frozen_after_s: 20 × a 50 ms step is less
+FROZEN_MARGIN_S = 5.0
 
 
 @pytest.fixture
@@ -89,6 +96,9 @@ def test_declared_and_undeclared_pauses_keep_running_and_a_stopped_rank_is_found
     try:
         for rank in ranks.values():
             assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
+        deadlock = ranks["deadlock"]
+        assert deadlock.stdout is not None and deadlock.stdout.readline().strip() == "frozen"
+        froze_at = time.monotonic()
         stopped = ranks["stopped"]
         os.kill(stopped.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
@@ -101,10 +111,21 @@ def test_declared_and_undeclared_pauses_keep_running_and_a_stopped_rank_is_found
         assert [i["job"] for i in found] == ["job-stopped"], daemon.log_tail()
         assert "is stopped (SIGSTOP)" in found[0]["reason"]
         assert found_s <= STOPPED_FOUND_S, f"the stopped rank was found after {found_s:.1f} s"
-        for kind in KINDS[:-1]:
+
+        frozen: list[dict[str, Any]] = []
+        while not frozen and time.monotonic() - froze_at < FROZEN_LIMIT_S + 3 * FROZEN_MARGIN_S:
+            frozen = [i for i in hang_incidents(daemon) if i["job"] == "job-deadlock"]
+            time.sleep(0.05)
+        frozen_s = time.monotonic() - froze_at
+        assert frozen and "used no CPU time on its main thread" in frozen[0]["reason"], daemon.log_tail()
+        assert FROZEN_LIMIT_S - 2 <= frozen_s <= FROZEN_LIMIT_S + FROZEN_MARGIN_S, f"found after {frozen_s:.1f} s"
+
+        for kind in HEALTHY:
             out, _ = ranks[kind].communicate(timeout=60)
             assert (ranks[kind].returncode, out.split()[-1:]) == (0, ["done"]), kind
-        assert [i["job"] for i in hang_incidents(daemon)] == ["job-stopped"], "a pause was taken for a hang"
+        jobs = sorted(i["job"] for i in hang_incidents(daemon))
+        assert jobs == ["job-deadlock", "job-stopped"], "a pause was taken for a hang"
+        print(f"\nstopped rank found {found_s:.2f} s after SIGSTOP; frozen main thread found {frozen_s:.2f} s after")
     finally:
         for rank in ranks.values():
             if rank.poll() is None:
