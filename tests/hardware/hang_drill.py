@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # `timeout` ends the run: the job and daemon go too
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-hang-drill-"))
     env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
     sim = ["--sim-gpus", "1", "--sim-scenario", "healthy"] if args.backend == "sim" else []
