@@ -29,7 +29,8 @@ from gpuwatch.reports.board import DEAD_KEEP_S, ReportBoard
 from gpuwatch.reports.parse import ReportError
 from gpuwatch.reports.server import FLOOD_DROPS
 from gpuwatch.runtime import RuntimeDir
-from gpuwatch.trainer.contract import MAX_REPORT_BYTES
+from gpuwatch.trainer.channel import StepPageWriter
+from gpuwatch.trainer.contract import MAX_REPORT_BYTES, PAUSE_UNTIL_SLOT, STEP_SLOT
 from gpuwatch.unixsock import address as socket_address
 from tests.reporting import FakeRank
 
@@ -346,3 +347,23 @@ def test_a_long_runtime_path_still_binds_and_takes_reports(tmp_path: Path) -> No
         rank.kill()
         rank.wait()
         rt.close()
+
+
+def test_a_pause_on_the_step_page_reaches_the_daemon_before_any_report_says_so() -> None:
+    """TrainerLink.pause writes the page first: the daemon's view has the pause with no new report."""
+    board = ReportBoard(ProcFs())
+    pid = os.getpid()
+    page = StepPageWriter(pid)
+    page.ints[STEP_SLOT] = 40
+    assert board.admit(pid, os.getuid())
+    board.receive(pid, json.dumps({"t": 1.0, "pid": pid, "step": 40, "pause": None}).encode(), os.dup(page.fd or -1))
+
+    page.floats[PAUSE_UNTIL_SLOT] = 1_800_000_600.0
+    (report,) = board.reports()
+    assert (report.info.pause_until, report.info.pause) == (1_800_000_600.0, "a declared pause")
+
+    board.receive(pid, json.dumps({"t": 2.0, "pid": pid, "pause": "eval", "pause_until": 1_800_000_600.0}).encode())
+    (report,) = board.reports()
+    assert (report.info.pause_until, report.info.pause, report.info.step) == (1_800_000_600.0, "eval", 40)
+    board.close()
+    page.close()
