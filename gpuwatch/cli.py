@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
-from rich.console import Console
 
 from gpuwatch import __version__
 from gpuwatch.bench.cli import bench
@@ -139,6 +138,8 @@ def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **fl
     if as_json:
         click.echo(json.dumps(listed.model_dump(mode="json"), indent=2))
         return
+    from rich.console import Console  # here: `gpuwatch run` never loads rich
+
     console = Console()
     fitted = None if wide or plain or not console.is_terminal else status_view.fitted_table(gpus, console.width)
     if wide:

@@ -44,6 +44,7 @@ class SimConfig:
     gpus: int = 8
     seed: int = 0
     scenario: str = "demo"
+    kernel_log: bool = False  # follow tools.kmsg as on real GPUs (a FIFO of kmsg lines: the bench, the tests)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class TrainerConfig:
     hang_after_s: float = 60.0  # a job whose steps stop this long (at least) is hung: trainer_hang
     hang_step_times: float = 10.0  # ... or this many of its recent step times, when that is longer
     hang_idle_util_pct: int = 5  # where the backend sees the job's GPUs, "idle" is at most this utilization
+    hang_stopped_after_s: float = 2.0  # a rank stopped (state T) this long, its step still, hangs its job
+    hang_frozen_after_s: float = 10.0  # a rank whose main thread's CPU time, step and GPU stand still this long ...
+    hang_frozen_step_times: float = 20.0  # ... or this many of its p99 step time, when longer, hangs its job
     restart_hung_jobs: bool = True  # stop a hung job (stop signal, SIGTERM, SIGKILL) so its launcher relaunches it
     spares: int = 0  # warm standby workers per node that gpuwatch launch --in-place keeps (gpuwatch.spares)
     spare_cuda_context: bool = False  # each spare also creates its CUDA context (GPU memory) while it waits
@@ -403,6 +407,7 @@ def validate(config: Config, known_rules: Collection[str] | None = None) -> None
     _check_range("trainer.straggler_ratio", trainer.straggler_ratio, 1.0, 1e6, low_open=True)
     _check_range("trainer.grad_var_jump", trainer.grad_var_jump, 1.0, 1e12, low_open=True)
     _check_range("trainer.hang_step_times", trainer.hang_step_times, 0.0, 1e6, low_open=True)
+    _check_range("trainer.hang_frozen_step_times", trainer.hang_frozen_step_times, 0.0, 1e6, low_open=True)
     _check_range("rules.pcie_errors_per_hour", rules.pcie_errors_per_hour, 0.0, 1e12, low_open=True)
     _check_range("rules.nvlink_errors_per_hour", rules.nvlink_errors_per_hour, 0.0, 1e12, low_open=True)
     _check_stop_signal(trainer.stop_signal)

@@ -166,8 +166,10 @@ class Daemon:
         self._event_thread = threading.Thread(
             target=self.monitor.run_events, args=(self.stop_event,), name="gpuwatch-events", daemon=True
         )
-        # The kernel log is a second XID source on real GPUs only (sim and replay have no driver lines).
-        self.kernel_log = KernelLog(config.tools.kmsg, statics) if self.backend.name in LIVE_BACKENDS else None
+        # The kernel log is a second XID source on real GPUs (sim and replay have no driver lines, unless
+        # sim.kernel_log points the sim at a stand-in for /dev/kmsg).
+        follow = self.backend.name in LIVE_BACKENDS or (self.backend.name == "sim" and config.sim.kernel_log)
+        self.kernel_log = KernelLog(config.tools.kmsg, statics) if follow else None
         self._kernel_thread: threading.Thread | None = None
         if self.backend.name in LIVE_BACKENDS:  # the GPU test needs a real GPU
             self.monitor.validator = functools.partial(validation.validate, config=config)

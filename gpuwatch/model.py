@@ -223,6 +223,7 @@ class TrainerInfo:
     first_step_t: float | None = None  # when this process finished its first step (Unix time)
     step_t: float | None = None  # when the last step finished (Unix time)
     step_time_s: float | None = None
+    step_time_p99_s: float | None = None
     grad_norm: float | None = None
     grad_norm_var: float | None = None
     reserved_bytes: int | None = None
@@ -234,6 +235,8 @@ class TrainerInfo:
     allow_drills: bool | None = None
     recovery: str | None = None  # how the job recovers: relaunch, or in_place (its survivors go on)
     ended: str | None = None
+    pause: str | None = None  # the long pause the loop declared and is in (a checkpoint, an eval pass, a compile)
+    pause_until: float | None = None  # its declared end while in force, when it ended after (Unix time)
     updated_t: float | None = None
     uid: int | None = None  # the user the kernel (or /proc) names for the process, never the report's word
 

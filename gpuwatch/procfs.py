@@ -91,6 +91,29 @@ class ProcFs:
                 continue
         return max(total, ticks_ns)
 
+    def main_thread_cpu_ns(self, pid: int) -> int | None:
+        """CPU time of the process's main thread (its task `pid`) so far, in ns; None when it is gone.
+
+        A training loop runs there; the link's reporting thread and NCCL's or the DataLoader's threads
+        do not, so a loop that is wedged shows a still main thread while those tick. The larger of
+        its schedstat (exact) and its stat's utime + stime (clock ticks), as cpu_ns.
+        """
+        task = self.root / str(pid) / "task" / str(pid)
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            return None
+        fields = stat[stat.rfind(")") + 2 :].split()
+        try:
+            ticks_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        except (ValueError, IndexError):
+            return None
+        try:
+            exact = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            exact = 0
+        return max(exact, ticks_ns)
+
     def parent(self, pid: int) -> int | None:
         """The parent's pid, None when the process is gone (or is pid 1's child of nobody)."""
         fields = self._stat_fields(pid)

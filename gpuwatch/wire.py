@@ -173,6 +173,7 @@ class Trainer(Body):
     first_step_t: Omittable[float] = None
     step_t: Omittable[float] = None
     step_time_s: Omittable[float] = None
+    step_time_p99_s: Omittable[float] = None
     grad_norm: Omittable[float] = None
     grad_norm_var: Omittable[float] = None
     reserved_bytes: Omittable[int] = None
@@ -184,6 +185,8 @@ class Trainer(Body):
     allow_drills: Omittable[bool] = None
     recovery: Omittable[str] = None
     ended: Omittable[str] = None
+    pause: Omittable[str] = None
+    pause_until: Omittable[float] = None
     updated_t: Omittable[float] = None
     uid: Omittable[int] = None
 

@@ -21,7 +21,13 @@ HEALTHY_TRACE = Path(__file__).parent / "data" / "h200-healthy-workload.jsonl"  
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The fake ranks (tests.reporting.FakeRank) sleep with a fixed step while fake time runs: to the hang
+# rules they are frozen after trainer.hang_frozen_after_s. Tests about something else keep that away.
+NO_FROZEN_RANKS = {"trainer.hang_frozen_after_s": 1e6}
+
+
 def sim_config(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **overrides: Any) -> Config:
+    """A sim daemon's config in `tmp_path` (interval 5 s; fake ranks never frozen unless `overrides` say)."""
     config_path = tmp_path / "none.toml"
     config_path.write_text("")
     return load(
@@ -34,6 +40,7 @@ def sim_config(tmp_path: Path, scenario: str = "healthy", gpus: int = 8, **overr
             "state_dir": str(tmp_path / "state"),
             "runtime_dir": str(tmp_path / "run"),
             "interval_s": 5.0,
+            **NO_FROZEN_RANKS,
             **overrides,
         },
     )

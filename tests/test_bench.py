@@ -62,7 +62,8 @@ def test_quick_sim_run_writes_every_section_with_figures(tmp_path: Path) -> None
     assert figures["footprint"]["import_rss_mb"]["mission packages together"] > 0
     assert figures["trainer"]["step_us"]["median"] > 0
     assert figures["serving"]["gpuwatch"]["levels"]["10"]["p99_ms"] > 0
-    assert figures["detection"]["event"]["api_s_max"] >= 0
+    assert figures["detection"]["injection"]["api_s_max"] >= 0
+    assert figures["detection"]["kernel_log"]["api_s_max"] > 0
     assert figures["detection"]["sustained"]["flagged_s"] > 0
     assert figures["footprint"]["gpuwatch_1s"]["rss_mb"] > 0
     assert figures["footprint"]["gpuwatch_30s"]["cpu_s_per_hour"] >= 0
@@ -107,6 +108,21 @@ def _check_interference(figures: dict[str, Any], notes: list[str]) -> None:
     assert attribution["calls"]["sample_sim"]["calls"] > 0
     assert set(attribution["daemons"]) == {"daemon:no_nvml", "daemon:serving"}
     assert attribution["daemons"]["daemon:serving"]["scrapes"] > attribution["daemons"]["daemon:no_nvml"]["scrapes"]
+
+
+def test_detection_times_an_xid_line_through_the_kernel_log_path_on_the_sim(tmp_path: Path) -> None:
+    """The real path (a kmsg record to the log the daemon follows) is measured and printed, apart from injection."""
+    out = tmp_path / "bench.json"
+    args = ["--backend", "sim", "--gpus", "2", "--quick", "--only", "detection", "--json", str(out)]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    assert "XID 79 kernel-log line → finding in /v1/gpus/N" in result.output
+    assert "XID 79 kernel-log line → finding in /metrics" in result.output
+    detection = json.loads(out.read_text())["sections"]["detection"]["figures"]
+    runs = detection["kernel_log"]["runs"]
+    assert [r["gpu"] for r in runs] == [0, 1]
+    assert all(0 < r["api_s"] <= r["metrics_s"] < 10 for r in runs), runs
+    assert detection["nvml_events"] == "sim has no NVML"
 
 
 @pytest.mark.parametrize("only", ["sampling,nope", ",", "Serving"])

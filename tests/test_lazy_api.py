@@ -68,3 +68,12 @@ def test_scrapes_and_probes_leave_fastapi_unloaded_and_the_first_api_call_builds
         "gpus": [0, 1],
         "after_api": True,
     }
+
+
+def test_gpuwatch_runs_imports_leave_the_terminal_renderer_unloaded() -> None:
+    """rich draws tables for `status`, `drill` and `bench`: about 1.6 MiB and 40 modules `gpuwatch run` never uses."""
+    probe = (
+        "import sys, gpuwatch.cli, gpuwatch.daemon; print(sorted(m for m in sys.modules if m.split('.')[0] == 'rich'))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"

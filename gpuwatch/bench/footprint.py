@@ -6,14 +6,20 @@ its first request, so start-up imports are left out; each is scraped every 15 s 
 The rules' state stops growing once their sample windows are full (two minutes; health/running.py), so
 the period need not cover the hour-long ECC window.
 
-Where the RSS goes: each import set below is loaded alone in a fresh interpreter and its RSS read, so
-the table shows the floor the mission's packages set (FastAPI, uvicorn, APScheduler, prometheus-client,
-and pynvml for NVML) before gpuwatch holds a single sample.
+Where the RSS goes, three ways. Each import set below is loaded alone in a fresh interpreter and its
+RSS read: the floor the mission's packages set (FastAPI, uvicorn, APScheduler, prometheus-client, and
+pynvml for NVML) before gpuwatch holds a single sample. The import ladder loads what `gpuwatch run`
+imports in one interpreter, part after part, so each step's RSS is what that part adds on top of the
+ones before (the steps sum to the whole). And the running daemon's RSS, and the peer's, is split by
+what is mapped (/proc/PID/smaps): Python's objects (anonymous memory and the heap), libpython, NVML's
+library, OpenSSL, SQLite, the other shared libraries and extension modules.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import re
 import subprocess
 import sys
 import time
@@ -45,6 +51,42 @@ IMPORT_SETS: dict[str, tuple[str, ...]] = {
     "mission packages but fastapi": ("prometheus_client", "pynvml", "apscheduler.schedulers.background", "uvicorn"),
     "gpuwatch run's imports": ("gpuwatch.cli", "gpuwatch.daemon"),
 }
+# (label, modules): imported in this order in one interpreter; each step's RSS is on top of the ones before
+IMPORT_LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("python alone", ()),
+    ("stdlib: hashlib (OpenSSL's libcrypto)", ("hashlib",)),
+    ("stdlib: json, logging, threading, socket", ("json", "logging", "threading", "socket")),
+    ("stdlib: ssl (OpenSSL)", ("ssl",)),
+    ("stdlib: asyncio", ("asyncio",)),
+    ("stdlib: sqlite3", ("sqlite3",)),
+    ("stdlib: http.server, urllib.request, email", ("http.server", "urllib.request", "email.message")),
+    ("stdlib: logging.config, multiprocessing", ("logging.config", "multiprocessing")),
+    ("prometheus_client", ("prometheus_client",)),
+    ("psutil", ("psutil",)),
+    ("click and rich (the CLI)", ("click", "rich.console", "rich.table")),
+    ("uvicorn and httptools", ("uvicorn", "uvicorn.protocols.http.httptools_impl")),
+    ("apscheduler", ("apscheduler.schedulers.background",)),
+    ("gpuwatch: config, model, rules, monitor", ("gpuwatch.config", "gpuwatch.monitor", "gpuwatch.backends.sim")),
+    ("gpuwatch: trainer side, reports, remediation", ("gpuwatch.trainer", "gpuwatch.remediation.service")),
+    ("gpuwatch: drills", ("gpuwatch.drills.service",)),
+    ("gpuwatch: the rest of `gpuwatch run`", ("gpuwatch.cli", "gpuwatch.daemon")),
+    ("pynvml", ("pynvml",)),
+)
+_LADDER_PROBE = (
+    "import sys\n"
+    "def rss(): return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:'))\n"
+    "for step in sys.argv[1:]:\n"
+    "    for name in filter(None, step.split(',')): __import__(name)\n"
+    "    print(rss(), flush=True)"
+)
+_MAPPING_PARTS = (  # (part, a pattern of the mapped file's path); the first that matches takes the mapping
+    ("NVML (libnvidia-ml)", re.compile(r"libnvidia-ml")),
+    ("other NVIDIA libraries", re.compile(r"libnvidia|libcuda")),
+    ("libpython", re.compile(r"libpython")),
+    ("OpenSSL (libcrypto, libssl)", re.compile(r"libcrypto|libssl")),
+    ("SQLite", re.compile(r"libsqlite")),
+    ("other shared libraries and extension modules", re.compile(r"\.so(\.|$)")),
+)
 _RSS_PROBE = (
     "import sys\n"
     "for name in sys.argv[1:]: __import__(name)\n"
@@ -78,7 +120,57 @@ def run(ctx: Context) -> Section:
     section.figures["import_rss_mb"] = imports = import_rss()
     for label, rss in imports.items():
         section.rows.append(Row(f"RSS after importing {label}", rss, "MiB"))
+    section.figures["import_ladder_mb"] = ladder = import_ladder()
+    for label, added in ladder.items():
+        section.rows.append(Row(f"`gpuwatch run`'s imports, step by step: + {label}", added, "MiB"))
+    for name in ("gpuwatch_1s", "nvitop_exporter_1s"):
+        for part, mib in figures.get(name, {}).get("rss_parts_mb", {}).items():
+            section.rows.append(Row(f"{name} RSS: {part}", mib, "MiB"))
     return section
+
+
+def import_ladder() -> dict[str, float | None]:
+    """MiB each step of IMPORT_LADDER adds to one interpreter's RSS (the first: python alone); {} when it fails."""
+    steps = [",".join(modules) for _, modules in IMPORT_LADDER]
+    probe = subprocess.run(
+        [sys.executable, "-c", _LADDER_PROBE, *steps],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=child_env(),
+    )
+    values = [int(line) / 1024 for line in probe.stdout.split()]
+    if probe.returncode != 0 or len(values) != len(IMPORT_LADDER):
+        return {}
+    added = [values[0], *(b - a for a, b in zip(values, values[1:], strict=False))]
+    return {label: mib for (label, _), mib in zip(IMPORT_LADDER, added, strict=True)}
+
+
+def rss_parts(pid: int) -> dict[str, float]:
+    """The process's RSS (MiB) by what is mapped: Python's objects, libpython, NVML, OpenSSL, SQLite, ..."""
+    parts: collections.Counter[str] = collections.Counter()
+    part = ""
+    try:
+        with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as smaps:
+            for line in smaps:
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                    fields = line.split(maxsplit=5)
+                    part = _mapping_part(fields[5].strip() if len(fields) > 5 else "")
+                elif line.startswith("Rss:"):
+                    parts[part] += int(line.split()[1])
+    except OSError:
+        return {}
+    return {name: kib / 1024 for name, kib in parts.most_common()}
+
+
+def _mapping_part(path: str) -> str:
+    if not path or path in ("[heap]", "[anon]") or path.startswith("[anon:"):
+        return "Python's objects (anonymous memory, heap)"
+    for part, pattern in _MAPPING_PARTS:
+        if pattern.search(path):
+            return part
+    return "stacks, files and other mappings"
 
 
 def import_rss() -> dict[str, float | None]:
@@ -123,6 +215,7 @@ def _measure(services: dict[str, ServerProcess], period: float) -> dict[str, Any
                 "cpu_s_per_hour": cpu_s / elapsed * 3600,
                 "core_pct": cpu_s / elapsed * 100,
                 "rss_mb": proc.memory_info().rss / 2**20,
+                "rss_parts_mb": rss_parts(proc.pid),
             }
     finally:
         for client in clients.values():

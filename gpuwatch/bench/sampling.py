@@ -16,6 +16,7 @@ history length (one GPU, rules only) to show the slope the running state removed
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import tempfile
@@ -39,7 +40,8 @@ from gpuwatch.runtime import RuntimeDir
 from gpuwatch.store import Store
 
 FLOOR_TARGET_RATIO = 3.0
-TICK_TARGET_US = 150.0  # per GPU with a full hour of history (issue 13, on an H200)
+TICK_TARGET_US = 150.0  # per GPU with a full hour of history (on an H200)
+FLAT_RATIO = 1.1  # the tick with an hour of history against none
 HISTORIES_S = (0.0, 600.0, 3600.0)
 SIM_GPU_COUNTS = (1, 8, 64)
 WARM_UP_TICKS = 5
@@ -190,26 +192,45 @@ def _sample_costs(
 
 
 def _growth(ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
-    """Tick cost per GPU and rule state per GPU against history length and GPU count, at a 1 s interval."""
+    """Tick cost per GPU and rule state per GPU against history length and GPU count, at a 1 s interval.
+
+    The three history lengths of one GPU count tick in turn (none, 10 min, 1 h, then the next round
+    in a rotated order), so a machine that slows down or speeds up during the cells moves them alike
+    and their ratio stays the code's.
+    """
     counts = SIM_GPU_COUNTS if ctx.backend == "sim" else tuple(sorted({1, ctx.gpus}))
     if ctx.quick:
         counts = tuple(sorted({1, min(ctx.gpus, max(counts))}))
-    ticks = int(ctx.pick(100, 10))
+    ticks = int(ctx.pick(200, 10))
     cells = []
     for gpus in counts:
+        progress(f"sampling: tick with {gpus} GPU(s) at {', '.join(_history(h) for h in HISTORIES_S)}, interleaved")
+        with contextlib.ExitStack() as stack:
+            rigs = [stack.enter_context(_TickRig(dataclasses.replace(ctx, gpus=gpus), 1.0, h)) for h in HISTORIES_S]
+            times: list[list[float]] = [[] for _ in rigs]
+            for n in range(WARM_UP_TICKS + ticks):
+                order = list(range(len(rigs)))
+                order = order[n % len(order) :] + order[: n % len(order)]
+                for k in order:
+                    took = rigs[k].tick()
+                    if n >= WARM_UP_TICKS:
+                        times[k].append(took)
+            nbytes = [rig.history_bytes_per_gpu() for rig in rigs]
         flat: list[float] = []
-        for history_s in HISTORIES_S:
-            progress(f"sampling: tick with {gpus} GPU(s) and {history_s:g} s of history")
-            cell = _tick_cost(dataclasses.replace(ctx, gpus=gpus), 1.0, ticks, history_s=history_s)
-            per_gpu, nbytes = cell["tick_p50_per_gpu_us"], cell["history_bytes_per_gpu"]
+        for history_s, tick_s, per_gpu_bytes in zip(HISTORIES_S, times, nbytes, strict=True):
+            per_gpu = summarize(tick_s, "us")["p50_us"] / gpus
             flat.append(per_gpu)
-            cells.append({"gpus": gpus, "history_s": history_s, "tick_per_gpu_us": per_gpu, "bytes_per_gpu": nbytes})
+            cells.append(
+                {"gpus": gpus, "history_s": history_s, "tick_per_gpu_us": per_gpu, "bytes_per_gpu": per_gpu_bytes}
+            )
             label = f"tick per GPU (median), {gpus} GPU(s), {_history(history_s)}"
             if history_s == HISTORIES_S[-1] and ctx.backend == "nvml":
                 rows.append(target(label, per_gpu, "µs", TICK_TARGET_US))
             else:
                 rows.append(Row(label, per_gpu, "µs"))
-        rows.append(Row(f"tick per GPU, {gpus} GPU(s): 1 h of history / none", ratio(flat[-1], flat[0]), "×"))
+        rows.append(
+            target(f"tick per GPU, {gpus} GPU(s): 1 h of history / none", ratio(flat[-1], flat[0]), "×", FLAT_RATIO)
+        )
         rows.append(Row(f"rule state per GPU, {gpus} GPU(s), 1 h", cells[-1]["bytes_per_gpu"] / 1024, "KiB"))
     return cells
 
@@ -263,58 +284,84 @@ def _history(seconds: float) -> str:
     return f"{seconds / 3600:g} h of history" if seconds >= 3600 else f"{seconds / 60:g} min of history"
 
 
-def _tick_cost(ctx: Context, interval_s: float, ticks: int, history_s: float | None = None) -> dict[str, Any]:
-    """Monitor.tick (with SQLite and status.json, as in the daemon) and the render after it.
+class _TickRig:
+    """A Monitor with SQLite and status.json, as in the daemon, its rules' history filled; `tick()` times one tick.
 
     With `history_s` None, at the rules' steady history: the longest window plus two intervals. The
     runtime dir is on tmpfs where there is one, as /run/gpuwatch is on a node: on a disk, replacing
     status.json every tick can cost milliseconds of the filesystem's own (ext4 flushes a file renamed
     over another), which would hide the daemon's cost.
     """
-    root = ctx.workdir / f"tick-{interval_s:g}s-{ctx.gpus}-{history_s}"
-    tmpfs = Path("/dev/shm")
-    run_root = tempfile.TemporaryDirectory(prefix="gpuwatch-bench-", dir=tmpfs if tmpfs.is_dir() else root)
-    clock = ManualClock(time.time())
-    config = dataclasses.replace(
-        bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(Path(run_root.name) / "run")
-    )
-    backend, statics = open_backend(ctx, config, clock)
-    runtime = RuntimeDir(config.runtime_dir)
-    runtime.prepare()
-    store = Store(config.db_path)
-    try:
-        monitor = Monitor(backend, statics, config, store=store, runtime=runtime, clock=clock)
-        if history_s is None:
-            history_s = engine.max_window_s(monitor.rules) + 2 * interval_s
-        _fill_history(monitor, backend, statics, clock, interval_s, math.ceil(history_s / interval_s))
+
+    def __init__(self, ctx: Context, interval_s: float, history_s: float | None = None) -> None:
+        self.ctx, self.interval_s, self.history_s = ctx, interval_s, history_s
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _TickRig:
+        ctx, interval_s = self.ctx, self.interval_s
+        root = ctx.workdir / f"tick-{interval_s:g}s-{ctx.gpus}-{self.history_s}"
+        tmpfs = Path("/dev/shm")
+        run_root = self._stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="gpuwatch-bench-", dir=tmpfs if tmpfs.is_dir() else root)
+        )
+        self.clock = ManualClock(time.time())
+        config = dataclasses.replace(
+            bench_config(ctx, interval_s), state_dir=str(root / "state"), runtime_dir=str(Path(run_root) / "run")
+        )
+        backend, statics = open_backend(ctx, config, self.clock)
+        self._stack.callback(backend.close)
+        runtime = RuntimeDir(config.runtime_dir)
+        runtime.prepare()
+        self._stack.callback(runtime.close)
+        store = Store(config.db_path)
+        self._stack.callback(store.close)
+        self.gpus = len(statics)
+        self.monitor = Monitor(backend, statics, config, store=store, runtime=runtime, clock=self.clock)
+        if self.history_s is None:
+            self.history_s = engine.max_window_s(self.monitor.rules) + 2 * interval_s
+        steps = math.ceil(self.history_s / interval_s)
+        _fill_history(self.monitor, backend, statics, self.clock, interval_s, steps)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def tick(self) -> float:
+        """One tick an interval after the last, in seconds."""
+        self.clock.t += self.interval_s
+        start = time.perf_counter()
+        self.monitor.tick()
+        return time.perf_counter() - start
+
+    def history_bytes_per_gpu(self) -> float:
+        history_bytes = self.monitor.history_bytes()
+        return sum(history_bytes.values()) / len(history_bytes)
+
+
+def _tick_cost(ctx: Context, interval_s: float, ticks: int) -> dict[str, Any]:
+    """Monitor.tick at the rules' steady history, and the /metrics render after it."""
+    with _TickRig(ctx, interval_s) as rig:
+        monitor = rig.monitor
         renderer = MetricsRenderer(SnapshotCollector(lambda: monitor.snapshot), key=lambda: id(monitor.snapshot))
         tick_s: list[float] = []
         render_s: list[float] = []
         for _ in range(WARM_UP_TICKS):  # the first ones create status.json and the SQLite rows
-            clock.t += interval_s
-            monitor.tick()
+            rig.tick()
         for _ in range(ticks):
-            clock.t += interval_s
+            tick_s.append(rig.tick())
             start = time.perf_counter()
-            monitor.tick()
-            middle = time.perf_counter()
             renderer.render()
-            render_s.append(time.perf_counter() - middle)
-            tick_s.append(middle - start)
-        history_bytes = monitor.history_bytes()
-    finally:
-        runtime.close()
-        store.close()
-        backend.close()
-        run_root.cleanup()
+            render_s.append(time.perf_counter() - start)
+        history_bytes = rig.history_bytes_per_gpu()
+        history_s, gpus = rig.history_s, rig.gpus
     stats = summarize(tick_s, "ms")
     return {
         "interval_s": interval_s,
         "history_s": history_s,
         "tick_ms": stats,
-        "tick_per_gpu_us": stats["mean_ms"] * 1e3 / len(statics),
-        "tick_p50_per_gpu_us": stats["p50_ms"] * 1e3 / len(statics),
-        "history_bytes_per_gpu": sum(history_bytes.values()) / len(history_bytes),
+        "tick_per_gpu_us": stats["mean_ms"] * 1e3 / gpus,
+        "tick_p50_per_gpu_us": stats["p50_ms"] * 1e3 / gpus,
+        "history_bytes_per_gpu": history_bytes,
         "render_ms": summarize(render_s, "ms"),
         "cpu_s_per_hour": stats["mean_ms"] / 1e3 * 3600 / interval_s,
         "core_pct": stats["mean_ms"] / 1e3 / interval_s * 100,

@@ -16,7 +16,6 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
 
 from gpuwatch.command_error import OneLineCommand, fail
 from gpuwatch.config import Config, load
@@ -24,6 +23,8 @@ from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from gpuwatch.drills.runner import Request
 
 # The runner, the API client and the specs are imported when a drill runs, so that registering this
@@ -174,6 +175,8 @@ def _drill(config: Config, request: Request, dry_run: bool, as_json: bool, confi
         click.echo(f"dry run: nothing was done{hint}")
         return 0
     api.require_control()  # refused (exit 2, saying what to do) before the drill, not a FAIL at its first step
+    from rich.console import Console  # here: registering the command (`gpuwatch run`) never loads rich
+
     console = Console(stderr=True)
     with console.status(title) as status:
         verdict = run_drill(run, _progress(title, console, status.update, time.time()))

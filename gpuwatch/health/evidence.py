@@ -130,7 +130,9 @@ class Evidence(Protocol):
 
     def growth(self, name: str) -> int: ...
 
-    def events_since(self, window_s: float) -> Sequence[GpuEvent]: ...
+    def events_since(self, window_s: float, kind: str) -> Sequence[GpuEvent]:
+        """The events of `kind` within the last `window_s`, oldest first."""
+        ...
 
     def read_errors(self) -> ReadErrors: ...
 
@@ -160,8 +162,8 @@ class Windowed:
     def growth(self, name: str) -> int:
         return growth(self.head, self._conditions[name].window_s, name)
 
-    def events_since(self, window_s: float) -> Sequence[GpuEvent]:
-        return self.head.events_since(window_s)
+    def events_since(self, window_s: float, kind: str) -> Sequence[GpuEvent]:
+        return tuple(e for e in self.head.events_since(window_s) if e.kind == kind)
 
     def read_errors(self) -> ReadErrors:
         last_good = self.head.last.t if self.head.last is not None else float("-inf")

@@ -7,8 +7,10 @@ as readings arrive, just enough to answer the same Evidence questions without a 
   the seconds and samples each condition held; a duty is a difference of two sums plus the clipped head;
 * `falls`: the same with a running count of False → True steps;
 * counter `growth`: only the samples where a counter rose (rare), with a running sum of the rises;
-* events within the keep horizon (at most MAX_EVENTS), read errors since the last good sample with a
-  count per kind.
+* events within the keep horizon, per kind (at most MAX_EVENTS each, in arrival order, which is time
+  order: the kernel log's replay comes before any live event), so a rule reads the events of its
+  kind and window walking back from the newest, never an hour of other kinds or older ones; read
+  errors since the last good sample with a count per kind.
 
 It follows the retention of the History the monitor used to keep (every reading within `keep_s` of
 the newest one of its kind, and at least one), so both give the same findings at the same times; the
@@ -21,6 +23,7 @@ as it did the History: the state is a fold of readings (`add`), nothing of it is
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -30,7 +33,7 @@ from gpuwatch.health.evidence import Condition, Held, ReadErrors
 from gpuwatch.health.history import History
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 
-MAX_EVENTS = 4096  # per GPU: an XID storm must not grow the daemon without bound
+MAX_EVENTS = 4096  # per GPU and kind: an XID storm must not grow the daemon without bound
 MAX_ERRORS = 8192  # per GPU, since its last good sample (an hour of failed reads at 1 s is 3600)
 
 # (t, which conditions held, seconds each held so far, samples each held so far)
@@ -175,7 +178,7 @@ class RunningState:
         self._held = {name: w for w in self._held_windows for name in w.position}
         self._falls = {c.name: _FallsWindow(c) for c in conditions if c.kind == "falls"}
         self._growth = {c.name: _Growth(c) for c in conditions if c.kind == "growth"}
-        self._events: deque[GpuEvent] = deque(maxlen=MAX_EVENTS)
+        self._events: dict[str, deque[GpuEvent]] = {}  # kind → its events, oldest first
         self._errors: deque[GpuError] = deque(maxlen=MAX_ERRORS)  # since the last good sample
         self._error_counts: Counter[str] = Counter()
         self._error_details: dict[str, str] = {}  # the newest detail of each kind counted
@@ -185,7 +188,7 @@ class RunningState:
         if isinstance(reading, GpuSample):
             self._add_sample(reading)
         elif isinstance(reading, GpuEvent):
-            events = self._events
+            events = self._events.setdefault(reading.kind, deque(maxlen=MAX_EVENTS))
             events.append(reading)
             horizon = reading.t - self.keep_s
             while events[0].t < horizon:
@@ -232,7 +235,7 @@ class RunningState:
     def nbytes(self) -> int:
         """About how many bytes the state holds (containers and the objects only they hold)."""
         size = sys.getsizeof
-        total = size(self._events) + sum(size(e) for e in self._events)
+        total = sum(size(kind) + sum(size(e) for e in kind) for kind in self._events.values())
         total += size(self._errors) + sum(size(e) for e in self._errors)
         if self.last is not None:
             total += size(self.last)
@@ -271,12 +274,14 @@ class _At:
     def growth(self, name: str) -> int:
         return self._state._growth[name].growth(self._now, self._kept_from)
 
-    def events_since(self, window_s: float) -> Sequence[GpuEvent]:
-        events = self._state._events
+    def events_since(self, window_s: float, kind: str) -> Sequence[GpuEvent]:
+        events = self._state._events.get(kind)
         if not events:
             return ()
         start = self._now - window_s
-        return tuple(e for e in events if e.t >= start)
+        newest_first = list(itertools.takewhile(lambda e: e.t >= start, reversed(events)))
+        newest_first.reverse()
+        return newest_first
 
     def read_errors(self) -> ReadErrors:
         if not self._state._errors:

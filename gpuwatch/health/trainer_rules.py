@@ -13,11 +13,16 @@ the job's problem to fix, and the operator needs to know whether the hardware is
   same job on this node, reported with its GPU's throttle reasons and state (warning on that GPU).
 * `trainer_grad_variance_jump`: the job's grad-norm variance (over the last 100 steps) above
   `grad_var_jump` × its median over `grad_var_history_s` (info on the job: a data-distribution shift).
-* `trainer_hang`: no rank of a job advanced its step for `hang_after_s` (or `hang_step_times` × its
-  recent step time, if longer), with positive evidence: a rank is frozen (its process is stopped,
-  or it is alive and neither its CPU time nor its step advances), or, where the backend sees the
-  job's GPUs, all of them sit idle (warning on the job; remediation may restart it). A report that
-  stopped arriving is no evidence by itself: its rank may simply be unable to send it.
+* `trainer_hang` (warning on the job; remediation may restart it), on positive evidence only, the
+  surest first: a rank stopped (state T) with its step still for `hang_stopped_after_s`; a rank
+  whose main thread's CPU time and step stood still for `hang_frozen_after_s` or
+  `hang_frozen_step_times` × its p99 step time (whichever is longer), its GPU not busy where the
+  backend sees it; or no rank of the job advanced its step for `hang_after_s` (or `hang_step_times`
+  × its recent step time, if longer) with a rank quiet for `stale_after_s` or, where the backend
+  sees them, all its GPUs idle. A pause a rank declared (TrainerLink.pause) is progress while it
+  lasts, and while any rank of the job is in one no rank of it is taken for frozen: only a stopped
+  process is no pause. A report that stopped arriving is no evidence by itself: its rank may
+  simply be unable to send it.
 
 A job is its user and its id: ranks of two users with the same job id are two jobs (peers,
 stragglers and variance are judged within one job only).
@@ -56,17 +61,26 @@ class StragglerCheck:
 
 
 @dataclass(frozen=True)
-class JobProgress:
-    """One job's ranks on this node: each one's latest report, when its step last changed, and whether it is frozen.
+class RankState:
+    """What the judge saw of one rank's process since its last progress (a step, or the end of a declared pause)."""
 
-    `frozen[i]` is the judge's positive evidence about rank i's process ("stopped (SIGSTOP)", "makes
-    no progress"), "" when there is none.
+    stopped_s: float = 0.0  # seen stopped (state T) this long with its step still; 0: not stopped
+    quiet_s: float = 0.0  # its main thread's CPU time and its step stood still this long (0 in a declared pause)
+    paused: str = ""  # the pause it declared and is in, "" when none
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """One job's ranks on this node: each one's latest report, its last progress and what its process does.
+
+    `advanced_t[i]` is when rank i last made progress: its last step, or a declared pause (in force:
+    now; over: when it ended). `states[i]` is the judge's evidence about rank i's process.
     """
 
     job: str
     latest: tuple[TrainerInfo, ...]
     advanced_t: tuple[float, ...]
-    frozen: tuple[str, ...] = ()
+    states: tuple[RankState, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -209,24 +223,63 @@ def grad_variance_jump(
 def hang(
     progress: JobProgress, gpus: Mapping[str, GpuStatus], cfg: TrainerConfig, now: float, *, gpus_seen: bool
 ) -> Finding | None:
-    """The job's steps stopped: past the limit with a frozen rank, or (`gpus_seen`) with all its GPUs idle."""
+    """The job is hung: a rank stopped, a rank frozen, or its steps stopped past the long limit with evidence."""
     latest = progress.latest
-    if not latest or not progress.advanced_t or any(r.step is None for r in latest):
+    if not latest or not progress.advanced_t:
         return None
+    states = progress.states or tuple(RankState() for _ in latest)
+    ranks = list(zip(latest, states, strict=False))
+    stopped = [(r, s) for r, s in ranks if s.stopped_s >= cfg.hang_stopped_after_s]
+    if stopped:
+        why = ", ".join(f"{_who(r)} is stopped (SIGSTOP) for {s.stopped_s:.0f} s" for r, s in stopped)
+        return _hang_finding(progress, gpus, now, f"{why} (limit {cfg.hang_stopped_after_s:g} s)")
+    if any(r.step is None for r in latest):
+        return None
+    if not any(s.paused for s in states):
+        frozen = [
+            (r, s, limit)
+            for r, s in ranks
+            if s.quiet_s >= (limit := frozen_limit(r, cfg)) and not _gpu_busy(r, gpus, cfg, gpus_seen)
+        ]
+        if frozen:
+            why = ", ".join(
+                f"{_who(r)} used no CPU time on its main thread and finished no step for {s.quiet_s:.0f} s "
+                f"(limit {limit:.0f} s)"
+                for r, s, limit in frozen
+            )
+            return _hang_finding(progress, gpus, now, why)
     stalled_s = now - max(progress.advanced_t)
     times = [r.step_time_s for r in latest if r.step_time_s]
     limit = max(cfg.hang_after_s, cfg.hang_step_times * statistics.median(times)) if times else cfg.hang_after_s
     if stalled_s < limit:
         return None
-    frozen = [(r, how) for r, how in zip(latest, progress.frozen, strict=False) if how]
+    quiet = [(r, s) for r, s in ranks if s.quiet_s >= cfg.stale_after_s]
     samples = [gpus[r.gpu_uuid].sample if r.gpu_uuid is not None and r.gpu_uuid in gpus else None for r in latest]
     idle = gpus_seen and all(s is not None and (s.util_gpu_pct or 0) <= cfg.hang_idle_util_pct for s in samples)
-    if not frozen and not idle:
+    if not quiet and not idle:
         return None
-    why = ", ".join(f"{_who(r)} {how}" for r, how in frozen) if frozen else "its GPUs sit idle"
-    step = min(r.step or 0 for r in latest)
-    reason = f"job {progress.job}: no rank got past step {step} for {stalled_s:.0f} s (limit {limit:.0f} s); {why}"
-    first = min(latest, key=lambda r: (r.rank is None, r.rank or 0))
+    why = ", ".join(f"{_who(r)} made no progress for {s.quiet_s:.0f} s" for r, s in quiet) or "its GPUs sit idle"
+    return _hang_finding(progress, gpus, now, f"{why}; no step for {stalled_s:.0f} s (limit {limit:.0f} s)")
+
+
+def frozen_limit(report: TrainerInfo, cfg: TrainerConfig) -> float:
+    """How long a rank's main thread and step may stand still before it is frozen: its p99 step time counts."""
+    p99 = report.step_time_p99_s or report.step_time_s or 0.0
+    return max(cfg.hang_frozen_after_s, cfg.hang_frozen_step_times * p99)
+
+
+def _gpu_busy(report: TrainerInfo, gpus: Mapping[str, GpuStatus], cfg: TrainerConfig, gpus_seen: bool) -> bool:
+    """Where the backend sees the rank's GPU, whether it works: a long kernel, not a frozen rank."""
+    gpu = gpus.get(report.gpu_uuid or "") if gpus_seen else None
+    sample = gpu.sample if gpu is not None else None
+    return sample is not None and (sample.util_gpu_pct or 0) > cfg.hang_idle_util_pct
+
+
+def _hang_finding(progress: JobProgress, gpus: Mapping[str, GpuStatus], now: float, why: str) -> Finding:
+    steps = [r.step for r in progress.latest if r.step is not None]
+    at = f"no rank got past step {min(steps)}" if steps else "no rank finished a step"
+    reason = f"job {progress.job}: {at}; {why}"
+    first = min(progress.latest, key=lambda r: (r.rank is None, r.rank or 0))
     return _finding(HANG, Severity.WARNING, reason, gpus.get(first.gpu_uuid or ""), now, Action.RESTART_APP)
 
 

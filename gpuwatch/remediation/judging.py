@@ -1,15 +1,18 @@
-"""Judging the trainers after each publish: each rank's timeline, each job's progress, the trainer rules.
+"""Judging the trainers: each rank's timeline, each job's progress, the trainer rules.
 
-Runs on the sampling thread (a monitor listener), so it only keeps bounded in-memory state. A
-rank stays a member of its job while its process lives, even when its report goes stale; whether
-it is frozen is read from /proc, never from that silence: its process is stopped (state T), or its
-CPU time and its step have not moved for `stale_after_s`. A job is (uid, job id).
+`judge()` runs after each publish on the sampling thread (a monitor listener); `hangs()` runs on the
+remediation thread about twice a second with the reports as they are then, so a hang is found in
+seconds whatever the sampling interval. Both keep only bounded in-memory state, under one lock. A
+rank stays a member of its job while its process lives, even when its report goes stale; what its
+process does is read from /proc, never from that silence: whether it is stopped (state T), and
+when its main thread's CPU time last moved. A job is (uid, job id).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -43,44 +46,54 @@ class Judgement:
 
 
 class TrainerJudge:
-    """Timelines per rank, members and progress per job; `judge()` once per publish."""
+    """Timelines per rank, members and progress per job; `judge()` once per publish, `hangs()` between."""
 
     def __init__(self, cfg: TrainerConfig, proc: ProcFs) -> None:
         self.cfg = cfg
         self.proc = proc
         self._keep_s = max(cfg.fragmentation_window_s, cfg.alloc_retries_window_s, cfg.grad_var_history_s)
+        self._lock = threading.Lock()
         self._timelines: dict[int, deque[TrainerInfo]] = {}
         self._members: dict[int, Rank] = {}  # pid → the rank as last seen, while its process lives
         self._advanced: dict[int, tuple[int | None, float]] = {}  # pid → (step, when it last changed)
-        self._cpu: dict[int, tuple[int | None, float]] = {}  # pid → (CPU ns, when it last changed), while stalled
+        self._cpu: dict[int, tuple[int | None, float]] = {}  # pid → (main thread's CPU ns, when it last changed)
+        self._stopped: dict[int, float] = {}  # pid → when first seen stopped (state T) since its step changed
         self._active: set[tuple[str, int]] = set()
 
     def judge(self, snapshot: Snapshot, ranks: list[Rank]) -> Judgement:
         """Extend the timelines with the new reports, judge every rank and job, log findings as they appear."""
-        self._remember(snapshot.t, ranks)
-        verdict = trainer_rules.evaluate(self._timelines, snapshot.gpus, self.cfg, snapshot.t)
-        hung = self._hung(snapshot)
-        findings = verdict.findings + tuple(h.finding for h in hung.values())
-        active = {(f.rule, f.index) for f in findings}
-        for f in findings:
-            if (f.rule, f.index) not in self._active:
-                log.warning("trainer finding %s on GPU %d: %s", f.rule, f.index, f.reason)
-        self._active = active
+        with self._lock:
+            self._track(snapshot.t, ranks)
+            self._extend_timelines(snapshot.t, ranks)
+            verdict = trainer_rules.evaluate(self._timelines, snapshot.gpus, self.cfg, snapshot.t)
+            hung = self._hung(snapshot, snapshot.t)
+            findings = verdict.findings + tuple(h.finding for h in hung.values())
+            active = {(f.rule, f.index) for f in findings}
+            for f in findings:
+                if (f.rule, f.index) not in self._active:
+                    log.warning("trainer finding %s on GPU %d: %s", f.rule, f.index, f.reason)
+            self._active = active
         return Judgement(trainer_rules.Verdict(findings, verdict.stragglers), hung)
+
+    def hangs(self, now: float, ranks: list[Rank], snapshot: Snapshot) -> dict[JobKey, Hang]:
+        """The hung jobs at `now`, from the ranks as their reports and step pages say now (GPUs: `snapshot`'s)."""
+        with self._lock:
+            self._track(now, ranks)
+            return self._hung(snapshot, now)
 
     def members(self, job: JobKey) -> list[Rank]:
         """Every live rank of `job` seen on this node."""
-        return [rank for rank in self._members.values() if rank.job_key == job]
+        with self._lock:
+            return [rank for rank in self._members.values() if rank.job_key == job]
 
-    def _remember(self, now: float, ranks: list[Rank]) -> None:
+    def _track(self, now: float, ranks: list[Rank]) -> None:
+        """Members, when each one's step last changed, and what its process does while it does not."""
         current = {rank.pid for rank in ranks}
         for pid, rank in list(self._members.items()):
             if pid not in current and not self.proc.alive(pid, rank.start_time):
                 del self._members[pid]
-                self._advanced.pop(pid, None)
-                self._cpu.pop(pid, None)
-        for pid in [pid for pid in self._timelines if pid not in current]:
-            del self._timelines[pid]
+                for kept in (self._advanced, self._cpu, self._stopped):
+                    kept.pop(pid, None)
         for rank in ranks:
             known = self._members.get(rank.pid)
             if rank.info.updated_t is None and known is not None and known.info.updated_t is not None:
@@ -89,15 +102,28 @@ class TrainerJudge:
             self._members[rank.pid] = rank
             info = rank.info
             step, _ = self._advanced.get(rank.pid, (None, 0.0))
-            if rank.pid not in self._advanced or info.step != step:
+            new = rank.pid not in self._advanced
+            if new or info.step != step:
                 changed = info.step_t or info.updated_t  # the step page says when the step ended
                 self._advanced[rank.pid] = (info.step, changed if changed is not None else now)
-            if self._advanced[rank.pid][0] == step and info.step is not None:  # stalled: is its process?
-                cpu = self.proc.cpu_ns(rank.pid)
-                if rank.pid not in self._cpu or self._cpu[rank.pid][0] != cpu:
-                    self._cpu[rank.pid] = (cpu, now)
-            else:
                 self._cpu.pop(rank.pid, None)
+                self._stopped.pop(rank.pid, None)
+                if not new:
+                    continue
+            cpu = self.proc.main_thread_cpu_ns(rank.pid)  # stalled: what does its process do?
+            if rank.pid not in self._cpu or self._cpu[rank.pid][0] != cpu:
+                self._cpu[rank.pid] = (cpu, now)
+            if self.proc.run_state(rank.pid) in _STOPPED:
+                self._stopped.setdefault(rank.pid, now)
+            else:
+                self._stopped.pop(rank.pid, None)
+
+    def _extend_timelines(self, now: float, ranks: list[Rank]) -> None:
+        current = {rank.pid for rank in ranks}
+        for pid in [pid for pid in self._timelines if pid not in current]:
+            del self._timelines[pid]
+        for rank in ranks:
+            info = self._members[rank.pid].info
             if info.updated_t is None:
                 continue
             timeline = self._timelines.setdefault(rank.pid, deque())
@@ -106,7 +132,7 @@ class TrainerJudge:
             while timeline and (timeline[0].updated_t or 0.0) < now - self._keep_s:
                 timeline.popleft()
 
-    def _hung(self, snapshot: Snapshot) -> dict[JobKey, Hang]:
+    def _hung(self, snapshot: Snapshot, now: float) -> dict[JobKey, Hang]:
         jobs: dict[JobKey, list[Rank]] = {}
         for rank in self._members.values():
             key = rank.job_key
@@ -115,24 +141,33 @@ class TrainerJudge:
         by_uuid = {g.uuid: g for g in snapshot.gpus}
         hung = {}
         for key, members in jobs.items():
-            frozen = tuple(self._frozen(rank, snapshot.t) for rank in members)
-            advanced = tuple(self._advanced[r.pid][1] for r in members)
-            progress = trainer_rules.JobProgress(key[1], tuple(r.info for r in members), advanced, frozen)
-            finding = trainer_rules.hang(
-                progress, by_uuid, self.cfg, snapshot.t, gpus_seen=snapshot.backend in PID_BACKENDS
-            )
+            states = tuple(self._state(rank, now) for rank in members)
+            advanced = tuple(self._progress_t(rank, now) for rank in members)
+            progress = trainer_rules.JobProgress(key[1], tuple(r.info for r in members), advanced, states)
+            finding = trainer_rules.hang(progress, by_uuid, self.cfg, now, gpus_seen=snapshot.backend in PID_BACKENDS)
             if finding is not None:
-                stuck = tuple(r for r, how in zip(members, frozen, strict=True) if how)
+                stuck = tuple(r for r, s in zip(members, states, strict=True) if self._stuck(r, s))
                 hung[key] = Hang(finding, tuple(members), max(advanced), stuck)
         return hung
 
-    def _frozen(self, rank: Rank, now: float) -> str:
-        """Positive evidence that the rank's process cannot make progress, in words; "" when there is none."""
-        if self.proc.run_state(rank.pid) in _STOPPED:
-            return "is stopped (SIGSTOP)"
+    def _progress_t(self, rank: Rank, now: float) -> float:
+        """When the rank last made progress: its last step, or its declared pause (now while it lasts)."""
+        _, stepped = self._advanced.get(rank.pid, (None, now))
+        pause_until = rank.info.pause_until
+        return max(stepped, min(pause_until, now)) if pause_until is not None else stepped
+
+    def _state(self, rank: Rank, now: float) -> trainer_rules.RankState:
+        """What the rank's process did since its last progress, from /proc (never from its silence)."""
+        stopped = self._stopped.get(rank.pid)
+        stopped_s = now - stopped if stopped is not None else 0.0
+        pause_until = rank.info.pause_until
+        paused = (rank.info.pause or "a declared pause") if pause_until is not None and pause_until > now else ""
         cpu, since = self._cpu.get(rank.pid, (None, now))
-        _, advanced = self._advanced.get(rank.pid, (None, now))
-        quiet_s = now - max(since, advanced)
-        if cpu is not None and quiet_s >= self.cfg.stale_after_s:
-            return f"used no CPU time and finished no step for {quiet_s:.0f} s"
-        return ""
+        quiet_s = 0.0 if paused or cpu is None else max(0.0, now - max(since, self._progress_t(rank, now)))
+        return trainer_rules.RankState(stopped_s=stopped_s, quiet_s=quiet_s, paused=paused)
+
+    def _stuck(self, rank: Rank, state: trainer_rules.RankState) -> bool:
+        """The rank is one the hang's evidence names: stopped, or still for its frozen limit (or stale_after_s)."""
+        if state.stopped_s >= self.cfg.hang_stopped_after_s:
+            return True
+        return state.quiet_s >= min(trainer_rules.frozen_limit(rank.info, self.cfg), self.cfg.stale_after_s)

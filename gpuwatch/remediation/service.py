@@ -12,7 +12,9 @@ judges the trainers and hands what must be done to ONE remediation thread. That 
    on the jobs it can have hurt) or a hung job: the stop signal to every rank of the job on this
    node, SIGTERM after `grace_period_s`, SIGKILL after `kill_after_s`; a job whose ranks recover
    in place loses only the ranks that must leave, and its survivors go on;
-3. watches for the job to take its next step (gpuwatch.remediation.resumes).
+3. watches for the job to take its next step (gpuwatch.remediation.resumes);
+4. looks for hung jobs every HANG_POLL_S with the reports and step pages as they are then, so a
+   stopped or frozen rank is found in seconds whatever the sampling interval.
 
 A job is (uid, job id) everywhere: its peers, its hang, its incidents and its resume are never
 another user's, whatever job id they chose. One thread, whatever the number of incidents.
@@ -57,6 +59,7 @@ PENDING_POLL_S = 0.2  # how often an application XID waiting for its pid is look
 REPORT_POLL_S = 0.1  # how often stops and resume watches re-read the reports
 FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later ones to SLOW_POLL_S
 SLOW_POLL_S = 5.0
+HANG_POLL_S = 0.5  # how often the ranks' progress is judged between publishes (only while there are ranks)
 MAX_ACCOUNTED = 4096  # ranks whose end is handled, remembered against stale publishes; gone ones dropped beyond
 FAULT_LATE_S = 10.0  # a fault this close to a rank's death is what it died of
 _ANCESTRY_DEPTH = 16  # parents walked up from a faulting pid to find the rank it belongs to
@@ -105,6 +108,8 @@ class Remediation:
         self._ranks: list[Rank] = []
         self._verdict = trainer_rules.Verdict((), ())
         self._hangs_seen: set[JobKey] = set()
+        self._hangs_polled: set[JobKey] = set()  # the remediation thread's own, for hangs()
+        self._next_hang_poll = 0.0
         # Owned by the remediation thread:
         self._inbox: queue.SimpleQueue[_Publish] = queue.SimpleQueue()
         self._exits = ExitWatch(self.proc)
@@ -163,6 +168,7 @@ class Remediation:
                     self._act_on(fault)
                 for pid in exited:
                     self._on_exit(pid)
+                self._poll_hangs()
                 reports = self._due_reports()
                 self._advance_stops(reports or [])
                 if reports is not None:
@@ -176,9 +182,10 @@ class Remediation:
             return STOP_POLL_S
         if self._faults.waiting():
             return PENDING_POLL_S
+        wait = min(IDLE_WAIT_S, self._next_hang_poll - time.monotonic())
         if self._watches:
-            return max(0.0, min(IDLE_WAIT_S, self._next_report_read - time.monotonic()))
-        return IDLE_WAIT_S
+            wait = min(wait, self._next_report_read - time.monotonic())
+        return max(0.0, wait)
 
     def _handle_publish(self, publish: _Publish) -> None:
         if len(self._accounted) > MAX_ACCOUNTED:
@@ -207,6 +214,24 @@ class Remediation:
         for pid in gone:
             self._on_exit(pid)
         for hang in publish.hung:
+            self._stop_for_hang(hang)
+
+    def _poll_hangs(self) -> None:
+        """Judge the known ranks' progress now (their reports and step pages), and stop a job newly hung."""
+        now_mono = time.monotonic()
+        if self._last is None or now_mono < self._next_hang_poll:
+            return
+        self._next_hang_poll = now_mono + HANG_POLL_S
+        reports = [r.info for r in self.runtime.read_reports() if r.running]
+        if not reports and not self._known:
+            return
+        snapshot = self._last.snapshot
+        mapped = map_ranks(snapshot.gpus, reports, self.proc, use_pids=snapshot.backend in PID_BACKENDS)
+        ranks = [r for r in mapped if not (r.pid in self._accounted and r.start_time in (None, self._accounted[r.pid]))]
+        hung = self._judge.hangs(self.clock(), ranks, snapshot)
+        new = [h for job, h in hung.items() if job not in self._hangs_polled and self.cfg.restart_hung_jobs]
+        self._hangs_polled = set(hung)
+        for hang in new:
             self._stop_for_hang(hang)
 
     # -- what starts a stop ---------------------------------------------------------------------

@@ -207,6 +207,8 @@ class ReportBoard:
                 first_step=page.first_step or info.first_step,
                 first_step_t=page.first_step_t or info.first_step_t,
             )
+        if page is not None and page.pause_until != info.pause_until:  # the page changes as a pause begins and ends
+            info = replace(info, pause_until=page.pause_until, pause=info.pause or "a declared pause")
         return Report(replace(info, uid=entry.uid), entry.uid, alive)
 
     def _read_page(self, entry: _Entry) -> StepPage | None:

@@ -72,6 +72,7 @@ _FIELDS: dict[str, Any] = {
     "first_step_t": _number,
     "step_t": _number,
     "step_time_s": _number,
+    "step_time_p99_s": _number,
     "grad_norm": _number,
     "grad_norm_var": _number,
     "reserved_bytes": _COUNT,
@@ -83,6 +84,8 @@ _FIELDS: dict[str, Any] = {
     "allow_drills": _flag,
     "recovery": _one_of(RECOVERY_VALUES),
     "ended": _one_of(ENDED_VALUES),
+    "pause": _text,
+    "pause_until": _number,
 }
 
 

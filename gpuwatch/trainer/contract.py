@@ -66,13 +66,18 @@ _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)
 STEP_PAGE_BYTES = 64
 STEP_PAGE_MAGIC = b"GWSTEP1\0"
 STEP_LAYOUT = struct.Struct("<8sqqdd")
-"""magic, step, first_step, step_t, first_step_t: 8-byte aligned slots, each rewritten by one aligned store.
+"""magic, step, first_step, step_t, first_step_t, then (PAUSE_LAYOUT) pause_until: 8-byte aligned slots, each
+rewritten by one aligned store.
 
 `step` and `first_step` are NO_STEP before the first step; `step_t` is the Unix time `step()` was
 called for `step`, `first_step_t` for `first_step`. A reader may see a step with the time of the
-one before it (the two are stored one after the other), never a torn value.
+one before it (the two are stored one after the other), never a torn value. `pause_until` is 0
+until the loop declares a pause (`TrainerLink.pause()`): while one runs, the Unix time it is
+declared to last until; once it ended, the time it ended (the rank's last sign of progress, as a
+step is). A page of an older link has 0 there.
 """
-STEP_SLOT, FIRST_STEP_SLOT, STEP_T_SLOT, FIRST_STEP_T_SLOT = 1, 2, 3, 4  # indexes of the 8-byte slots
+STEP_SLOT, FIRST_STEP_SLOT, STEP_T_SLOT, FIRST_STEP_T_SLOT, PAUSE_UNTIL_SLOT = 1, 2, 3, 4, 5  # the 8-byte slots
+PAUSE_LAYOUT = struct.Struct("<d")  # at PAUSE_UNTIL_SLOT * 8: added after STEP_LAYOUT, so older pages read 0
 NO_STEP = -1
 
 
@@ -84,6 +89,7 @@ class StepPage:
     first_step: int | None
     step_t: float | None
     first_step_t: float | None = None
+    pause_until: float | None = None  # the declared pause's end (in force or past), None when none was declared
 
 
 def step_page_name(pid: int) -> str:
@@ -102,13 +108,15 @@ def read_step_page(data: bytes) -> StepPage | None:
     if len(data) < STEP_LAYOUT.size:
         return None
     magic, step, first, step_t, first_t = STEP_LAYOUT.unpack_from(data)
+    has_pause = len(data) >= PAUSE_UNTIL_SLOT * 8 + PAUSE_LAYOUT.size
+    (pause_until,) = PAUSE_LAYOUT.unpack_from(data, PAUSE_UNTIL_SLOT * 8) if has_pause else (0.0,)
     if magic != STEP_PAGE_MAGIC or step < NO_STEP or first < NO_STEP:
         return None
-    if not all(math.isfinite(t) and t >= 0 for t in (step_t, first_t)):
+    if not all(math.isfinite(t) and t >= 0 for t in (step_t, first_t, pause_until)):
         return None
     if step == NO_STEP:
-        return StepPage(None, None, None)
-    return StepPage(step, first if first != NO_STEP else None, step_t, first_t or None)
+        return StepPage(None, None, None, None, pause_until or None)
+    return StepPage(step, first if first != NO_STEP else None, step_t, first_t or None, pause_until or None)
 
 
 class AllocatorFigures(TypedDict):
@@ -139,13 +147,16 @@ class TrainerReport(AllocatorFigures):
     first_step: int | None  # the first step this process finished: a relaunch resumed from first_step - 1
     first_step_t: float | None  # Unix time it finished
     step_t: float | None  # Unix time the last step finished
-    step_time_s: float | None
+    step_time_s: float | None  # the mean of the last 20 step times
+    step_time_p99_s: float | None  # the 99th percentile of the last 100
     grad_norm: float | None
     grad_norm_var: float | None
     stop_requested: bool
     allow_drills: bool  # the rank accepts the fault-rank drill
     recovery: str  # RECOVERY_RELAUNCH, or RECOVERY_IN_PLACE: its job's survivors go on when it leaves
     ended: str | None  # null while the process runs, else how it ended (ENDED_*)
+    pause: str | None  # the pause the loop declared and is in (TrainerLink.pause), else null
+    pause_until: float | None  # its declared end (Unix time); the step page's slot is the exact word
 
 
 class StatusGpu(TypedDict):

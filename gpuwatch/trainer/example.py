@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from gpuwatch.snapshots import HostSnapshot
 
 PROGRESS = "progress.json"
+CHECKPOINT_PAUSE_S = 600.0  # the most a blocking checkpoint save may take (declared to the daemon as a pause)
 STEP_LOG = "steps.jsonl"
 _IN, _HIDDEN = 32, 64
 _SEED = 1234
@@ -114,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank 0: world {world}, global batch {args.global_batch}, {micro_batches} micro-batch(es) per rank")
 
         def checkpoint(wait: bool = False) -> None:
-            if snap is not None:  # rank 0 writes it from host memory, in the background unless stopping
-                snap.checkpoint(ckpt_dir, step, wait=wait)
+            if snap is not None and not wait:  # rank 0 writes it from host memory, in the background
+                snap.checkpoint(ckpt_dir, step)
             else:
-                save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()})
+                with link.pause("checkpoint", up_to_s=CHECKPOINT_PAUSE_S):  # blocking: no step until it is written
+                    if snap is not None:
+                        snap.checkpoint(ckpt_dir, step, wait=True)
+                    else:
+                        save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()})
             if rank == 0:
                 _save_progress(ckpt_dir, progress)
 
@@ -416,7 +421,10 @@ def _main_in_place(args: argparse.Namespace) -> int:
         return loaded.step
 
     def save(step: int) -> None:
-        save_checkpoint(ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()}, single_writer=True)
+        with link.pause("checkpoint", up_to_s=CHECKPOINT_PAUSE_S):
+            save_checkpoint(
+                ckpt_dir, step, {"model": net.state_dict(), "optim": optim.state_dict()}, single_writer=True
+            )
 
     link = TrainerLink(
         report_interval_s=args.report_interval, abort_after_s=args.abort_after, allow_drills=args.allow_drills

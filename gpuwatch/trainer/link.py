@@ -55,6 +55,7 @@ from gpuwatch.trainer.contract import (
     FIRST_STEP_SLOT,
     FIRST_STEP_T_SLOT,
     LAUNCH_DIR_ENV,
+    PAUSE_UNTIL_SLOT,
     RECOVERY_RELAUNCH,
     REPORT_SOCKET,
     REPORTS_REQUIRED_ENV,
@@ -72,7 +73,9 @@ log = logging.getLogger("gpuwatch.trainer")
 FAULT_DRILL_SIGNAL = signal.SIGUSR2
 """What `gpuwatch drill --fault-rank` sends: with allow_drills, the rank raises a real XID 31 in its own context."""
 
-_STEP_TIME_WINDOW = 20
+_STEP_TIME_WINDOW = 100  # the p99 step time is over these; the mean over the last _MEAN_STEPS
+_MEAN_STEPS = 20
+_MAX_PAUSE_TEXT = 256
 _GRAD_NORM_WINDOW = 100
 _PENDING_STOP_POLL_S = 0.1  # with a stop pending, how often the thread looks for a rescue() block to time
 _WAKE = 0  # the byte step() and close() write to the pipe; signal numbers are never 0
@@ -148,6 +151,8 @@ class TrainerLink:
         self.recovery = RECOVERY_RELAUNCH  # an in-place engine that re-forms the job without a lost rank says so
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
         self._grad_norms: deque[float] = deque(maxlen=_GRAD_NORM_WINDOW)
+        self._pause: str | None = None  # the pause the loop is in (pause())
+        self._pause_until: float | None = None
 
         self._block_entered_t: float | None = None  # monotonic; set while the main thread is inside rescue()
         self._aborted = False
@@ -266,6 +271,45 @@ class TrainerLink:
         if self._aborted:  # the aborted collective returned instead of raising: the step is not done
             self._rescue_or_return(RuntimeError("the process group was aborted during the step"), save)
             raise RuntimeError("the process group was aborted during the step")
+
+    @contextlib.contextmanager
+    def pause(self, reason: str, up_to_s: float) -> Iterator[None]:
+        """Declare a long pause between steps that the loop expects, so the daemon never takes it for a hang.
+
+        Wrap what stops the steps for longer than a few of them: a blocking checkpoint save, an
+        evaluation pass, torch.compile's first step, a barrier waiting for those on another rank. The
+        step page says at once until when the pause may last (no report needed: it is written into
+        the page), and when it ended; until then no hang is found on this rank's job on this node but
+        a stopped process (state T), which no pause explains. Past `up_to_s` the pause counts as
+        ended and the hang limits run from there.
+
+        Args:
+            reason: a few words for the daemon's view ("checkpoint", "eval", "compile").
+            up_to_s: the most the pause may take, in seconds; give it room (a slow disk, a cold cache).
+
+        Raises:
+            ValueError: up_to_s is not a positive finite number, or reason is empty, too long or not printable.
+        """
+        if not (math.isfinite(up_to_s) and up_to_s > 0):
+            raise ValueError(f"up_to_s must be a positive number of seconds, not {up_to_s}")
+        if not reason or len(reason) > _MAX_PAUSE_TEXT or not reason.isprintable():
+            raise ValueError(f"reason must be printable text of 1 to {_MAX_PAUSE_TEXT} characters, not {reason!r}")
+        outer_reason, outer_until = self._pause, self._pause_until
+        until = time.time() + up_to_s
+        self._pause, self._pause_until = reason, until
+        self._page_floats[PAUSE_UNTIL_SLOT] = until
+        self._wake()  # the reason goes out in a report now; the page already speaks
+        try:
+            yield
+        finally:
+            until = time.time()
+            if outer_reason is not None and outer_until is not None and outer_until > until:
+                until = outer_until  # a pause nested in a longer one: the outer goes on
+            else:
+                outer_reason = None
+            self._pause, self._pause_until = outer_reason, until
+            self._page_floats[PAUSE_UNTIL_SLOT] = until
+            self._wake()
 
     def exit_for_resume(self, reason: str | None = None) -> NoReturn:
         """Close the link and exit with EXIT_RESUME (75), after the caller saved its checkpoint.
@@ -546,7 +590,8 @@ class TrainerLink:
             "first_step": self._first_step,
             "first_step_t": self._first_step_t,
             "step_t": self._step_wall_t,
-            "step_time_s": statistics.fmean(step_times) if step_times else None,
+            "step_time_s": statistics.fmean(list(step_times)[-_MEAN_STEPS:]) if step_times else None,
+            "step_time_p99_s": _p99(step_times),
             "grad_norm": _finite(self._grad_norms[-1]) if self._grad_norms else None,
             "grad_norm_var": statistics.pvariance(grad_norms) if grad_norms else None,
             **self._memory_stats(),
@@ -554,6 +599,8 @@ class TrainerLink:
             "allow_drills": self.allow_drills,
             "recovery": self.recovery,
             "ended": self._ended,
+            "pause": self._pause,
+            "pause_until": self._pause_until,
         }
 
     def _memory_stats(self) -> AllocatorFigures:
@@ -617,6 +664,14 @@ def _env_int(name: str) -> int | None:
     except ValueError:
         log.warning("ignoring %s=%r: not an integer", name, value)
         return None
+
+
+def _p99(values: deque[float]) -> float | None:
+    """The nearest-rank 99th percentile (of 100 step times: the second largest), None without any."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def _finite(value: float) -> float | None:

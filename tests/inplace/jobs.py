@@ -26,7 +26,12 @@ TIMEOUT_S = 90
 # The daemon of today signals every rank of a job on a quarantine and escalates to SIGTERM after
 # the grace period; the survivors of an in-place job ignore a stop about another GPU, so the grace
 # period is set beyond any test's length (the daemon's in-place rules are not what is tested here).
-DAEMON_ENV = {"GPUWATCH_TRAINER_GRACE_PERIOD_S": "600", "GPUWATCH_TRAINER_KILL_AFTER_S": "600"}
+# The tests freeze (SIGSTOP) and kill ranks themselves, standing in for the daemon: it must not race them.
+DAEMON_ENV = {
+    "GPUWATCH_TRAINER_GRACE_PERIOD_S": "600",
+    "GPUWATCH_TRAINER_KILL_AFTER_S": "600",
+    "GPUWATCH_TRAINER_HANG_STOPPED_AFTER_S": "600",
+}
 
 
 def sim_node(root: Path, gpus: int, seed: int = 1) -> DaemonProcess:

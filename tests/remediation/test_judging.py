@@ -8,6 +8,7 @@ silence alone must never stop a job.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -28,10 +29,10 @@ CFG = TrainerConfig(hang_after_s=10.0, stale_after_s=5.0)
 UUIDS = ("GPU-0000", "GPU-1111")
 
 
-def snapshot(t: float) -> Snapshot:
-    """Two busy GPUs of a live backend (NCCL spins while it waits)."""
+def snapshot(t: float, util: int = 100) -> Snapshot:
+    """Two GPUs of a live backend, busy by default (NCCL spins while it waits)."""
     gpus = tuple(
-        GpuStatus(static=GpuStatic(index=i, uuid=u), sample=GpuSample(t=t, index=i, uuid=u, util_gpu_pct=100))
+        GpuStatus(static=GpuStatic(index=i, uuid=u), sample=GpuSample(t=t, index=i, uuid=u, util_gpu_pct=util))
         for i, u in enumerate(UUIDS)
     )
     return Snapshot(t=t, backend="nvml", gpus=gpus)
@@ -67,7 +68,7 @@ def stopped() -> Iterator[subprocess.Popen[bytes]]:
 
 
 def run(
-    judge: TrainerJudge, ranks_at: Callable[[float], list[Rank]], seconds: int = 16
+    judge: TrainerJudge, ranks_at: Callable[[float], list[Rank]], seconds: int = 16, util: int = 100
 ) -> tuple[dict[JobKey, Hang], int]:
     """Judge once a second of fake time until a job is hung (or `seconds` pass); the hung jobs and when."""
     hung: dict[JobKey, Hang] = {}
@@ -75,7 +76,7 @@ def run(
     for second in range(1, seconds):
         now = T0 + second
         time.sleep(0.03)  # real time too: a busy process's CPU time must be able to grow between judgements
-        hung = judge.judge(snapshot(now), ranks_at(now)).hung
+        hung = judge.judge(snapshot(now, util), ranks_at(now)).hung
         if hung:
             break
     return hung, second
@@ -95,7 +96,7 @@ def test_a_stopped_rank_that_nvml_still_lists_makes_its_job_hung(
     assert "rank 1 of job job is stopped (SIGSTOP)" in hang.finding.reason
     assert {m.pid for m in hang.members} == {spinning.pid, stopped.pid}
     assert [r.pid for r in hang.frozen] == [stopped.pid]
-    assert second >= 10, "not before hang_after_s"
+    assert CFG.hang_stopped_after_s <= second <= 5, "a stopped rank is found in seconds, not after hang_after_s"
 
 
 def test_silent_reports_of_running_processes_are_no_hang(spinning: subprocess.Popen[bytes]) -> None:
@@ -116,23 +117,24 @@ def test_silent_reports_of_running_processes_are_no_hang(spinning: subprocess.Po
 class _NoCpu(ProcFs):
     """A /proc whose processes run (state S) but never use CPU time: a rank wedged in a driver call."""
 
-    def cpu_ns(self, pid: int) -> int | None:
+    def main_thread_cpu_ns(self, pid: int) -> int | None:
         return 1234
 
     def run_state(self, pid: int) -> str | None:
         return "S"
 
 
-def test_a_rank_that_uses_no_cpu_and_takes_no_step_is_frozen() -> None:
-    judge = TrainerJudge(CFG, _NoCpu())
+def test_a_rank_that_uses_no_cpu_and_takes_no_step_is_frozen_within_its_limit_by_default() -> None:
+    cfg = TrainerConfig()
+    judge = TrainerJudge(cfg, _NoCpu())
     pid_a, pid_b = os.getpid(), os.getppid()
     judge.judge(snapshot(T0), [rank(pid_a, 0, T0, 40), rank(pid_b, 1, T0, 40)])
 
-    hung, second = run(judge, lambda now: [rank(pid_a, 0, now, 40), rank(pid_b, 1, now, 40)])
+    hung, second = run(judge, lambda now: [rank(pid_a, 0, now, 40), rank(pid_b, 1, now, 40)], util=0)
 
     (hang,) = hung.values()
-    assert "used no CPU time and finished no step for" in hang.finding.reason
-    assert second >= 10
+    assert "used no CPU time on its main thread and finished no step for" in hang.finding.reason
+    assert cfg.hang_frozen_after_s <= second <= cfg.hang_frozen_after_s + 2, "max(10 s, 20 × p99 step)"
 
 
 def test_two_users_with_one_job_id_are_two_jobs(
@@ -150,3 +152,47 @@ def test_two_users_with_one_job_id_are_two_jobs(
     assert list(hung) == [(mallory, "job")]
     (hang,) = hung.values()
     assert {m.pid for m in hang.members} == {stopped.pid}
+
+
+def paused_rank(pid: int, index: int, now: float, until: float | None) -> Rank:
+    """A rank at step 40 (finished at T0) whose loop declared a pause lasting until `until`."""
+    base = rank(pid, index, now, 40)
+    info = dataclasses.replace(base.info, step_t=T0, pause="checkpoint" if until else None, pause_until=until)
+    return dataclasses.replace(base, info=info)
+
+
+def test_a_declared_pause_is_no_hang_while_it_lasts_and_the_limits_run_from_its_end() -> None:
+    """A 30 s blocking checkpoint with the main thread idle on the disk: not frozen; idle after it: frozen 10 s on."""
+    cfg = TrainerConfig()
+    judge = TrainerJudge(cfg, _NoCpu())
+    pid = os.getpid()
+    end = T0 + 30
+
+    hung, second = run(judge, lambda now: [paused_rank(pid, 0, now, end if now < end else end)], 50, util=0)
+
+    (hang,) = hung.values()
+    assert second == 30 + cfg.hang_frozen_after_s, "frozen only hang_frozen_after_s after the pause ended"
+
+
+def test_a_stopped_rank_is_found_even_inside_a_declared_pause(stopped: subprocess.Popen[bytes]) -> None:
+    judge = TrainerJudge(TrainerConfig(), ProcFs())
+
+    hung, second = run(judge, lambda now: [paused_rank(stopped.pid, 0, now, T0 + 600)], 10)
+
+    (hang,) = hung.values()
+    assert "is stopped (SIGSTOP)" in hang.finding.reason
+    assert second <= 3
+
+
+def test_a_busy_gpu_is_no_frozen_rank_and_a_busy_cpu_waits_for_the_long_limit(
+    spinning: subprocess.Popen[bytes],
+) -> None:
+    """A long kernel (main thread still, GPU at 100 %) and a compile (CPU busy, GPU idle): only hang_after_s applies."""
+    cfg = TrainerConfig()
+    still, busy = TrainerJudge(cfg, _NoCpu()), TrainerJudge(cfg, ProcFs())
+
+    long_kernel, _ = run(still, lambda now: [rank(os.getpid(), 0, now, 40)], 50, util=100)
+    compiling, second = run(busy, lambda now: [rank(spinning.pid, 0, now, 40)], 70, util=0)
+
+    assert long_kernel == {}
+    assert second >= cfg.hang_after_s and "its GPUs sit idle" in next(iter(compiling.values())).finding.reason

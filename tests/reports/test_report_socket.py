@@ -30,7 +30,8 @@ from gpuwatch.reports.board import DEAD_KEEP_S, ReportBoard
 from gpuwatch.reports.parse import ReportError
 from gpuwatch.reports.server import FLOOD_DROPS
 from gpuwatch.runtime import RuntimeDir
-from gpuwatch.trainer.contract import MAX_REPORT_BYTES, REPORT_PROTOCOL, hello
+from gpuwatch.trainer.channel import StepPageWriter
+from gpuwatch.trainer.contract import MAX_REPORT_BYTES, PAUSE_UNTIL_SLOT, REPORT_PROTOCOL, STEP_SLOT, hello
 from gpuwatch.unixsock import address as socket_address
 from tests.reporting import FakeRank
 
@@ -414,3 +415,23 @@ def test_a_rank_says_once_when_the_daemon_speaks_another_version(
     lines = [r.getMessage() for r in caplog.records if "report protocol" in r.getMessage()]
     assert len(lines) == (0 if line is None else 1) and (line is None or line in lines[0]), lines
     assert sender.daemon_protocol == (1 if greeting is None else json.loads(greeting)["protocol"])
+
+
+def test_a_pause_on_the_step_page_reaches_the_daemon_before_any_report_says_so() -> None:
+    """TrainerLink.pause writes the page first: the daemon's view has the pause with no new report."""
+    board = ReportBoard(ProcFs())
+    pid = os.getpid()
+    page = StepPageWriter(pid)
+    page.ints[STEP_SLOT] = 40
+    assert board.admit(pid, os.getuid())
+    board.receive(pid, json.dumps({"t": 1.0, "pid": pid, "step": 40, "pause": None}).encode(), os.dup(page.fd or -1))
+
+    page.floats[PAUSE_UNTIL_SLOT] = 1_800_000_600.0
+    (report,) = board.reports()
+    assert (report.info.pause_until, report.info.pause) == (1_800_000_600.0, "a declared pause")
+
+    board.receive(pid, json.dumps({"t": 2.0, "pid": pid, "pause": "eval", "pause_until": 1_800_000_600.0}).encode())
+    (report,) = board.reports()
+    assert (report.info.pause_until, report.info.pause, report.info.step) == (1_800_000_600.0, "eval", 40)
+    board.close()
+    page.close()

@@ -10,6 +10,7 @@ from gpuwatch.model import GpuStatic, GpuStatus, Health, Snapshot, TrainerInfo
 from gpuwatch.reports.parse import _FIELDS
 from gpuwatch.runtime import status_body
 from gpuwatch.trainer.contract import (
+    PAUSE_LAYOUT,
     STEP_LAYOUT,
     STEP_PAGE_MAGIC,
     Status,
@@ -91,3 +92,14 @@ def test_a_short_step_page_is_refused() -> None:
 )
 def test_quarantined_in_reads_status_json_as_the_daemon_writes_it(status: object, quarantined: bool) -> None:
     assert quarantined_in(status, "GPU-1") is quarantined
+
+
+@pytest.mark.parametrize(
+    ("pause_until", "read"),
+    [(0.0, None), (1_800_000_600.0, 1_800_000_600.0), (float("nan"), "refused"), (-1.0, "refused")],
+)
+def test_a_step_pages_pause_slot_reads_back_or_the_page_is_refused(pause_until: float, read: object) -> None:
+    """A page of an older link has 0 there: no pause; a nonsense end makes the page nonsense."""
+    data = STEP_LAYOUT.pack(STEP_PAGE_MAGIC, 228, 201, 1.0, 1.0) + PAUSE_LAYOUT.pack(pause_until) + bytes(16)
+    page = read_step_page(data)
+    assert (page.pause_until if page is not None else "refused") == read

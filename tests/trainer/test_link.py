@@ -20,13 +20,14 @@ import pytest
 
 from gpuwatch.runtime import RuntimeDir
 from gpuwatch.trainer import EXIT_RESUME, TrainerLink, bench_step
-from gpuwatch.trainer.contract import read_step_page
+from gpuwatch.trainer.contract import STEP_PAGE_BYTES, read_step_page
 
 CONTRACT_FIELDS = {
     "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step", "step_t",
     "first_step_t", "recovery", "uid",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
     "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "ended",
+    "step_time_p99_s", "pause", "pause_until",
 }  # fmt: skip
 FAST = 0.02
 
@@ -573,3 +574,22 @@ def test_a_step_entered_after_the_stop_is_timed_from_its_start(
             _wait_for(lambda: "aborting the process group" in caplog.text, timeout=2)
             assert 0.2 <= time.monotonic() - entered < 1.0
     assert saves == [4]
+
+
+def test_pause_is_on_the_step_page_at_once_and_its_end_after(tmp_path: Path) -> None:
+    """The daemon reads a declared pause from the page (no report needed), and when it ended."""
+    with TrainerLink(tmp_path, report_interval_s=3600.0, stop_signal=None, gpu_uuid="GPU-x") as link:
+        link.step(1)
+        fd = link._page.fd
+        assert fd is not None
+        before = time.time()
+        with link.pause("checkpoint", up_to_s=30.0):
+            page = read_step_page(os.pread(fd, STEP_PAGE_BYTES, 0))
+            assert page is not None and page.pause_until is not None
+            assert before + 30.0 <= page.pause_until <= time.time() + 30.0
+            assert (link.report()["pause"], link.report()["pause_until"]) == ("checkpoint", page.pause_until)
+        page = read_step_page(os.pread(fd, STEP_PAGE_BYTES, 0))
+        assert page is not None and page.pause_until is not None and before <= page.pause_until <= time.time()
+        assert link.report()["pause"] is None
+        with pytest.raises(ValueError, match="up_to_s"), link.pause("eval", up_to_s=float("inf")):
+            pass

@@ -38,7 +38,7 @@ def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
 def _uncorrectable(evidence: Evidence, cfg: RulesConfig) -> Finding | None:
     window = cfg.ecc_window_s
     counted = max(evidence.growth("ecc_dbe_volatile"), evidence.growth("ecc_dbe_aggregate"))
-    events = [e for e in evidence.events_since(window) if e.kind == "ecc_dbe"]
+    events = evidence.events_since(window, "ecc_dbe")
     if not counted and not events:
         return None
     reason = f"{max(counted, len(events))} new uncorrectable (double-bit) ECC error(s) in the last {window:g} s"
@@ -49,7 +49,7 @@ def _uncorrectable(evidence: Evidence, cfg: RulesConfig) -> Finding | None:
 def _correctable_rate(evidence: Evidence, cfg: RulesConfig) -> Finding | None:
     window = cfg.ecc_window_s
     counted = max(evidence.growth("ecc_sbe_volatile"), evidence.growth("ecc_sbe_aggregate"))
-    events = [e for e in evidence.events_since(window) if e.kind == "ecc_sbe"]
+    events = evidence.events_since(window, "ecc_sbe")
     total = max(counted, len(events))
     # The limit is per hour; over the whole window, so a daemon that just started needs the full count.
     if total <= cfg.ecc_sbe_per_hour * window / 3600.0:

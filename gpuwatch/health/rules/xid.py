@@ -43,8 +43,8 @@ def evaluate(history: History, cfg: RulesConfig) -> list[Finding]:
 def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
     history = evidence.head
     window = cfg.xid_window_s
-    events = evidence.events_since(window)
-    judged = [(e, e.xid, lookup(e.xid)) for e in events if e.kind == "xid" and e.xid is not None]
+    events = evidence.events_since(window, "xid")
+    judged = [(e, e.xid, lookup(e.xid)) for e in events if e.xid is not None]
     critical = [j for j in judged if j[2].severity is Severity.UNHEALTHY]
     other = [j for j in judged if j[2].severity is not Severity.UNHEALTHY]
     app = [j for j in other if j[2].action is Action.RESTART_APP]
