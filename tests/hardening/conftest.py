@@ -1,9 +1,10 @@
-"""Fixtures for the hardening tests: read-only and full file systems made for real where the machine allows."""
+"""Fixtures for the hardening tests: other local users, read-only and full file systems, made for real."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -34,3 +35,17 @@ def tmpfs(path: Path, size: str, *options: str) -> Iterator[bool]:
 
 def remount(path: Path, *options: str) -> None:
     subprocess.run(["mount", "-o", ",".join(("remount", *options)), str(path)], check=True, capture_output=True)
+
+
+@contextlib.contextmanager
+def local_users(*names: str) -> Iterator[list[pwd.struct_passwd]]:
+    """Throwaway local accounts made by useradd (a leftover of an earlier run is made anew), removed at the end."""
+    for name in names:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            subprocess.run(["userdel", name], check=True, capture_output=True)
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield [pwd.getpwnam(name) for name in names]
+    finally:
+        for name in names:
+            subprocess.run(["userdel", name], check=False, capture_output=True)

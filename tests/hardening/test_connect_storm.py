@@ -9,9 +9,7 @@ in this process).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import pytest
 
 from gpuwatch.reports.server import STORM_CPU_SHARE
 from gpuwatch.runtime import RuntimeDir
+from tests.hardening.conftest import local_users
 from tests.reporting import FakeRank
 
 pytestmark = [
@@ -77,16 +76,8 @@ print(failed, round(slowest, 3), flush=True)
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[int, int]]:
     """(stormer, victim): two throwaway local accounts, removed at the end."""
-    names = ("gw-stormer", "gw-stormvictim")
-    for name in names:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            subprocess.run(["userdel", name], check=True, capture_output=True)
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield pwd.getpwnam(names[0]).pw_uid, pwd.getpwnam(names[1]).pw_uid
-    finally:
-        for name in names:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_users("gw-stormer", "gw-stormvictim") as (first, second):
+        yield first.pw_uid, second.pw_uid
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ import pytest
 from gpuwatch.bench.daemon_process import DaemonProcess, child_env, run_gpuwatch, wait_until
 from gpuwatch.config import Config
 from gpuwatch.control.hosts import HostPolicy
+from tests.hardening.conftest import local_users
 from tests.helpers import REPO, fake_scontrol
 
 pytestmark = pytest.mark.slow
@@ -43,12 +44,8 @@ def mallory() -> Iterator[pwd.struct_passwd]:
     """A throwaway local user, removed afterwards."""
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         pytest.skip("needs root and useradd to create a throwaway user")
-    name = f"gwmal{os.getpid() % 100000}"
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield pwd.getpwnam(name)
-    finally:
-        subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_users(f"gwmal{os.getpid() % 100000}") as (user,):
+        yield user
 
 
 @pytest.fixture

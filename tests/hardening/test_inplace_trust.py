@@ -10,10 +10,8 @@ as if she had not been there: exit 0, every step once on every rank, generation 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pwd
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hardening.conftest import local_users
 from tests.inplace.jobs import assert_no_step_lost_or_repeated, launch_in_place, sim_node
 
 pytestmark = [
@@ -81,14 +80,8 @@ print(json.dumps(found), flush=True)
 
 @pytest.fixture(scope="module")
 def mallory() -> Iterator[int]:
-    name = "gw-inplace-mallory"
-    with contextlib.suppress(subprocess.CalledProcessError):
-        subprocess.run(["userdel", name], check=True, capture_output=True)
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield pwd.getpwnam(name).pw_uid
-    finally:
-        subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_users("gw-inplace-mallory") as (user,):
+        yield user.pw_uid
 
 
 def listening(pid: int) -> list[tuple[str, int]]:

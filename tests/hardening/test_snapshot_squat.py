@@ -8,7 +8,6 @@ daemon's watch counts the squat and removes the kind it can remove safely (a lin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.snapshots.prune import SquatWatch
+from tests.hardening.conftest import local_users
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the test creates two users")
 
@@ -65,16 +65,8 @@ else:
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[pwd.struct_passwd, pwd.struct_passwd]]:
     """(squatter, victim): two throwaway local accounts, removed at the end."""
-    names = ("gw-squatter", "gw-snapvictim")
-    for name in names:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            subprocess.run(["userdel", name], check=True, capture_output=True)
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield pwd.getpwnam(names[0]), pwd.getpwnam(names[1])
-    finally:
-        for name in names:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_users("gw-squatter", "gw-snapvictim") as (first, second):
+        yield first, second
 
 
 @pytest.fixture

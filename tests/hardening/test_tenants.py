@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -26,6 +25,7 @@ import pytest
 
 from gpuwatch.remediation.incidents import USER_INCIDENTS_PER_MIN
 from gpuwatch.unixsock import address as socket_address
+from tests.hardening.conftest import local_users
 from tests.helpers import SimNode, start_sim_node
 from tests.reporting import SPIN, FakeRank
 
@@ -41,16 +41,8 @@ MARK_USR1 = "signal.signal(signal.SIGUSR1, lambda *_: open('/dev/shm/gw-usr1-' +
 @pytest.fixture(scope="module")
 def users() -> Iterator[tuple[int, int]]:
     """(mallory, victim): two throwaway local accounts, removed at the end."""
-    names = ("gw-mallory", "gw-victim")
-    for name in names:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            subprocess.run(["userdel", name], check=True, capture_output=True)
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield pwd.getpwnam(names[0]).pw_uid, pwd.getpwnam(names[1]).pw_uid
-    finally:
-        for name in names:
-            subprocess.run(["userdel", name], check=False, capture_output=True)
+    with local_users("gw-mallory", "gw-victim") as (first, second):
+        yield first.pw_uid, second.pw_uid
 
 
 @pytest.fixture
