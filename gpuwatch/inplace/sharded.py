@@ -170,7 +170,7 @@ class ShardedJob(InPlaceJob):
         if int(steps[0]) == -int(steps[1]) >= 0:
             return "held", 0
         snap.wait()
-        restored = snap.restore()
+        restored = snap.restore(device=self._device if self._device.type == "cuda" else None)  # straight onto the GPU
         if restored is not None:
             self._restore_fn(restored.state)
             self._step, self._has_state = restored.step, True

@@ -7,8 +7,9 @@ The state's tensors are copied where they live, while the next step's forward an
   about 2 ms on an H200). Before the optimizer updates the parameters in place, the compute stream
   waits for that copy only (a GPU-side wait: the host does not block); the staging buffer then
   drains into the host slot (pinned: cudaHostRegister) over the following steps, on the same side
-  stream, a few MiB queued at a time (the copy engine serves device-to-host copies in order: the
-  job's own, such as loss.item(), wait behind what is queued).
+  stream, one 16 MiB chunk queued at a time, one copy per chunk (the copy engine serves
+  device-to-host copies in order: the job's own, such as loss.item(), wait behind what is queued;
+  and every copy issued is Python work that holds the GIL the training thread needs).
 * CUDA, partly staged or direct: where the GPU had room for less than the whole state (staging.py),
   the bytes past the staging buffer go device-to-host from the tensors themselves, and the update
   waits for those too (PCIe speed).
@@ -46,8 +47,7 @@ if TYPE_CHECKING:
     import torch
 
 DIE_BEFORE_COMMIT_ENV = "GPUWATCH_SNAPSHOT_TEST_DIE_BEFORE_COMMIT"
-DRAIN_PIECE = 4 << 20
-DRAIN_DEPTH = 2  # 8 MiB queued: what a copy of the job's waits behind (0.2 ms at 50 GB/s)
+DRAIN_DEPTH = 1  # chunks (16 MiB) queued: what a copy of the job's waits behind (0.3 ms at 51 GiB/s)
 
 
 class CopyJob:
@@ -164,16 +164,18 @@ class CopyJob:
                 self._stage(torch, stream, staged_end)
             for i, (offset, length) in enumerate(ranges[1:], 1):
                 if offset + length > staged_end:
-                    ready = self._copy_range(torch, stream, spans, offset, length, None)
+                    ready = self._copy_range(torch, stream, spans, offset, length)
                     futures[i] = pool.submit(_crc, view, (offset, length), ready)
             if stream is not None:
                 self._done_event = torch.cuda.Event()
                 self._done_event.record(stream)
             self.copied.set()  # the optimizer may update once the GPU is past _done_event
-            for i, (offset, length) in enumerate(ranges[1:], 1):
-                if offset + length <= staged_end:
-                    ready = self._copy_range(torch, stream, spans, offset, length, self.staging)
-                    futures[i] = pool.submit(_crc, view, (offset, length), ready)
+            if staged_end:
+                with torch.cuda.stream(stream):  # one stream switch for the whole drain (each costs the GIL)
+                    for i, (offset, length) in enumerate(ranges[1:], 1):
+                        if offset + length <= staged_end:
+                            ready = self._drain_chunk(torch, spans, offset, length)
+                            futures[i] = pool.submit(_crc, view, (offset, length), ready)
             results = [futures[i].result() for i in range(len(ranges))]
         self.drain_s = max(t for _, t in results) - self.started
         self.copy_s = time.perf_counter() - started
@@ -201,8 +203,8 @@ class CopyJob:
                     n = min(record.nbytes, staged_end - record.offset)
                     self.staging[record.offset : record.offset + n].copy_(source[:n], non_blocking=True)
 
-    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int, staging: Any) -> Any:
-        """Copy what belongs in payload [offset, offset + length), from the sources or from the staging buffer.
+    def _copy_range(self, torch: Any, stream: Any, spans: list[Any], offset: int, length: int) -> Any:
+        """Copy what belongs in payload [offset, offset + length) from the sources themselves.
 
         On CUDA it returns the event that says when the bytes are in.
         """
@@ -213,31 +215,43 @@ class CopyJob:
             elif stream is None:
                 dst.copy_(piece.source[piece.start : piece.start + piece.length])
             elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
-                if staging is not None:
-                    self._drain(torch, stream, dst, staging[offset + piece.at : offset + piece.at + piece.length])
-                else:
-                    with torch.cuda.stream(stream):
-                        dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
+                with torch.cuda.stream(stream):
+                    dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
         if stream is None:
             return None
         event = torch.cuda.Event()
         event.record(stream)
         return event
 
-    def _drain(self, torch: Any, stream: Any, dst: Any, src: Any) -> None:
-        """Staging to host in DRAIN_PIECE copies, at most DRAIN_DEPTH of them queued at a time.
+    def _drain_chunk(self, torch: Any, spans: list[Any], offset: int, length: int) -> Any:
+        """Staging to host for payload [offset, offset + length): one copy per run of GPU bytes (one per chunk,
+        mostly), at most DRAIN_DEPTH chunks queued; the event that says when the chunk is in.
 
-        The copy engine serves device-to-host copies in the order they are queued: a whole drain
-        queued at once would make the job's own small copies (loss.item()) wait for all of it.
+        The staging buffer holds each tensor at its payload offset, so a run of adjacent tensors is
+        one copy. Few, large copies keep the GIL free for the training thread (each copy issued is
+        Python work); the depth bounds what the job's own device-to-host copies (loss.item()) wait
+        behind, since the copy engine serves them in the order they are queued. Runs on the side
+        stream (the caller's context).
         """
-        for at in range(0, src.numel(), DRAIN_PIECE):
-            while len(self._in_flight) >= DRAIN_DEPTH:
-                self._in_flight.popleft().synchronize()  # releases the GIL
-            with torch.cuda.stream(stream):
-                dst[at : at + DRAIN_PIECE].copy_(src[at : at + DRAIN_PIECE], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-            self._in_flight.append(event)
+        assert self.staging is not None
+        runs: list[list[int]] = []
+        for piece in tensorfile.pieces(spans, offset, length):
+            at = offset + piece.at
+            if piece.source is None:
+                self.slot.payload_tensor(at, piece.length).zero_()  # padding: the file's bytes
+            elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
+                if runs and runs[-1][1] == at:
+                    runs[-1][1] = at + piece.length
+                else:
+                    runs.append([at, at + piece.length])
+        while len(self._in_flight) >= DRAIN_DEPTH:
+            self._in_flight.popleft().synchronize()  # releases the GIL
+        for start, end in runs:
+            self.slot.payload_tensor(start, end - start).copy_(self.staging[start:end], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._in_flight.append(event)
+        return event
 
     def _commit(self, crcs: list[int]) -> None:
         self.slot.commit(

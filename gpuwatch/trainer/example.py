@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     snap = _host_snapshot(args.snapshot_every, ckpt_dir, net, optim)
     with link, snap or contextlib.nullcontext():
-        resumed_from, source = _resume(ckpt_dir, net, optim, rank, snap)
+        resumed_from, source = _resume(ckpt_dir, net, optim, rank, snap, device)
         step = resumed_from or 0
         model = DistributedDataParallel(net, device_ids=[local_rank] if use_cuda else None)
         progress = _load_progress(ckpt_dir)
@@ -257,11 +257,19 @@ def _host_snapshot(
 
 
 def _resume(
-    ckpt_dir: Path, net: torch.nn.Module, optim: torch.optim.Optimizer, rank: int, snap: HostSnapshot | None
+    ckpt_dir: Path,
+    net: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    rank: int,
+    snap: HostSnapshot | None,
+    device: torch.device,
 ) -> tuple[int | None, str | None]:
-    """Load the newest state into `net` and `optim`: its step and source ("memory", "disk"), or (None, None)."""
+    """Load the newest state into `net` and `optim`: its step and source ("memory", "disk"), or (None, None).
+
+    On a GPU a host snapshot goes straight onto it from the pinned slot (restore's device path).
+    """
     if snap is not None:
-        restored = snap.resume(ckpt_dir)
+        restored = snap.resume(ckpt_dir, device=device if device.type == "cuda" else None)
         if restored is None:
             return None, None
         print(f"rank {rank}: resuming from step {restored.step} ({restored.source}: {restored.where})", flush=True)

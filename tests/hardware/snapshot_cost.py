@@ -1,18 +1,21 @@
 """What host snapshots cost a real training loop, from the loop's own step log (run on a GPU machine).
 
-    python tests/hardware/snapshot_cost.py --gib 4 16 --steps 200 [--kill-gib 16]
+    python tests/hardware/snapshot_cost.py --gib 4 16 --steps 200 [--kill]
 
 Per state size: fp32 weights + AdamW (a stack of square linear layers; state = weights and both
 moments), the batch sized so a step takes --step-ms (20 ms per 4 GiB of state by default). Each
 loop logs its own step wall times (loss.item() every step). Runs, in order: no snapshots, snapshots
-every --every steps, every="auto", no snapshots again; the warm-up runs until the slots are set up
+every --every steps, every="auto", no snapshots again (the second size: none, auto, none, every K),
+all with one HostSnapshot whose slots are set up once; the warm-up runs until the slots are set up
 and a first snapshot committed, then --steps steps are timed. Printed: the wall time of each run,
 the overhead against the mean of the two runs without, the largest step after the warm-up, the
-mode, the drain, K and what stats() says.
+mode, the drain, K and what stats() says; then a snapshot of the current step is restored onto
+the GPU and compared with the state, byte for byte.
 
---kill-gib: a child process trains with snapshots every --every steps and logs each step; it is
-SIGKILLed mid-run, and a second child restores: seconds from its CUDA context to the state on the
-GPU, and steps lost (the last step the first child logged minus the restored step).
+--kill: all of that runs in a child, which after the last size trains on with snapshots every
+--every steps, logging each step, and is SIGKILLed --kill-after steps later; a second child
+restores onto the GPU: seconds from its CUDA context to the state on the GPU, and steps lost (the
+last step the first child logged minus the restored step).
 """
 
 from __future__ import annotations
@@ -106,12 +109,20 @@ def run(model: Any, optim: Any, x: Any, steps: int, snap: Any, first: int) -> di
             "median_s": statistics.median(times), "last_step": step}  # fmt: skip
 
 
+def _set_every(snap: Any, every: int | str) -> None:
+    """Switch one HostSnapshot between a fixed K and "auto" (its slots are set up once: 20 s at 16 GiB here)."""
+    snap._every = None if every == "auto" else int(every)
+    snap._auto = every == "auto"
+    snap._costs.clear()
+    snap._last_snap_step = None
+
+
 def sizes(args: argparse.Namespace, device: Any) -> None:
     import torch
 
     from gpuwatch.snapshots import HostSnapshot
 
-    for gib in args.gib:
+    for n, gib in enumerate(args.gib):
         step_s = args.step_ms / 1e3 * gib / 4 if args.step_ms else 0.02 * gib / 4
         batch = calibrate(gib, device, step_s)
         model, optim, x = build(gib, device, batch)
@@ -121,30 +132,50 @@ def sizes(args: argparse.Namespace, device: Any) -> None:
         print(f"== {state_gib:.2f} GiB of state, batch {batch}, target step {step_s * 1e3:.0f} ms", flush=True)
         results: dict[str, Any] = {}
         step = 3
-        runs = (("none", None), (f"every {args.every}", args.every), ("auto", "auto"), ("none again", None))
+        fixed = f"every {args.every}"
+        runs = [("none", None), (fixed, args.every), ("auto", "auto"), ("none again", None)]
+        if n % 2:  # alternate the order between sizes
+            runs = [("none", None), ("auto", "auto"), ("none again", None), (fixed, args.every)]
+        snap = HostSnapshot(functools.partial(state_of, model, optim), every=args.every, optimizer=optim,
+                            replicated=True, job_id=args.job_id or f"cost-{gib}")  # fmt: skip
         for name, every in runs:
-            snap = None
             if every is not None:
-                snap = HostSnapshot(functools.partial(state_of, model, optim), every=every, optimizer=optim,
-                                    replicated=True, job_id=f"cost-{gib}-{every}")  # fmt: skip
-            out = run(model, optim, x, args.steps, snap, step)
+                _set_every(snap, every)
+            out = run(model, optim, x, args.steps, snap if every is not None else None, step)
             step = out["last_step"]
-            if snap is not None:
+            if every is not None:
                 snap.wait()
                 out["stats"] = {k: v for k, v in snap.stats().items() if k not in ("directory", "disabled_reason")}
-                snap.close(remove=True)
             results[name] = out
             print(f"{name:>12}: {args.steps} steps {out['wall_s']:.3f} s, median step {out['median_s'] * 1e3:.2f} ms, "
                   f"max step {out['max_s'] * 1e3:.1f} ms (warm-up: {out['warm_steps']} steps, max "
                   f"{out['warm_max_s'] * 1e3:.1f} ms)", flush=True)  # fmt: skip
-            if snap is not None:
+            if every is not None:
                 print(f"{'':>12}  stats: {json.dumps(out['stats'])}", flush=True)
         base = (results["none"]["wall_s"] + results["none again"]["wall_s"]) / 2
-        for name in (f"every {args.every}", "auto"):
+        for name in (fixed, "auto"):
             over = results[name]["wall_s"] / base - 1
             print(f"{state_gib:.2f} GiB {name}: wall {results[name]['wall_s']:.3f} s vs {base:.3f} s without "
                   f"(mean of two runs): {over:+.2%}; K = {results[name]['stats']['every']}", flush=True)  # fmt: skip
-        del model, optim, x
+        if snap.snapshot_now(step):  # the drained bytes are the state's: restore them onto the GPU and compare
+            t0 = time.perf_counter()
+            restored = snap.restore(device=device)
+            exact = restored is not None and all(
+                torch.equal(a, b.to(a.device)) for a, b in zip(_tensors(state_of(model, optim)),
+                                                               _tensors(restored.state), strict=True))  # fmt: skip
+            print(f"{state_gib:.2f} GiB: restore(device) of the committed step {step} in process "
+                  f"{time.perf_counter() - t0:.2f} s, exact: {exact}", flush=True)  # fmt: skip
+            del restored
+        if args.log and gib == args.gib[-1]:  # the killed job: train on with snapshots every K, log each step
+            _set_every(snap, args.every)
+            log = Path(args.log).open("a", buffering=1)
+            while True:
+                train_step(model, optim, x)
+                step += 1
+                snap.step(step)
+                log.write(json.dumps({"step": step, "t": time.time(), "committed": snap.committed_step}) + "\n")
+        snap.close(remove=True)
+        del model, optim, x, snap
         torch.cuda.empty_cache() if device.type == "cuda" else None
 
 
@@ -175,7 +206,7 @@ def child(args: argparse.Namespace) -> int:
     model, optim, x = build(args.kill_gib, device, args.batch)
     train_step(model, optim, x)  # AdamW's state exists (what a restore loads into)
     snap = HostSnapshot(lambda: state_of(model, optim), every=args.every, optimizer=optim, replicated=True,
-                        job_id="killed-job")  # fmt: skip
+                        job_id=args.job_id or "killed-job")  # fmt: skip
     t0 = time.perf_counter()
     try:
         restored = snap.restore(device=device)
@@ -183,6 +214,8 @@ def child(args: argparse.Namespace) -> int:
         print(f"restore(device=cuda) failed: {type(exc).__name__}: {exc}", flush=True)
         t0 = time.perf_counter()
         restored = snap.restore()
+    restore_s = time.perf_counter() - t0
+    source = restored.source if restored is not None else None
     step = 0
     if restored is not None:
         model.load_state_dict(restored.state["model"])
@@ -193,7 +226,8 @@ def child(args: argparse.Namespace) -> int:
             torch.cuda.synchronize()
     ready_s = time.perf_counter() - t0
     log.write(json.dumps({"launch": os.getpid(), "restored": step, "restore_to_gpu_s": ready_s,
-                          "context_s": context_s}) + "\n")  # fmt: skip
+                          "restore_s": restore_s, "load_s": ready_s - restore_s, "context_s": context_s,
+                          "source": source}) + "\n")  # fmt: skip
     snap.resumed_from(step)
     for _ in range(args.child_steps):
         train_step(model, optim, x)
@@ -205,30 +239,30 @@ def child(args: argparse.Namespace) -> int:
 
 
 def kill_test(args: argparse.Namespace, device: Any) -> None:
+    """The last --gib size's runs in a child that trains on after them and is SIGKILLed; a second child restores."""
     log = Path(args.out) / "killed.jsonl"
     log.unlink(missing_ok=True)
-    step_s = args.step_ms / 1e3 * args.kill_gib / 4 if args.step_ms else 0.02 * args.kill_gib / 4
-    batch = calibrate(args.kill_gib, device, step_s)
-    base = [sys.executable, __file__, "--child", "--log", str(log), "--kill-gib", str(args.kill_gib),
-            "--batch", str(batch), "--every", str(args.every)]  # fmt: skip
-    first = subprocess.Popen([*base, "--child-steps", "100000"])
-    deadline = time.time() + 240
-    while time.time() < deadline:  # kill_after steps after the first snapshot's commit
-        steps = [line for line in _lines(log) if "step" in line]
-        committed = [line["step"] for line in steps if line["committed"] is not None]
-        if committed and steps[-1]["step"] >= committed[0] + args.kill_after:
+    job = f"killed-{os.getpid()}"
+    base = [sys.executable, __file__, "--job-id", job, "--every", str(args.every), "--steps", str(args.steps)]
+    first = subprocess.Popen([*base, "--gib", *[str(g) for g in args.gib], "--log", str(log)])
+    while first.poll() is None:  # kill --kill-after steps into the training after the cost runs
+        steps = [line["step"] for line in _lines(log) if "step" in line]
+        if steps and steps[-1] >= steps[0] + args.kill_after:
             break
         time.sleep(0.05)
     time.sleep(0.137)  # anywhere in a step
     first.send_signal(signal.SIGKILL)
     first.wait()
     last = max(line["step"] for line in _lines(log) if "step" in line)
-    second = subprocess.run([*base, "--child-steps", "3"], check=False)
-    launches = [line for line in _lines(log) if "launch" in line]
-    relaunch = launches[-1]
+    gib = args.gib[-1]
+    second = subprocess.run([*base, "--child", "--log", str(log), "--kill-gib", str(gib), "--batch", "256",
+                             "--child-steps", "3"],
+                            check=False)  # fmt: skip
+    relaunch = [line for line in _lines(log) if "launch" in line][-1]
     print(f"kill -9 after step {last} (logged by the loop); relaunch rc {second.returncode}: restored step "
           f"{relaunch['restored']}, steps lost {last - relaunch['restored']} (K = {args.every}); CUDA context "
-          f"{relaunch['context_s']:.2f} s, then restore to the GPU {relaunch['restore_to_gpu_s']:.2f} s",
+          f"{relaunch['context_s']:.2f} s, then restore to the GPU {relaunch['restore_to_gpu_s']:.2f} s "
+          f"(restore() {relaunch.get('restore_s', 0):.2f} s, load_state_dict {relaunch.get('load_s', 0):.2f} s)",
           flush=True)  # fmt: skip
 
 
@@ -251,12 +285,14 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--step-ms", type=float, default=0.0, help="step time per 4 GiB (default 20 ms)")
     parser.add_argument("--kill-gib", type=float, default=0.0)
+    parser.add_argument("--kill", action="store_true", help="run the sizes in a child and kill it after the last")
     parser.add_argument("--kill-after", type=int, default=40)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--child-steps", type=int, default=0)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--log", default="")
+    parser.add_argument("--job-id", default="")
     args = parser.parse_args()
     if args.child:
         return child(args)
@@ -268,10 +304,10 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("GPUWATCH_JOB_ID", "snapshot-cost")
-    if args.gib:
-        sizes(args, device)
-    if args.kill_gib:
+    if args.kill:
         kill_test(args, device)
+    elif args.gib:
+        sizes(args, device)
     return 0
 
 
