@@ -197,7 +197,7 @@ class Remediation:
             if known is not None and known.start_time == rank.start_time:
                 rank = dataclasses.replace(rank, exe=known.exe)  # what it ran when first seen: an exec is no rank
             ranks.append(rank)
-            if rank.pid in self._accounted and rank.start_time in (None, self._accounted[rank.pid]):
+            if self._accounted_for(rank):
                 continue  # a rank we stopped or saw end, in a publish made before that (or as it ended)
             if rank.pid not in self._known and not self._exits.add(rank.pid, rank.start_time):
                 gone.append(rank.pid)  # it ended between the publish and now: an exit like any other
@@ -227,7 +227,7 @@ class Remediation:
             return
         snapshot = self._last.snapshot
         mapped = map_ranks(snapshot.gpus, reports, self.proc, use_pids=snapshot.backend in PID_BACKENDS)
-        ranks = [r for r in mapped if not (r.pid in self._accounted and r.start_time in (None, self._accounted[r.pid]))]
+        ranks = [r for r in mapped if not self._accounted_for(r)]
         hung = self._judge.hangs(self.clock(), ranks, snapshot)
         new = [h for job, h in hung.items() if job not in self._hangs_polled and self.cfg.restart_hung_jobs]
         self._hangs_polled = set(hung)
@@ -425,7 +425,11 @@ class Remediation:
     ) -> Incident | None:
         """Open an incident and stop its ranks, unless (`always` aside) every rank is being stopped already."""
         stopping = {t.rank.pid for stop in self._stops for t in stop.incident.targets}
-        targets = [Target(r, r.gpu == gpu) for r in ranks if r.pid not in stopping and not self._has_ended(r)]
+        targets = [
+            Target(r, r.gpu == gpu)
+            for r in ranks
+            if r.pid not in stopping and not self._accounted_for(r) and not self._has_ended(r)
+        ]
         if not targets and not dead and not always:
             return None
         now = self.clock()
@@ -487,6 +491,10 @@ class Remediation:
         report = self.runtime.read_report(target.rank.pid)
         steps = [s for s in (target.rank.info.step, report.info.step if report else None) if s is not None]
         return max(steps) if steps else None
+
+    def _accounted_for(self, rank: Rank) -> bool:
+        """A rank we stopped or saw end: a judgement made before that (a publish, a hang poll) names it in vain."""
+        return rank.pid in self._accounted and rank.start_time in (None, self._accounted[rank.pid])
 
     def _has_ended(self, rank: Rank) -> bool:
         """The rank's link already said how it ended (it is on its way out): it is no one to signal."""

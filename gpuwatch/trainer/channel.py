@@ -45,6 +45,7 @@ log = logging.getLogger("gpuwatch.trainer")
 
 _CONNECT_TIMEOUT_S = 1.0
 _FINAL_SEND_TIMEOUT_S = 1.0
+_BACKLOG_RETRY_S = 0.001  # a full backlog (another user's storm) is tried again this often, within the timeout
 _SENDS_BEFORE_NO_HELLO = 3  # reports sent on a connection with no hello back: the daemon predates the hello
 
 
@@ -179,10 +180,11 @@ class ReportSender:
 
     def _connect(self) -> socket.socket | None:
         """Connect; a full backlog (EAGAIN: the daemon is pacing another user's connect storm) is retried
-        for up to _CONNECT_TIMEOUT_S, a few ms apart: the daemon drains the whole backlog at each turn."""
+        for up to _CONNECT_TIMEOUT_S, every millisecond: the daemon drains the whole backlog at each turn, and
+        the storm refills it within milliseconds, so a rank that looked less often would miss the turn."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(_CONNECT_TIMEOUT_S)
-        deadline, wait = time.monotonic() + _CONNECT_TIMEOUT_S, 0.001
+        deadline = time.monotonic() + _CONNECT_TIMEOUT_S
         try:
             with unix_address(self.socket_path) as address:
                 while True:
@@ -190,10 +192,9 @@ class ReportSender:
                         sock.connect(address)
                         break
                     except BlockingIOError:
-                        if time.monotonic() + wait > deadline:
+                        if time.monotonic() + _BACKLOG_RETRY_S > deadline:
                             raise
-                        time.sleep(wait)
-                        wait = min(wait * 2, 0.02)
+                        time.sleep(_BACKLOG_RETRY_S)
         except OSError as exc:
             sock.close()
             # Common without a daemon (no runtime dir): say it once, keep trying quietly.
