@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,6 +72,7 @@ log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
 
 _WATCH_S = 0.02  # how often the watcher reads the newest generation
+_PARTS = ("before", "rendezvous", "group", "state", "ddp")  # a membership change's parts (Change.parts)
 _STATUS_S = 0.25  # how often it looks at status.json's mtime
 _CUDA_FAULT_WORDS = ("cuda error", "illegal memory access", "cublas_status", "cudnn_status", "ecc error", "xid")
 _COLLECTIVE_WORDS = ("gloo", "nccl", "connection", "process group", "processgroup", "timed out", "aborted", "peer")
@@ -90,6 +91,7 @@ class Change:
     source: str  # "held" (this rank kept its state), "peer" (received it), "checkpoint", "fresh"
     seconds: float  # from the failure, the boundary or the start to the new group's first step
     moved_bytes: int
+    parts: dict[str, float] = field(default_factory=dict)  # where `seconds` went: before, rendezvous, group, state, ddp
 
 
 class InPlaceJob:
@@ -341,11 +343,10 @@ class InPlaceJob:
         if self._link is not None:
             self._link.rank, self._link.world_size = rank, world
         marks.append(time.monotonic())
-        self.last_change = Change(generation.number, generation.reason, source, time.monotonic() - since, moved)
-        log.debug(
-            "member %s: generation %d: before %.3f s, rendezvous %.3f s, group %.3f s, state %.3f s, DDP %.3f s",
-            self.member, generation.number, marks[0] - since, *(b - a for a, b in zip(marks, marks[1:], strict=False)),
-        )  # fmt: skip
+        spans = [marks[0] - since, *(b - a for a, b in zip(marks, marks[1:], strict=False))]
+        parts = {name: round(s, 4) for name, s in zip(_PARTS, spans, strict=True)}
+        self.last_change = Change(generation.number, generation.reason, source, time.monotonic() - since, moved, parts)
+        log.debug("member %s: generation %d: %s", self.member, generation.number, parts)
         log.info(
             "member %s: generation %d (%s): rank %d of %d, state %s, %.2f s",
             self.member, generation.number, generation.reason, rank, world, source, self.last_change.seconds,

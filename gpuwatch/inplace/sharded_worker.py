@@ -7,8 +7,9 @@ beside a frozen block of `--state-bytes` (a model's frozen weights: state every 
 restore's cost grows with it while a step stays short). Every K steps each rank snapshots its own
 state in host memory. Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (t, pid,
 member, generation, rank, world, step, a checksum of the parameters; on the first line when the
-process started and how many seconds it waited as a warm spare; on a generation's first step how
-the rank got its state), so a test reads its figures from the job itself. Runs `--steps` steps
+process started, when its imports, its model and its ShardedJob were done, and how many seconds it
+waited as a warm spare; on a generation's first step how the rank got its state and where the
+seconds of that change went), so a test reads its figures from the job itself. Runs `--steps` steps
 (0: until SIGTERM, which the TrainerLink turns into the end of the process). `--allow-drills` lets
 `gpuwatch drill --fault-rank` (SIGUSR2) raise a real XID 31.
 """
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpuwatch.spares.pool import WARM_S_ENV
     from gpuwatch.trainer import TrainerLink
 
+    marks = {"imported": time.time()}  # where a replacement's start goes, on its first line
     logging.basicConfig(level=os.environ.get("GPUWATCH_SHARDED_LOG", "WARNING"), format="%(name)s: %(message)s")
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     model = torch.nn.Sequential(mlp)
     frozen = torch.zeros(max(0, args.state_bytes) // 4, device=device)
     model.register_parameter("frozen", torch.nn.Parameter(frozen, requires_grad=False))
+    marks["built"] = time.time()
     log_path = Path(args.log_dir) / f"steps.{os.getpid()}.jsonl"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     link = TrainerLink(report_interval_s=1.0, allow_drills=args.allow_drills)
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             backend=backend,
             collective_timeout_s=args.collective_timeout,
         )
+        marks["joined"] = time.time()
         generation = None
         while args.steps == 0 or job.step < args.steps:
 
@@ -86,11 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             line.update(generation=job.generation, rank=job.rank, world=job.world_size, step=job.step)
             line["checksum"] = checksum(mlp)
             if generation is None:
-                line["started"] = STARTED
+                line["started"], line["marks"] = STARTED, marks
                 line["spare_warm_s"] = float(os.environ[WARM_S_ENV]) if WARM_S_ENV in os.environ else None
             if job.generation != generation and job.last_change is not None:
                 change = job.last_change
                 line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
+                line["change"]["parts"] = change.parts
                 generation = job.generation
             log.write(json.dumps(line) + "\n")
             log.flush()

@@ -83,14 +83,15 @@ def measure_spare(
         daemon_poll_s=0.2,
     )
     pool = SparePool(1, os.environ, cuda=cuda, echo=lambda _: None) if spare else None
-    supervisor = Supervisor(plan, lambda: gpus, echo=lambda _: None, spares=pool)
+    said: list[tuple[float, str]] = []  # the launcher's lines with their times: when it saw the exit, handed over
+    supervisor = Supervisor(plan, lambda: gpus, echo=lambda line: said.append((time.time(), line)), spares=pool)
     result: list[BaseException | int] = []
     thread = threading.Thread(target=lambda: result.append(_run(supervisor)), name="bench-spare", daemon=True)
     thread.start()
     figures = []
     try:
         for fault in faults:
-            entry = _one_fault(fault, logs, thread, pool, hang_s, timeout_s)
+            entry = _one_fault(fault, logs, thread, pool, hang_s, timeout_s, said)
             entry.update(state_bytes=state_bytes, every=every, replacement="spare" if spare else "cold start")
             figures.append(entry)
             if report is not None:
@@ -103,7 +104,13 @@ def measure_spare(
 
 
 def _one_fault(
-    fault: str, logs: Path, thread: threading.Thread, pool: SparePool | None, hang_s: float, timeout_s: float
+    fault: str,
+    logs: Path,
+    thread: threading.Thread,
+    pool: SparePool | None,
+    hang_s: float,
+    timeout_s: float,
+    said: list[tuple[float, str]],
 ) -> dict[str, Any]:
     lines = _wait(logs, timeout_s, thread, "a steady rank", lambda ls: _steady(ls))
     deadline = time.monotonic() + timeout_s
@@ -116,6 +123,7 @@ def _one_fault(
     spare_pid = pool.spares[0].process.pid if pool is not None and pool.spares else None
     spare_rss = pool.spares[0].rss_bytes() if pool is not None and pool.spares else None
     spare_gpu = _gpu_bytes(spare_pid) if spare_pid is not None and pool is not None and pool.cuda else None
+    exiting = _ExitWatch(victim)
     faulted = time.time()
     killed = faulted
     if fault == "kill":
@@ -130,6 +138,7 @@ def _one_fault(
     after = _wait(logs, timeout_s, thread, "the replacement's first step", lambda ls: _new(ls, victim, faulted))
     first = min(after, key=lambda ln: ln["t"])
     before = max(ln["step"] for ln in _lines(logs) if ln["pid"] == victim)
+    exiting.stop()
     return {
         "fault": fault,
         "fault_to_step_s": round(first["t"] - faulted, 3),
@@ -140,7 +149,60 @@ def _one_fault(
         "spare_rss_bytes": spare_rss,
         "spare_gpu_bytes": spare_gpu,
         "replacement_start_to_step_s": round(first["t"] - first["started"], 3),
+        "parts": _parts(first, killed, exiting.seen, said),
     }
+
+
+def _parts(
+    first: dict[str, Any], killed: float, exiting: float | None, said: list[tuple[float, str]]
+) -> dict[str, Any]:
+    """Where the seconds from the kill to the first step went, each counted from the kill (the SIGKILL, or
+    the SIGUSR2 of xid): the dead rank's exit begun (/proc) and reaped (the launcher's line), the hand-over,
+    the job's script started, imported, its model built, its ShardedJob formed; and the change's own parts."""
+
+    def at(t: float | None) -> float | None:
+        return None if t is None else round(t - killed, 3)
+
+    reaped = next((t for t, line in said if t >= killed and (" killed by " in line or " exited " in line)), None)
+    handed = next((t for t, line in said if t >= killed and "a spare (pid" in line), None)
+    marks = first.get("marks") or {}
+    return {
+        "exiting": at(exiting),
+        "reaped": at(reaped),
+        "handed_over": at(handed),
+        "script": at(first.get("started")),
+        **{name: at(t) for name, t in marks.items()},
+        "first_step": at(first["t"]),
+        "change": first.get("change", {}).get("parts"),
+    }
+
+
+class _ExitWatch:
+    """When a process began to exit: /proc/PID/stat's flags get PF_EXITING as its exit starts, before the
+    kernel and the driver free its memory (a 5 ms poll on a thread)."""
+
+    _PF_EXITING = 0x4
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: float | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-exit-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self.seen is None and not self._done.wait(0.005):
+            try:
+                with open(f"/proc/{self.pid}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+            except OSError:
+                return  # reaped before a poll saw it
+            if int(fields[6]) & self._PF_EXITING or fields[0] in ("Z", "X"):
+                self.seen = time.time()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=1)
 
 
 def _gpu_bytes(pid: int) -> int | None:
