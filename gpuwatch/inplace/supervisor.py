@@ -10,7 +10,10 @@ with CUDA_VISIBLE_DEVICES set to that GPU's UUID, and the membership in generati
 * A worker exits: its exit is published at once (`gone`), so the survivors form the next
   generation without waiting for any timeout. A worker that died is replaced on the same GPU when
   the daemon still calls it usable (counted against --max-restarts); one that left because its GPU
-  was quarantined (exit 75) is not, until the daemon releases that GPU.
+  was quarantined (exit 75) is not, until the daemon releases that GPU. With spares, every worker
+  runs under the spare's runner, whose last word tells a job that ended from one that was killed as
+  soon as the process's exit begins (/proc): a killed worker is published and replaced then, not
+  when the kernel and the driver have freed its memory, where the GPU has room for both.
 * Every second the daemon's GPU list is read: a released GPU (or one that became usable) with no
   worker gets one, which joins the job and takes the state from a peer.
 * When no member is left at all, new workers start on the usable GPUs and the first of them loads
@@ -55,7 +58,7 @@ from gpuwatch.inplace.protocol import (
     read_generation,
 )
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
-from gpuwatch.spares.pool import SparePool
+from gpuwatch.spares.pool import Spare, SparePool
 from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
 
 EXIT_STOPPED = 3
@@ -76,7 +79,12 @@ GpuList = Callable[[], list[GpuView]]
 
 _POLL_S = 0.02
 _REPLACE_AFTER_S = 1.0  # a dead worker's GPU: let the daemon judge it before a replacement starts there
-_SPARE_AFTER_S = 0.2  # ... shorter when a warm spare takes the rank: the daemon is asked again just before
+# ... shorter when a warm spare takes the rank: the daemon is asked again just before. A GPU's own fault
+# (an XID in the kernel log) reached the daemon milliseconds after it happened, before the rank ended.
+_SPARE_AFTER_S = 0.1
+_EXIT_POLL_S = 0.005  # how often a spare-run worker's /proc/PID/stat is read for the start of its exit
+_PF_EXITING = 0x4
+_NO_WORD = -1  # the code published for a worker whose exit began without its runner's word (killed)
 _STOP_GRACE_S = 30.0
 _STORE_TIMEOUT = datetime.timedelta(seconds=600)
 
@@ -112,6 +120,7 @@ class _Worker:
     uuid: str
     process: subprocess.Popen[bytes]
     code: int | None = None
+    runner: Spare | None = None  # the spare's runner it runs under: its last word
 
 
 @dataclass
@@ -149,7 +158,9 @@ class Supervisor:
         self._stop = threading.Event()
         self._received: int | None = None
         self._stop_called = False
-        self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
+        self._exits: queue.Queue[tuple[_Worker, int, bool]] = queue.Queue()  # (worker, code, its exit only began)
+        self._dying: dict[str, int] = {}  # uuid -> pid of a worker taken for dead whose process is not reaped yet
+        self._await_reap: set[str] = set()  # GPUs without room for a replacement until their dying worker is reaped
         self._daemon_down = False
         self._server: StoreServer | None = None
         self._coordinator: threading.Thread | None = None
@@ -294,19 +305,43 @@ class Supervisor:
         env[STORE_ENV] = self.address
         env[SECRET_FILE_ENV] = self.secret_file
         env[MEMBER_ENV] = member
-        spare = self.spares.hand_over(self.plan.command, env, uuid) if replacement and self.spares else None
-        if spare is not None:
-            self.echo(f"gpuwatch launch: in place: a spare (pid {spare.pid}) takes {member}'s place on GPU {index}")
+        runner = None
+        if self.spares is not None and self.spares.count:
+            runner = self.spares.hand_over(self.plan.command, env, uuid) if replacement else None
+            if runner is not None:
+                pid = runner.process.pid
+                self.echo(f"gpuwatch launch: in place: a spare (pid {pid}) takes {member}'s place on GPU {index}")
+            else:
+                runner = self.spares.run_now(self.plan.command, env)
         try:
-            process = spare or subprocess.Popen([self.python, *self.plan.command], env=env, start_new_session=True)
+            process = runner.process if runner is not None else subprocess.Popen(
+                [self.python, *self.plan.command], env=env, start_new_session=True
+            )  # fmt: skip
         except OSError as exc:
             raise InPlaceStopped(2, f"cannot start {self.python}: {exc.strerror or exc}") from None
-        worker = _Worker(member, index, uuid, process)
+        worker = _Worker(member, index, uuid, process, runner=runner)
         self.workers.append(worker)
         self.gpus.used.add(uuid)
         # A thread blocked in waitpid per worker: its exit is known the moment it happens, at no cost meanwhile.
-        waiter = threading.Thread(target=lambda: self._exits.put((worker, process.wait())), daemon=True)
+        waiter = threading.Thread(target=lambda: self._exits.put((worker, process.wait(), False)), daemon=True)
         waiter.start()
+        if runner is not None:
+            threading.Thread(target=self._watch_exit, args=(worker,), daemon=True).start()
+
+    def _watch_exit(self, worker: _Worker) -> None:
+        """A worker under the spare's runner: once its exit begins without the word of a job that ended by
+        itself with 0 or 75, it is taken for dead at once (the reap comes when its memory is freed)."""
+        assert worker.runner is not None
+        while worker.code is None and not self._stop.is_set():
+            began = exit_began(worker.process.pid)
+            if began is None:
+                return  # reaped meanwhile: the waiter has it
+            if began:
+                word = worker.runner.last_word()
+                if word not in (0, EXIT_RESUME):
+                    self._exits.put((worker, _NO_WORD if word is None else word, True))
+                return
+            time.sleep(_EXIT_POLL_S)
 
     def _live(self) -> list[_Worker]:
         return [w for w in self.workers if w.code is None]
@@ -315,11 +350,9 @@ class Supervisor:
         next_daemon = time.monotonic() + self.plan.daemon_poll_s
         while True:
             with contextlib.suppress(queue.Empty):
-                worker, code = self._exits.get(timeout=_POLL_S)
-                self._exited(worker, code)
+                self._exited(*self._exits.get(timeout=_POLL_S))
                 while True:  # others that ended at the same time
-                    worker, code = self._exits.get_nowait()
-                    self._exited(worker, code)
+                    self._exited(*self._exits.get_nowait())
             if self._received is not None:
                 return self._shut_down()
             if self._coordinator is not None and not self._coordinator.is_alive():
@@ -329,16 +362,30 @@ class Supervisor:
                 if self.finished:
                     self.echo(f"gpuwatch launch: job {self.plan.job_id} finished after {self.restarts} restart(s)")
                     return 0
-            if self.spares is not None and self.gpus.replace_at:  # a spare waits: do not wait for the next poll
-                next_daemon = min(next_daemon, min(self.gpus.replace_at.values()))
+            due = [t for uuid, t in self.gpus.replace_at.items() if uuid not in self._await_reap]
+            if self.spares is not None and due:  # a spare waits: do not wait for the next poll
+                next_daemon = min(next_daemon, *due)
             if time.monotonic() >= next_daemon or (not self._live() and not self.finished):
                 next_daemon = time.monotonic() + self.plan.daemon_poll_s
                 self._grow()
                 if not self._live() and not self.finished and not self._replacement_due() and self._job_has_no_member():
                     raise InPlaceStopped(EXIT_STOPPED, "no rank of the job is left and no usable GPU to restart on")
 
-    def _exited(self, worker: _Worker, code: int) -> None:
-        """Publish the exit at once (the survivors wait for it), then decide about the GPU."""
+    def _exited(self, worker: _Worker, code: int, began: bool = False) -> None:
+        """Publish the exit at once (the survivors wait for it), then decide about the GPU.
+
+        `began`: the worker's exit only began (killed, its runner said no word); its reap follows later.
+        """
+        if worker.code is not None:  # the reap of a worker taken for dead when its exit began
+            self._dying.pop(worker.uuid, None)
+            self._await_reap.discard(worker.uuid)
+            if worker.runner is not None:
+                worker.runner.close()
+            return
+        if began:
+            self._dying[worker.uuid] = worker.process.pid
+        elif worker.runner is not None:
+            worker.runner.close()
         worker.code = code
         try:
             append_event(self.store, GONE, member=worker.member, code=code, node=self.node)
@@ -354,7 +401,8 @@ class Supervisor:
         else:
             after = _SPARE_AFTER_S if self.spares is not None and self.spares.count else _REPLACE_AFTER_S
             self.gpus.replace_at[worker.uuid] = time.monotonic() + after
-            self.echo(f"gpuwatch launch: in place: {worker.member} on {where} {_how(code)}: the others go on")
+            how = _how(code) if not began else "killed" if code == _NO_WORD else f"ending with {code}"
+            self.echo(f"gpuwatch launch: in place: {worker.member} on {where} {how}: the others go on")
 
     def _grow(self) -> None:
         """Start a worker on each usable GPU without one that may have one: a replacement, a released GPU."""
@@ -384,6 +432,8 @@ class Supervisor:
             elif uuid in self.gpus.replace_at:
                 if time.monotonic() < self.gpus.replace_at[uuid] or self.restarts >= self.plan.max_restarts:
                     continue
+                if uuid in self._await_reap or not self._room(uuid, gpu.index):
+                    continue
                 del self.gpus.replace_at[uuid]
                 self.restarts += 1
                 why = f"replacement {self.restarts}/{self.plan.max_restarts}"
@@ -399,6 +449,17 @@ class Supervisor:
             self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")
             self._start(gpu)
             room -= 1
+
+    def _room(self, uuid: str, index: int) -> bool:
+        """Whether a replacement may start on the GPU now: its dying worker's memory leaves room for it."""
+        pid = self._dying.get(uuid)
+        if pid is None or self.spares is None or self.spares.room_for(uuid, pid):
+            return True
+        self._await_reap.add(uuid)
+        self.echo(
+            f"gpuwatch launch: in place: GPU {index}: no room beside the dead rank's memory: waiting until it is freed"
+        )
+        return False
 
     def _move_replacements(self, usable: list[GpuView], busy: set[str]) -> None:
         """A replacement due on a GPU the daemon no longer calls usable goes to a usable GPU that no worker had."""
@@ -472,6 +533,17 @@ def _min_nodes(nnodes: str | None) -> int:
         return 1
     first = nnodes.split(":", 1)[0]
     return int(first) if first.isdigit() and int(first) > 0 else 1
+
+
+def exit_began(pid: int) -> bool | None:
+    """Whether the process's exit has begun: PF_EXITING in its flags, or its main thread is a zombie (a
+    sandbox such as gVisor shows no flags); None when it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return fields[0] in (b"Z", b"X") or (len(fields) > 6 and fields[6].isdigit() and int(fields[6]) & _PF_EXITING != 0)
 
 
 def _how(code: int) -> str:

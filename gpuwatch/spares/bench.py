@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.inplace.bench import _gpus, _lines, _run, _wait
-from gpuwatch.inplace.supervisor import InPlacePlan, Supervisor
+from gpuwatch.inplace.supervisor import InPlacePlan, Supervisor, exit_began
 from gpuwatch.snapshots import job_dir_name, snapshot_root, user_dir_name
 from gpuwatch.spares.pool import SparePool
 
@@ -157,18 +157,18 @@ def _parts(
     first: dict[str, Any], killed: float, exiting: float | None, said: list[tuple[float, str]]
 ) -> dict[str, Any]:
     """Where the seconds from the kill to the first step went, each counted from the kill (the SIGKILL, or
-    the SIGUSR2 of xid): the dead rank's exit begun (/proc) and reaped (the launcher's line), the hand-over,
+    the SIGUSR2 of xid): the dead rank's exit begun (/proc), the launcher's line that it is gone, the hand-over,
     the job's script started, imported, its model built, its ShardedJob formed; and the change's own parts."""
 
     def at(t: float | None) -> float | None:
         return None if t is None else round(t - killed, 3)
 
-    reaped = next((t for t, line in said if t >= killed and (" killed by " in line or " exited " in line)), None)
+    dead = next((t for t, line in said if t >= killed and line.endswith(": the others go on")), None)
     handed = next((t for t, line in said if t >= killed and "a spare (pid" in line), None)
     marks = first.get("marks") or {}
     return {
         "exiting": at(exiting),
-        "reaped": at(reaped),
+        "taken_for_dead": at(dead),
         "handed_over": at(handed),
         "script": at(first.get("started")),
         **{name: at(t) for name, t in marks.items()},
@@ -178,10 +178,8 @@ def _parts(
 
 
 class _ExitWatch:
-    """When a process began to exit: /proc/PID/stat's flags get PF_EXITING as its exit starts, before the
-    kernel and the driver free its memory (a 5 ms poll on a thread)."""
-
-    _PF_EXITING = 0x4
+    """When a process's exit began (supervisor.exit_began, a 5 ms poll on a thread): before the kernel and
+    the driver free its memory, which is when it is reaped."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -192,12 +190,10 @@ class _ExitWatch:
 
     def _run(self) -> None:
         while self.seen is None and not self._done.wait(0.005):
-            try:
-                with open(f"/proc/{self.pid}/stat") as stat:
-                    fields = stat.read().rpartition(")")[2].split()
-            except OSError:
+            began = exit_began(self.pid)
+            if began is None:
                 return  # reaped before a poll saw it
-            if int(fields[6]) & self._PF_EXITING or fields[0] in ("Z", "X"):
+            if began:
                 self.seen = time.time()
 
     def stop(self) -> None:

@@ -1,10 +1,17 @@
 """SparePool: the launcher's warm spares, and the hand-over of a rank to one of them.
 
 A spare (gpuwatch.spares.worker) is a process that imported torch and waits on a pipe. When a rank
-must be replaced, `hand_over` writes it the rank's command and environment and returns its process,
-which from then on is the rank (the launcher waits on it like on any worker); a new spare is started
-behind it at once. A spare that holds a CUDA context (cuda=True) was started for one GPU and is only
-handed a rank of that GPU; one without a context takes a rank of any GPU.
+must be replaced, `hand_over` writes it the rank's command and environment and returns the spare,
+whose process from then on is the rank (the launcher waits on it like on any worker); a new spare is
+started behind it at once. A spare that holds a CUDA context (cuda=True) was started for one GPU and
+is only handed a rank of that GPU; one without a context takes a rank of any GPU. `run_now` starts a
+job's first ranks under the same runner, without the wait.
+
+The spare's ready pipe stays open after the hand-over: the runner writes the job's exit code there
+(`exit N`) when the job ends by itself, before the process begins to exit. So once a rank's exit has
+begun, `last_word` tells a rank that ended (0, 75, an error) from one that was killed (no word): the
+launcher replaces a killed rank then, not seconds later when the kernel and the driver have freed
+its memory (a process is reaped only after that).
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm
+READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm, later the job's last word
+NOW_ENV = "GPUWATCH_SPARE_NOW"  # "1": run the order at once, without the warm-up (a job's first ranks)
+WORD = b"exit "  # the last word's prefix: b"exit N\n", N the job's exit code
 CUDA_ENV = "GPUWATCH_SPARE_CUDA"  # "1": the spare creates its CUDA context on its one visible GPU
 WARM_S_ENV = "GPUWATCH_SPARE_WARM_S"  # in the rank's environment: the seconds its spare waited warm
 _CLOSE_GRACE_S = 2.0
@@ -34,15 +43,30 @@ class Spare:
     gpu: str | None
     started: float
     warm: bool = False
+    heard: bytes = b""
 
     def is_warm(self) -> bool:
         """Whether it finished its warm-up (imported torch, created its context); never blocks."""
         if not self.warm and self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
             self.warm = bool(os.read(self.ready_fd, 1))
-            self._close_ready()
         return self.warm
 
-    def _close_ready(self) -> None:
+    def last_word(self) -> int | None:
+        """The job's exit code as its runner said it before the process began to exit; None: no word (yet).
+
+        Read after the exit began, None means the job did not end by itself: a signal or a crash ended it.
+        """
+        while self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
+            data = os.read(self.ready_fd, 256)
+            if not data:
+                break
+            self.heard = (self.heard + data)[-256:]
+        _, found, rest = self.heard.rpartition(WORD)
+        number = rest.partition(b"\n")[0]
+        return int(number) if found and rest.endswith(b"\n") and number.lstrip(b"-").isdigit() else None
+
+    def close(self) -> None:
+        """Close the launcher's end of its pipe (the rank was reaped, or the spare ended)."""
         if self.ready_fd >= 0:
             os.close(self.ready_fd)
             self.ready_fd = -1
@@ -89,13 +113,14 @@ class SparePool:
     def start(self, gpus: Sequence[str]) -> None:
         """Start the spares; with cuda, spread over `gpus` (uuids) in turn."""
         for i in range(self.count):
-            self._spawn(gpus[i % len(gpus)] if self.cuda and gpus else None)
+            self._add(self._spawn(gpus[i % len(gpus)] if self.cuda and gpus else None))
 
-    def hand_over(self, argv: Sequence[str], env: Mapping[str, str], gpu: str) -> subprocess.Popen[bytes] | None:
-        """Give the rank (`python ARGV` with `env`, on GPU `gpu`) to a spare; its process, or None when none fits.
+    def hand_over(self, argv: Sequence[str], env: Mapping[str, str], gpu: str) -> Spare | None:
+        """Give the rank (`python ARGV` with `env`, on GPU `gpu`) to a spare; the spare, or None when none fits.
 
         A warm spare is taken before one still warming up (which is still further along than a cold
         start); a spare bound to another GPU's context is left alone. A new spare starts behind it.
+        The caller owns the spare from then on (its `last_word`, and `close` once it is reaped).
         """
         self._drop_dead()
         fits = [s for s in self.spares if s.gpu in (None, gpu)]
@@ -103,18 +128,29 @@ class SparePool:
             return None
         spare = max(fits, key=lambda s: (s.is_warm(), s.gpu == gpu, -s.started))
         self.spares.remove(spare)
-        spare._close_ready()
-        order = json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n"
-        try:
-            assert spare.process.stdin is not None
-            spare.process.stdin.write(order)
-            spare.process.stdin.close()
-        except (OSError, ValueError):  # it died just now
-            self._spawn(spare.gpu)
+        if not _order(spare, argv, env):  # it died just now
+            spare.close()
+            self._add(self._spawn(spare.gpu))
             return self.hand_over(argv, env, gpu)
         self.handed_over += 1
-        self._spawn(spare.gpu)
-        return spare.process
+        self._add(self._spawn(spare.gpu))
+        return spare
+
+    def run_now(self, argv: Sequence[str], env: Mapping[str, str]) -> Spare | None:
+        """Start the rank under the spare's runner at once (no warm-up, no pool): a job's first ranks, whose
+        last word then says how they ended like a handed-over rank's. None when it cannot be started."""
+        spare = self._spawn(None, env={**env, NOW_ENV: "1"})
+        if spare is not None and not _order(spare, argv, env):
+            spare.close()
+            return None
+        return spare
+
+    def room_for(self, gpu: str, pid: int) -> bool:
+        """Whether GPU `gpu` has room for a replacement while process `pid` (the rank it replaces) still holds
+        its memory there (gpuwatch.spares.room)."""
+        from gpuwatch.spares.room import room_beside
+
+        return room_beside(gpu, pid)
 
     def warm(self) -> int:
         """How many spares are warm now."""
@@ -133,12 +169,16 @@ class SparePool:
             except subprocess.TimeoutExpired:
                 spare.process.kill()
                 spare.process.wait()
-            spare._close_ready()
+            spare.close()
         self.spares = []
 
-    def _spawn(self, gpu: str | None) -> None:
+    def _add(self, spare: Spare | None) -> None:
+        if spare is not None:
+            self.spares.append(spare)
+
+    def _spawn(self, gpu: str | None, env: Mapping[str, str] | None = None) -> Spare | None:
         read_fd, write_fd = os.pipe()
-        env = dict(self.env)
+        env = dict(self.env if env is None else env)
         env[READY_FD_ENV] = str(write_fd)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"], env[CUDA_ENV] = gpu, "1"
@@ -153,15 +193,27 @@ class SparePool:
         except OSError as exc:
             os.close(read_fd)
             self.echo(f"gpuwatch launch: cannot start a spare: {exc.strerror or exc}")
-            return
+            return None
         finally:
             os.close(write_fd)
-        self.spares.append(Spare(process, read_fd, gpu, time.monotonic()))
+        return Spare(process, read_fd, gpu, time.monotonic())
 
     def _drop_dead(self) -> None:
         for spare in [s for s in self.spares if s.process.poll() is not None]:
             code = spare.process.returncode
             self.echo(f"gpuwatch launch: a spare (pid {spare.process.pid}) ended while waiting (exit {code})")
-            spare._close_ready()
+            spare.close()
             self.spares.remove(spare)
-            self._spawn(spare.gpu)
+            self._add(self._spawn(spare.gpu))
+
+
+def _order(spare: Spare, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    """Write the hand-over (the rank's command and environment) and close its stdin; False when it is gone."""
+    order = json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n"
+    try:
+        assert spare.process.stdin is not None
+        spare.process.stdin.write(order)
+        spare.process.stdin.close()
+    except (OSError, ValueError):
+        return False
+    return True

@@ -11,8 +11,14 @@ its own, points stdin at /dev/null and runs the job's module or script as `__mai
 is gone, or it stops the spare) ends it with 0.
 
 With $GPUWATCH_SPARE_CUDA=1 the spare creates its CUDA context on the one GPU of its
-CUDA_VISIBLE_DEVICES before it says it is warm: the launcher then hands it only a rank of that GPU
-(a context cannot move to another GPU, and CUDA_VISIBLE_DEVICES is read once, when CUDA starts).
+CUDA_VISIBLE_DEVICES before it says it is warm (and runs a small model's step there: cuBLAS and the
+optimizer's kernels load once): the launcher then hands it only a rank of that GPU (a context cannot
+move to another GPU, and CUDA_VISIBLE_DEVICES is read once, when CUDA starts). With
+$GPUWATCH_SPARE_NOW=1 (a job's first ranks) it skips the warm-up and runs the order at once.
+
+When the job ends by itself (returns, sys.exit, os._exit, an exception) the runner writes its exit
+code to the ready pipe (`exit N`) before the process begins to exit: a rank whose exit begins
+without that word was killed, and the launcher replaces it at once (gpuwatch.spares.pool).
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import os
 import runpy
 import sys
 import time
+from typing import NoReturn
 
-from gpuwatch.spares.pool import CUDA_ENV, READY_FD_ENV, WARM_S_ENV
+from gpuwatch.spares.pool import CUDA_ENV, NOW_ENV, READY_FD_ENV, WARM_S_ENV, WORD
 
 # What a rank of an in-place job imports besides torch: paid once, while nothing waits for it.
 _PRELOAD = (
@@ -36,14 +43,15 @@ PRELOAD_ENV = "GPUWATCH_SPARE_PRELOAD"  # more modules to import while waiting (
 
 def main() -> int:
     """Warm up, say so, wait for the hand-over, run the job (its exit code is ours)."""
-    _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
-    ready_fd = os.environ.pop(READY_FD_ENV, "")
-    if ready_fd.isdigit():
-        try:
-            os.write(int(ready_fd), b"1")
-            os.close(int(ready_fd))
-        except OSError:
-            pass
+    now = os.environ.pop(NOW_ENV, "") == "1"
+    if not now:
+        _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
+    given = os.environ.pop(READY_FD_ENV, "")
+    ready_fd = int(given) if given.isdigit() else None
+    if ready_fd is not None:
+        os.set_inheritable(ready_fd, False)  # the job's own subprocesses never hold it
+        if not now:
+            _say(ready_fd, b"1")
     warm_at = time.monotonic()
     line = sys.stdin.buffer.readline()
     if not line.strip():
@@ -53,7 +61,7 @@ def main() -> int:
     env[WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
     env.pop(CUDA_ENV, None)
     _take_over(env)
-    return _run(argv)
+    return _run_and_say(argv, ready_fd)
 
 
 def _warm_up(*, cuda: bool) -> None:
@@ -73,7 +81,12 @@ def _warm_up(*, cuda: bool) -> None:
     torch.optim.Adam([dummy]).step()
     if cuda and torch.cuda.is_available():
         torch.cuda.init()
-        torch.zeros(1, device="cuda").sum().item()  # the context and the caching allocator, on its one GPU
+        # The context, the caching allocator, cuBLAS and the optimizer's kernels on its one GPU: a rank's
+        # first step would load them.
+        layer = torch.nn.Linear(8, 8, device="cuda")
+        layer(torch.ones(2, 8, device="cuda")).sum().backward()
+        torch.optim.Adam(layer.parameters()).step()
+        torch.cuda.synchronize()
 
 
 def _take_over(env: dict[str, str]) -> None:
@@ -83,6 +96,41 @@ def _take_over(env: dict[str, str]) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+
+
+def _run_and_say(argv: list[str], word_fd: int | None) -> int:
+    """Run the job; say its exit code on `word_fd` as it ends by itself (os._exit included)."""
+    real_exit = os._exit
+
+    def exit_now(code: int) -> NoReturn:
+        _say(word_fd, WORD + b"%d\n" % _code(code))
+        real_exit(code)
+
+    os._exit = exit_now  # type: ignore[assignment]  # a job that ends with os._exit still says how
+    code = 1  # an exception out of the job: Python exits 1
+    try:
+        code = _run(argv)
+    except SystemExit as exc:
+        code = _code(exc.code)
+        raise
+    finally:
+        _say(word_fd, WORD + b"%d\n" % code)
+    return code
+
+
+def _code(value: object) -> int:
+    """The exit status Python makes of sys.exit(value) / os._exit(value)."""
+    if value is None:
+        return 0
+    return value & 0xFF if isinstance(value, int) else 1
+
+
+def _say(fd: int | None, data: bytes) -> None:
+    if fd is not None:
+        try:
+            os.write(fd, data)
+        except OSError:  # the launcher is gone
+            pass
 
 
 def _run(argv: list[str]) -> int:

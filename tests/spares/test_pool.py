@@ -8,6 +8,8 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -37,9 +39,11 @@ def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_pat
         first = pool.spares[0].process.pid
         rss = pool.spares[0].rss_bytes()
         assert rss is not None and rss > 50 << 20  # torch is imported
-        process = pool.hand_over([str(script), str(result), "x"], {**launch_env(), "RANK": "2"}, "GPU-0")
-        assert process is not None and process.pid == first
-        assert process.wait(timeout=60) == 3  # the job's exit is the rank's
+        spare = pool.hand_over([str(script), str(result), "x"], {**launch_env(), "RANK": "2"}, "GPU-0")
+        assert spare is not None and spare.process.pid == first
+        assert spare.process.wait(timeout=60) == 3  # the job's exit is the rank's
+        assert spare.last_word() == 3  # said before its exit began
+        spare.close()
         seen = json.loads(result.read_text())
         assert seen["argv"] == [str(script), str(result), "x"] and seen["rank"] == "2", seen
         assert seen["main"] == "__main__" and seen["stdin"] == "" and float(seen["warm"]) >= 0, seen
@@ -80,3 +84,91 @@ def test_a_replacement_due_on_a_gpu_no_longer_usable_moves_to_a_free_usable_gpu_
     supervisor._grow()
     assert started == [("GPU-1", 1, 3, True)], (started, said)
     assert "GPU-0 is not usable: its rank moves to GPU-1" in said[0], said
+
+
+LOOP = """import time
+while True:
+    time.sleep(0.01)
+"""
+
+
+def test_a_killed_rank_leaves_no_last_word_and_its_exit_is_seen_before_it_is_reaped(tmp_path: Path) -> None:
+    """The launcher replaces a rank when its exit begins: no word from the runner means it was killed."""
+    from gpuwatch.inplace.supervisor import exit_began
+
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    pool = SparePool(0, launch_env(), echo=lambda _: None)
+    rank = pool.run_now([str(script)], launch_env())
+    assert rank is not None
+    try:
+        time.sleep(0.5)
+        assert exit_began(rank.process.pid) is False and rank.last_word() is None
+        os.kill(rank.process.pid, 9)
+        deadline = time.monotonic() + 10
+        while not exit_began(rank.process.pid):  # a zombie not yet reaped: its exit has begun
+            assert time.monotonic() < deadline, "the killed rank's exit was never seen"
+            time.sleep(0.01)
+        assert rank.last_word() is None  # killed: the job never said how it ended
+        assert rank.process.wait(timeout=10) == -9
+        assert exit_began(rank.process.pid) is None  # reaped: gone
+    finally:
+        rank.close()
+
+
+@pytest.mark.parametrize(
+    ("ending", "code"), [("sys.exit(75)", 75), ("os._exit(0)", 0), ("raise RuntimeError('x')", 1), ("pass", 0)]
+)
+def test_a_job_that_ends_by_itself_says_its_exit_code_first(tmp_path: Path, ending: str, code: int) -> None:
+    script = tmp_path / "end.py"
+    script.write_text(f"import os, sys\n{ending}\n")
+    rank = SparePool(0, launch_env(), echo=lambda _: None).run_now([str(script)], launch_env())
+    assert rank is not None
+    try:
+        assert rank.process.wait(timeout=60) == code
+        assert rank.last_word() == code
+    finally:
+        rank.close()
+
+
+class _FakeNvml:
+    """pynvml's calls room_beside makes, for one GPU: `free` bytes free of `total`, `pids` holding memory."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotFound(NVMLError):  # noqa: N801  (pynvml's name)
+        pass
+
+    def __init__(self, total: int, free: int, pids: dict[int, int]) -> None:
+        self.total, self.free, self.pids = total, free, pids
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:  # noqa: N802
+        if uuid != "GPU-a":
+            raise self.NVMLError_NotFound()
+        return uuid
+
+    def nvmlDeviceGetMemoryInfo(self, _handle: str) -> Any:  # noqa: N802
+        return SimpleNamespace(total=self.total, free=self.free)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, _handle: str) -> list[Any]:  # noqa: N802
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.pids.items()]
+
+
+@pytest.mark.parametrize(
+    ("free", "pids", "room"),
+    [
+        (100, {7: 30}, True),  # room for as much again as the dying rank holds
+        (20, {7: 30}, False),  # a job using most of its GPU: wait until the dead rank's memory is freed
+        (60, {}, True),  # the dying pid not listed (another PID namespace): bounded by all in use (40)
+        (30, {}, False),
+    ],
+)
+def test_a_replacement_starts_beside_a_dying_rank_only_where_the_gpu_has_room(
+    monkeypatch: pytest.MonkeyPatch, free: int, pids: dict[int, int], room: bool
+) -> None:
+    from gpuwatch.spares import room as room_module
+
+    monkeypatch.setattr(room_module, "_nvml", [_FakeNvml(100, free, pids)])
+    assert room_module.room_beside("GPU-a", 7) is room
+    assert room_module.room_beside("GPU-bench-cpu-0", 7) is True  # no GPU NVML knows: no memory to wait for
