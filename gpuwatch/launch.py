@@ -80,6 +80,10 @@ COMMAND = "gpuwatch launch"  # the start of its error lines
 EXIT_STOPPED = 3
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 _SINGLE_NODE = {None, "1", "1:1"}
+SPARES_NEED_IN_PLACE = (
+    "--spares needs --in-place: torchrun starts each worker itself as a new interpreter and stops every worker"
+    " when one fails, so there is no rank to hand to a warm spare"
+)
 
 Gpus = Callable[[], list["Gpu"]]
 Runner = Callable[..., "Outcome"]  # (argv, env, stop, log_path): run_torchrun
@@ -624,7 +628,9 @@ class _Nproc(click.ParamType):
     help="--in-place with --rdzv-endpoint: your file (mode 600) holding the job's secret, the same on every node.",
 )
 @click.option(
-    "--spares", type=click.IntRange(min=0), help="Warm standby workers to keep (--in-place; default trainer.spares)."
+    "--spares",
+    type=click.IntRange(min=0),
+    help="Warm standby workers (--in-place only; default trainer.spares).",
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True, metavar="-- [-m] SCRIPT [ARGS]...")
 def launch(
@@ -670,9 +676,9 @@ def launch(
         torchrun_rendezvous = rendezvous_args(job_id=job_id, **rendezvous)
         if in_place:
             _check_in_place_flags(rendezvous, inplace_secret_file)
+        if spares and not in_place:  # trainer.spares, the node's default, applies to in-place launches only
+            fail(SPARES_NEED_IN_PLACE, command=COMMAND)
         spare_count = config.trainer.spares if spares is None else spares
-        if spare_count and not in_place:
-            fail("--spares (trainer.spares) needs --in-place: torchrun starts its own workers", command=COMMAND)
         daemon = DaemonClient(config).daemon_info()
         missing = missing_job(command, Path.cwd())
         if missing is not None:

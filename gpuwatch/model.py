@@ -233,6 +233,7 @@ class TrainerInfo:
     num_ooms: int | None = None
     stop_requested: bool | None = None
     allow_drills: bool | None = None
+    spare: bool | None = None  # this process took its rank over as a warm spare
     recovery: str | None = None  # how the job recovers: relaunch, or in_place (its survivors go on)
     ended: str | None = None
     pause: str | None = None  # the long pause the loop declared and is in (a checkpoint, an eval pass, a compile)

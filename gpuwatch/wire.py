@@ -183,6 +183,7 @@ class Trainer(Body):
     num_ooms: Omittable[int] = None
     stop_requested: Omittable[bool] = None
     allow_drills: Omittable[bool] = None
+    spare: Omittable[bool] = None
     recovery: Omittable[str] = None
     ended: Omittable[str] = None
     pause: Omittable[str] = None

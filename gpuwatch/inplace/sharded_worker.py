@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpuwatch.inplace import checksum
     from gpuwatch.inplace.sharded import ShardedJob
-    from gpuwatch.spares.pool import WARM_S_ENV
     from gpuwatch.trainer import TrainerLink
+    from gpuwatch.trainer.contract import SPARE_WARM_S_ENV
 
     marks = {"imported": time.time()}  # where a replacement's start goes, on its first line
     logging.basicConfig(level=os.environ.get("GPUWATCH_SHARDED_LOG", "WARNING"), format="%(name)s: %(message)s")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             line["checksum"] = checksum(mlp)
             if generation is None:
                 line["started"], line["marks"] = STARTED, marks
-                line["spare_warm_s"] = float(os.environ[WARM_S_ENV]) if WARM_S_ENV in os.environ else None
+                line["spare_warm_s"] = float(os.environ[SPARE_WARM_S_ENV]) if SPARE_WARM_S_ENV in os.environ else None
             if job.generation != generation and job.last_change is not None:
                 change = job.last_change
                 line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}

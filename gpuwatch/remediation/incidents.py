@@ -5,7 +5,10 @@ drill took the GPU), `gpu_fault` (an XID, ECC or lost-GPU event hit a GPU that h
 application XID named a rank's pid), `rank_died` (a rank's process vanished without a clean end)
 or `trainer_hang` (the job's steps stopped). `cause` is the quarantine's reason for a quarantine,
 else the kind. `path` is how the job comes back: `relaunch` (its ranks stop and a launcher starts
-them again) or `in_place` (its survivors re-form without the ranks that left and go on).
+them again), `in_place` (its survivors re-form without the ranks that left and go on) or `spare` (a
+warm spare took the lost rank's place and the job's next step came with it: a one-GPU job, a sharded
+one). The path is set when the incident opens, from the ranks' `recovery`, and becomes `spare` when
+the job comes back through a process whose report says it took its rank over as a spare.
 
 The clocks, all Unix times: `began_t` when the fault began (the kill, the XID's own time, the
 last step of a hung job, the decision of a quarantine), `t` when the daemon knew (detected),
@@ -30,7 +33,7 @@ from gpuwatch.store import Store
 log = logging.getLogger("gpuwatch.remediation")
 
 KINDS = ("quarantine", "gpu_fault", "rank_died", "trainer_hang")
-PATH_RELAUNCH, PATH_IN_PLACE = "relaunch", "in_place"
+PATH_RELAUNCH, PATH_IN_PLACE, PATH_SPARE = "relaunch", "in_place", "spare"
 
 
 @dataclass

@@ -7,6 +7,11 @@
 * in place: a survivor (same pid) that finished a step after the fault began; it went on from the
   step before the first one seen, and that step's time is the next step's (to the report poll).
 
+Either way the path becomes `spare` when a process that took its rank over as a warm spare (its
+report's `spare`) brought the job back: it is the relaunch's new process, or, in place, its first
+step was the job's first after the fault (a sharded job's survivors roll back and wait for it; a
+replicated job's survivors go on without it, so it joins at a later step and the path stays in_place).
+
 One watch per job (the newest incident), at most MAX_WATCHES_PER_UID per user and MAX_WATCHES in
 all: a user with many incidents only ever ends their own oldest watches, never another user's.
 """
@@ -18,8 +23,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from gpuwatch.model import TrainerInfo
 from gpuwatch.ranks import JobKey
-from gpuwatch.remediation.incidents import PATH_IN_PLACE, Incident
+from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_SPARE, Incident
 from gpuwatch.reports import Report
 
 log = logging.getLogger("gpuwatch.remediation")
@@ -27,6 +33,9 @@ log = logging.getLogger("gpuwatch.remediation")
 RESUME_WATCH_S = 6 * 3600.0  # a job not back by then is not coming back through this node
 MAX_WATCHES_PER_UID = 16
 MAX_WATCHES = 256
+
+
+_went_on = {PATH_IN_PLACE: "went on in place", PATH_SPARE: "went on through a spare"}
 
 
 class ResumeWatches:
@@ -67,7 +76,7 @@ class ResumeWatches:
                 log.warning(
                     "job %s %s at step %d, %.1f s after the %s on GPU %s began (%s step(s) lost)",
                     ",".join(sorted(job for _, job in incident.jobs)),
-                    "went on in place" if incident.path == PATH_IN_PLACE else "resumed",
+                    _went_on.get(incident.path, "resumed"),
                     incident.resumed_step,
                     incident.time_to_resume_s,
                     incident.kind,
@@ -95,6 +104,8 @@ class ResumeWatches:
             return False
         starts = [r.first_step - 1 if r.first_step is not None else r.step or 0 for r in new]
         incident.resumed(min(starts), min(r.first_step_t or r.updated_t or 0.0 for r in new))
+        if any(r.spare for r in new):
+            incident.path = PATH_SPARE
         return True
 
     def _survivors_went_on(self, incident: Incident, mine: list[Report]) -> bool:
@@ -107,9 +118,24 @@ class ResumeWatches:
             return False
         first = min(going, key=lambda r: r.step_t or 0.0)
         incident.resumed(min(r.step or 0 for r in going) - 1, first.step_t or 0.0)
+        if any(_took_part(r.info, incident) for r in mine):
+            incident.path = PATH_SPARE
         return True
 
     def _give_up_oldest(self, uid: int | None) -> None:
         """End the oldest watch of this user's jobs: only their own incidents make room for theirs."""
         oldest = min((job for job in self._by_job if job[0] == uid), key=lambda job: self._by_job[job].seen_mono)
         self.stop_watching(self._by_job[oldest], "not_resumed")
+
+
+def _took_part(info: TrainerInfo, incident: Incident) -> bool:
+    """A spare that took the lost rank over and was in the job's first step after the fault: it started after
+    the fault began and its first step is at most one past the furthest step before it (a sharded job rolls
+    back and waits for it; a replicated job's survivors take that step without it, so it joins later)."""
+    return (
+        bool(info.spare)
+        and info.first_step is not None
+        and incident.last_step is not None
+        and (info.first_step_t or 0.0) > incident.began
+        and info.first_step <= incident.last_step + 1
+    )

@@ -82,6 +82,7 @@ _FIELDS: dict[str, Any] = {
     "num_ooms": _COUNT,
     "stop_requested": _flag,
     "allow_drills": _flag,
+    "spare": _flag,
     "recovery": _one_of(RECOVERY_VALUES),
     "ended": _one_of(ENDED_VALUES),
     "pause": _text,

@@ -7,8 +7,8 @@ started behind it at once. A spare that holds a CUDA context (cuda=True) was sta
 is only handed a rank of that GPU; one without a context takes a rank of any GPU. `run_now` starts a
 job's first ranks under the same runner, without the wait.
 
-The spare's ready pipe stays open after the hand-over: the runner writes the job's exit code there
-(`exit N`) when the job ends by itself, before the process begins to exit. So once a rank's exit has
+A second pipe carries the rank's last word: the runner writes the job's exit code there (`exit N`)
+when the job ends by itself, before the process begins to exit. So once a rank's exit has
 begun, `last_word` tells a rank that ended (0, 75, an error) from one that was killed (no word): the
 launcher replaces a killed rank then, not seconds later when the kernel and the driver have freed
 its memory (a process is reaped only after that).
@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm, later the job's last word
+READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm, and closes it
+WORD_FD_ENV = "GPUWATCH_SPARE_WORD_FD"  # the runner writes the job's exit code there as the job ends by itself
 NOW_ENV = "GPUWATCH_SPARE_NOW"  # "1": run the order at once, without the warm-up (a job's first ranks)
 WORD = b"exit "  # the last word's prefix: b"exit N\n", N the job's exit code
 CUDA_ENV = "GPUWATCH_SPARE_CUDA"  # "1": the spare creates its CUDA context on its one visible GPU
-WARM_S_ENV = "GPUWATCH_SPARE_WARM_S"  # in the rank's environment: the seconds its spare waited warm
 _CLOSE_GRACE_S = 2.0
 
 
@@ -40,6 +40,7 @@ class Spare:
 
     process: subprocess.Popen[bytes]
     ready_fd: int  # the read end of its ready pipe
+    word_fd: int  # the read end of its last-word pipe
     gpu: str | None
     started: float
     warm: bool = False
@@ -49,6 +50,7 @@ class Spare:
         """Whether it finished its warm-up (imported torch, created its context); never blocks."""
         if not self.warm and self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
             self.warm = bool(os.read(self.ready_fd, 1))
+            self._close_ready()
         return self.warm
 
     def last_word(self) -> int | None:
@@ -56,8 +58,8 @@ class Spare:
 
         Read after the exit began, None means the job did not end by itself: a signal or a crash ended it.
         """
-        while self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
-            data = os.read(self.ready_fd, 256)
+        while self.word_fd >= 0 and select.select([self.word_fd], [], [], 0)[0]:
+            data = os.read(self.word_fd, 256)
             if not data:
                 break
             self.heard = (self.heard + data)[-256:]
@@ -66,7 +68,13 @@ class Spare:
         return int(number) if found and rest.endswith(b"\n") and number.lstrip(b"-").isdigit() else None
 
     def close(self) -> None:
-        """Close the launcher's end of its pipe (the rank was reaped, or the spare ended)."""
+        """Close the launcher's ends of its pipes (the rank was reaped, or the spare ended)."""
+        self._close_ready()
+        if self.word_fd >= 0:
+            os.close(self.word_fd)
+            self.word_fd = -1
+
+    def _close_ready(self) -> None:
         if self.ready_fd >= 0:
             os.close(self.ready_fd)
             self.ready_fd = -1
@@ -177,9 +185,9 @@ class SparePool:
             self.spares.append(spare)
 
     def _spawn(self, gpu: str | None, env: Mapping[str, str] | None = None) -> Spare | None:
-        read_fd, write_fd = os.pipe()
+        (read_fd, write_fd), (word_fd, say_fd) = os.pipe(), os.pipe()
         env = dict(self.env if env is None else env)
-        env[READY_FD_ENV] = str(write_fd)
+        env[READY_FD_ENV], env[WORD_FD_ENV] = str(write_fd), str(say_fd)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"], env[CUDA_ENV] = gpu, "1"
         try:
@@ -187,16 +195,18 @@ class SparePool:
                 [self.python, "-m", "gpuwatch.spares.worker"],
                 env=env,
                 stdin=subprocess.PIPE,
-                pass_fds=(write_fd,),
+                pass_fds=(write_fd, say_fd),
                 start_new_session=True,  # as a worker: the launcher signals its session
             )
         except OSError as exc:
             os.close(read_fd)
+            os.close(word_fd)
             self.echo(f"gpuwatch launch: cannot start a spare: {exc.strerror or exc}")
             return None
         finally:
             os.close(write_fd)
-        return Spare(process, read_fd, gpu, time.monotonic())
+            os.close(say_fd)
+        return Spare(process, read_fd, word_fd, gpu, time.monotonic())
 
     def _drop_dead(self) -> None:
         for spare in [s for s in self.spares if s.process.poll() is not None]:

@@ -17,7 +17,7 @@ move to another GPU, and CUDA_VISIBLE_DEVICES is read once, when CUDA starts). W
 $GPUWATCH_SPARE_NOW=1 (a job's first ranks) it skips the warm-up and runs the order at once.
 
 When the job ends by itself (returns, sys.exit, os._exit, an exception) the runner writes its exit
-code to the ready pipe (`exit N`) before the process begins to exit: a rank whose exit begins
+code to its second pipe, $GPUWATCH_SPARE_WORD_FD (`exit N`), before the process begins to exit: a rank whose exit begins
 without that word was killed, and the launcher replaces it at once (gpuwatch.spares.pool).
 """
 
@@ -30,7 +30,8 @@ import sys
 import time
 from typing import NoReturn
 
-from gpuwatch.spares.pool import CUDA_ENV, NOW_ENV, READY_FD_ENV, WARM_S_ENV, WORD
+from gpuwatch.spares.pool import CUDA_ENV, NOW_ENV, READY_FD_ENV, WORD, WORD_FD_ENV
+from gpuwatch.trainer.contract import SPARE_WARM_S_ENV
 
 # What a rank of an in-place job imports besides torch: paid once, while nothing waits for it.
 _PRELOAD = (
@@ -46,22 +47,23 @@ def main() -> int:
     now = os.environ.pop(NOW_ENV, "") == "1"
     if not now:
         _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
-    given = os.environ.pop(READY_FD_ENV, "")
-    ready_fd = int(given) if given.isdigit() else None
+    ready_fd, word_fd = _fd(READY_FD_ENV), _fd(WORD_FD_ENV)
     if ready_fd is not None:
-        os.set_inheritable(ready_fd, False)  # the job's own subprocesses never hold it
         if not now:
             _say(ready_fd, b"1")
+        os.close(ready_fd)
+    if word_fd is not None:
+        os.set_inheritable(word_fd, False)  # the job's own subprocesses never hold it
     warm_at = time.monotonic()
     line = sys.stdin.buffer.readline()
     if not line.strip():
         return 0
     order = json.loads(line)
     argv, env = [str(a) for a in order["argv"]], {str(k): str(v) for k, v in order["env"].items()}
-    env[WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
+    env[SPARE_WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
     env.pop(CUDA_ENV, None)
     _take_over(env)
-    return _run_and_say(argv, ready_fd)
+    return _run_and_say(argv, word_fd)
 
 
 def _warm_up(*, cuda: bool) -> None:
@@ -123,6 +125,11 @@ def _code(value: object) -> int:
     if value is None:
         return 0
     return value & 0xFF if isinstance(value, int) else 1
+
+
+def _fd(name: str) -> int | None:
+    given = os.environ.pop(name, "")
+    return int(given) if given.isdigit() else None
 
 
 def _say(fd: int | None, data: bytes) -> None:

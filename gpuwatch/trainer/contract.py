@@ -60,6 +60,9 @@ ENDED_VALUES = (ENDED_FINISHED, ENDED_RESUME, ENDED_ERROR)
 RECOVERY_RELAUNCH = "relaunch"  # a fault stops the job; it comes back through a relaunch (launch, torchrun)
 RECOVERY_IN_PLACE = "in_place"  # the surviving ranks re-form without the rank that left and keep training
 RECOVERY_VALUES = (RECOVERY_RELAUNCH, RECOVERY_IN_PLACE)
+SPARE_WARM_S_ENV = "GPUWATCH_SPARE_WARM_S"
+"""Set in a rank's environment when a warm spare took the rank over (gpuwatch.spares): the seconds it waited warm.
+A rank with it reports `spare: true`, so the daemon records that a spare brought its job back."""
 
 _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
 
@@ -153,6 +156,7 @@ class TrainerReport(AllocatorFigures):
     grad_norm_var: float | None
     stop_requested: bool
     allow_drills: bool  # the rank accepts the fault-rank drill
+    spare: bool  # this process took its rank over as a warm spare (SPARE_WARM_S_ENV)
     recovery: str  # RECOVERY_RELAUNCH, or RECOVERY_IN_PLACE: its job's survivors go on when it leaves
     ended: str | None  # null while the process runs, else how it ended (ENDED_*)
     pause: str | None  # the pause the loop declared and is in (TrainerLink.pause), else null

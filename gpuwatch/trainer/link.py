@@ -60,6 +60,7 @@ from gpuwatch.trainer.contract import (
     REPORT_SOCKET,
     REPORTS_REQUIRED_ENV,
     RUNTIME_DIR_ENV,
+    SPARE_WARM_S_ENV,
     STATUS_FILE,
     STEP_SLOT,
     STEP_T_SLOT,
@@ -129,6 +130,7 @@ class TrainerLink:
         self.report_interval_s = report_interval_s
         self.abort_after_s = abort_after_s
         self.allow_drills = allow_drills
+        self.spare = SPARE_WARM_S_ENV in os.environ  # a warm spare took this rank over (gpuwatch.spares)
         self.pid = os.getpid()
         self.rank = _env_int("RANK")
         self.local_rank = _env_int("LOCAL_RANK")
@@ -597,6 +599,7 @@ class TrainerLink:
             **self._memory_stats(),
             "stop_requested": self._stop_requested,
             "allow_drills": self.allow_drills,
+            "spare": self.spare,
             "recovery": self.recovery,
             "ended": self._ended,
             "pause": self._pause,

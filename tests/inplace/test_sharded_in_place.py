@@ -4,7 +4,8 @@
 each rank holds its own shard of Adam's moments; a host snapshot every K steps). A SIGKILLed rank is
 replaced by the spare, which reads the lost rank's host snapshot; every rank rolls back to the newest
 step all of them hold, so the survivors keep their processes, nothing is read from disk, and each
-rank's own step log shows at most K steps redone and none missing.
+rank's own step log shows at most K steps redone and none missing. The daemon's incident of the kill
+records the path `spare`, with its onset → next step time and the steps redone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.bench.daemon_process import DaemonProcess
 from tests.inplace.jobs import InPlaceRun, by_pid, launch_sharded, sim_node
 
 pytestmark = pytest.mark.slow
@@ -60,6 +62,22 @@ def _kill_when_warm(run: InPlaceRun, ranks: int, rank: int) -> tuple[int, float]
     return victim, killed
 
 
+def _spare_incident(node: DaemonProcess, victim: int) -> dict[str, Any]:
+    """The daemon's incident of the victim's death once its watch ended (the job came back): it records the
+    path `spare` (the daemon learnt from the replacement's own report that a spare took the rank over)."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = [i for i in node.get("/v1/incidents")["incidents"] if victim in {r["pid"] for r in i["ranks"]}]
+        if found and found[0]["status"] == "resumed":
+            incident: dict[str, Any] = found[0]
+            break
+        assert time.monotonic() < deadline, f"no resumed incident of pid {victim}: {found}"
+        time.sleep(0.2)
+    assert incident["kind"] == "rank_died" and incident["path"] == "spare", incident
+    assert 0 <= incident["steps_lost"] <= K and incident["time_to_resume_s"] <= NEXT_STEP_S, incident
+    return incident
+
+
 def _check_rank_log(own: list[dict[str, Any]], killed: float, resumed: int) -> int:
     """One rank's log (a survivor's, or the lost rank's followed by its replacement's): steps redone after the
     kill, at most K; no step missing (it resumed at most one step past where it was)."""
@@ -77,6 +95,7 @@ def test_a_killed_shard_is_taken_over_by_a_spare_and_every_rank_rolls_back_at_mo
         run = launch_sharded(node, tmp_path, STEPS, "--spares", "1", every=K, step_sleep=0.02)
         victim, killed = _kill_when_warm(run, 3, rank=1)
         out, err = run.output(90)
+        incident = _spare_incident(node, victim)
     assert run.process.returncode == 0, err
     lines = run.steps()
     logs = by_pid(lines)
@@ -97,7 +116,10 @@ def test_a_killed_shard_is_taken_over_by_a_spare_and_every_rank_rolls_back_at_mo
         at = {ln["pid"]: ln["checksum"] for ln in lines if ln["step"] == step and ln["t"] > killed}
         assert len(at) == 3 and len(set(at.values())) == 1, (step, at)
     assert "a spare (pid" in err and "loaded checkpoint" not in err, err
-    print(f"\nsharded, SIGKILL of rank 1: next step {first['t'] - killed:.2f} s after the kill, redone {redone}")
+    print(
+        f"\nsharded, SIGKILL of rank 1: next step {first['t'] - killed:.2f} s after the kill, redone {redone};"
+        f" incident: path {incident['path']}, {incident['time_to_resume_s']} s, {incident['steps_lost']} redone"
+    )
 
 
 def test_a_one_rank_job_killed_is_taken_over_by_a_spare_from_its_host_snapshot(tmp_path: Path) -> None:
@@ -105,6 +127,7 @@ def test_a_one_rank_job_killed_is_taken_over_by_a_spare_from_its_host_snapshot(t
         run = launch_sharded(node, tmp_path, STEPS, "--spares", "1", every=K, step_sleep=0.02)
         victim, killed = _kill_when_warm(run, 1, rank=0)
         out, err = run.output(90)
+        incident = _spare_incident(node, victim)
     assert run.process.returncode == 0, err
     logs = by_pid(run.steps())
     (spare,) = [pid for pid in logs if pid != victim]
@@ -113,4 +136,7 @@ def test_a_one_rank_job_killed_is_taken_over_by_a_spare_from_its_host_snapshot(t
     assert took_over["t"] - killed <= NEXT_STEP_S, took_over["t"] - killed
     redone = _check_rank_log([*logs[victim], *logs[spare]], killed, took_over["step"])
     assert logs[spare][-1]["step"] == STEPS
-    print(f"\none rank, SIGKILL: next step {took_over['t'] - killed:.2f} s after the kill, redone {redone}")
+    print(
+        f"\none rank, SIGKILL: next step {took_over['t'] - killed:.2f} s after the kill, redone {redone};"
+        f" incident: path {incident['path']}, {incident['time_to_resume_s']} s, {incident['steps_lost']} redone"
+    )

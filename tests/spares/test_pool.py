@@ -59,12 +59,23 @@ def test_a_pool_of_none_hands_over_nothing_and_a_negative_count_is_refused() -> 
         SparePool(-1, os.environ)
 
 
-def test_spares_without_in_place_is_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_spares_without_in_place_is_one_line_and_exit_2_saying_why(tmp_path: Path) -> None:
     result = CliRunner().invoke(launch, ["--spares", "1", "--state-dir", str(tmp_path), "--", "train.py"])
     assert result.exit_code == 2, result.stderr
     assert result.stderr == (
-        "gpuwatch launch: error: --spares (trainer.spares) needs --in-place: torchrun starts its own workers\n"
+        "gpuwatch launch: error: --spares needs --in-place: torchrun starts each worker itself as a new interpreter"
+        " and stops every worker when one fails, so there is no rank to hand to a warm spare\n"
     )
+
+
+def test_the_nodes_trainer_spares_leaves_a_torchrun_launch_alone(tmp_path: Path) -> None:
+    """trainer.spares is the default of in-place launches: a node that sets it still runs torchrun jobs
+    (no daemon here: the launch gets past the flag checks and stops at the daemon, not at the spares)."""
+    config = tmp_path / "gpuwatch.toml"
+    config.write_text(f'state_dir = "{tmp_path}"\nlisten = "127.0.0.1:1"\n\n[trainer]\nspares = 2\n')
+    result = CliRunner().invoke(launch, ["--config", str(config), "--", "train.py"])
+    assert result.exit_code != 0 and "--spares" not in result.stderr, result.stderr
+    assert result.stderr.startswith("gpuwatch launch: error: ") and "daemon" in result.stderr, result.stderr
 
 
 def test_a_replacement_due_on_a_gpu_no_longer_usable_moves_to_a_free_usable_gpu_with_its_rank(tmp_path: Path) -> None:
