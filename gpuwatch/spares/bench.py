@@ -55,10 +55,13 @@ def measure_spare(
     every: int = 5,
     step_sleep: float = 0.05,
     hang_s: float = 2.0,
+    spares: int = 1,
     timeout_s: float = 300.0,
     report: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """One job, each fault in turn; the figures above, one dict per fault (also passed to `report` as each comes).
+
+    `spares`: how many the pool keeps (more than one: the next fault need not wait for a new one to warm up).
 
     Raises:
         ValueError: an unknown fault, xid without CUDA, or a negative state size.
@@ -82,7 +85,7 @@ def measure_spare(
         max_restarts=len(faults),
         daemon_poll_s=0.2,
     )
-    pool = SparePool(1, os.environ, cuda=cuda, echo=lambda _: None) if spare else None
+    pool = SparePool(spares, os.environ, cuda=cuda, echo=lambda _: None) if spare else None
     said: list[tuple[float, str]] = []  # the launcher's lines with their times: when it saw the exit, handed over
     supervisor = Supervisor(plan, lambda: gpus, echo=lambda line: said.append((time.time(), line)), spares=pool)
     result: list[BaseException | int] = []
@@ -243,10 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=5, help="snapshot every K steps")
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--hang-s", type=float, default=2.0, help="stop: SIGSTOP to SIGKILL")
+    parser.add_argument("--spares", type=int, default=1, help="spares the pool keeps (more: no wait between faults)")
     parser.add_argument("--workdir", help="default: a temporary directory")
     args = parser.parse_args(argv)
-    if any(not gib >= 0 for gib in args.gib) or args.every < 1:
-        parser.error("--gib sizes must not be negative and --every must be positive")
+    if any(not gib >= 0 for gib in args.gib) or args.every < 1 or args.spares < 1:
+        parser.error("--gib sizes must not be negative, --every and --spares must be positive")
     cold = args.faults if args.cold_faults is None else args.cold_faults
     with tempfile.TemporaryDirectory(prefix="gpuwatch-spare-bench-") as tmp:
         for gib in args.gib:
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 measure_spare(
                     int(gib * (1 << 30)), Path(args.workdir or tmp), spare=spare, faults=faults, every=args.every,
-                    step_sleep=args.step_sleep, hang_s=args.hang_s,
+                    step_sleep=args.step_sleep, hang_s=args.hang_s, spares=args.spares,
                     report=functools.partial(_print, gib),
                 )  # fmt: skip
     return 0
