@@ -329,17 +329,19 @@ class Supervisor:
             threading.Thread(target=self._watch_exit, args=(worker,), daemon=True).start()
 
     def _watch_exit(self, worker: _Worker) -> None:
-        """A worker under the spare's runner: once its exit begins without the word of a job that ended by
-        itself with 0 or 75, it is taken for dead at once (the reap comes when its memory is freed)."""
+        """A worker under the spare's runner is taken for dead at once (its reap comes when its memory is
+        freed): when its job said it failed (a code other than 0 and 75: only the interpreter's shutdown
+        is left), or when its exit began without a word (killed)."""
         assert worker.runner is not None
         while worker.code is None and not self._stop.is_set():
+            word = worker.runner.last_word()
+            if word in (0, EXIT_RESUME):
+                return  # it ended by itself: the reap says so
             began = exit_began(worker.process.pid)
             if began is None:
                 return  # reaped meanwhile: the waiter has it
-            if began:
-                word = worker.runner.last_word()
-                if word not in (0, EXIT_RESUME):
-                    self._exits.put((worker, _NO_WORD if word is None else word, True))
+            if word is not None or began:
+                self._exits.put((worker, _NO_WORD if word is None else word, True))
                 return
             time.sleep(_EXIT_POLL_S)
 

@@ -119,7 +119,11 @@ class SparePool:
         self.handed_over = 0
 
     def start(self, gpus: Sequence[str]) -> None:
-        """Start the spares; with cuda, spread over `gpus` (uuids) in turn."""
+        """Start the spares; with cuda, spread over `gpus` (uuids) in turn. NVML is set up here, not at the
+        first fault (room_for)."""
+        from gpuwatch.spares.room import prepare
+
+        prepare()
         for i in range(self.count):
             self._add(self._spawn(gpus[i % len(gpus)] if self.cuda and gpus else None))
 

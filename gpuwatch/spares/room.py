@@ -37,6 +37,11 @@ def room_beside(uuid: str, pid: int) -> bool:
         return False
 
 
+def prepare() -> None:
+    """Initialise NVML now (tens of milliseconds, more in a sandbox), so a replacement does not wait for it."""
+    _init()
+
+
 def _init() -> Any:
     with _lock:
         if not _nvml:
