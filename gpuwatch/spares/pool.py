@@ -22,9 +22,10 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm, and closes it
 WORD_FD_ENV = "GPUWATCH_SPARE_WORD_FD"  # the runner writes the job's exit code there as the job ends by itself
@@ -45,6 +46,7 @@ class Spare:
     started: float
     warm: bool = False
     heard: bytes = b""
+    lock: threading.Lock = field(default_factory=threading.Lock)  # last_word on a watcher thread, close on another
 
     def is_warm(self) -> bool:
         """Whether it finished its warm-up (imported torch, created its context); never blocks."""
@@ -58,11 +60,12 @@ class Spare:
 
         Read after the exit began, None means the job did not end by itself: a signal or a crash ended it.
         """
-        while self.word_fd >= 0 and select.select([self.word_fd], [], [], 0)[0]:
-            data = os.read(self.word_fd, 256)
-            if not data:
-                break
-            self.heard = (self.heard + data)[-256:]
+        with self.lock:  # never a read of the fd's number after close gave it to another file
+            while self.word_fd >= 0 and select.select([self.word_fd], [], [], 0)[0]:
+                data = os.read(self.word_fd, 256)
+                if not data:
+                    break
+                self.heard = (self.heard + data)[-256:]
         _, found, rest = self.heard.rpartition(WORD)
         number = rest.partition(b"\n")[0]
         return int(number) if found and rest.endswith(b"\n") and number.lstrip(b"-").isdigit() else None
@@ -70,9 +73,10 @@ class Spare:
     def close(self) -> None:
         """Close the launcher's ends of its pipes (the rank was reaped, or the spare ended)."""
         self._close_ready()
-        if self.word_fd >= 0:
-            os.close(self.word_fd)
-            self.word_fd = -1
+        with self.lock:
+            if self.word_fd >= 0:
+                os.close(self.word_fd)
+                self.word_fd = -1
 
     def _close_ready(self) -> None:
         if self.ready_fd >= 0:
