@@ -6,7 +6,8 @@
 
 A `gpuwatch run` with no config beyond its directories (trainer.* and interval_s at their defaults),
 a one-rank `gpuwatch.inplace.sharded_worker` (a host snapshot every 5 steps) under `gpuwatch launch
---in-place --spares 1`, and, once it is past --warmup steps with its spare warm, `gpuwatch drill
+--in-place --spares 1` (on a GPU its spare holds its CUDA context: trainer.spare_cuda_context, set for
+the launch alone), and, once it is past --warmup steps with its spare warm, `gpuwatch drill
 --hang-rank 0 --yes --json` (SIGSTOP). The daemon's hang rule finds the stopped rank and SIGKILLs it;
 the launcher hands the rank to the spare, which restores the host snapshot. Prints, as one JSON
 document: the drill's verdict and its steps' durations, freeze → next step from the job's own step
@@ -54,7 +55,8 @@ def main() -> int:
         launch_args = ["launch", "--runtime-dir", str(daemon.runtime_dir), "--in-place", "--spares", "1"]
         argv = [*daemon.command(*launch_args), "--", *job]
         log = open(work / "launch.log", "w")  # noqa: SIM115  # the launcher's, for as long as it runs
-        launch = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        launch_env = {**env, "GPUWATCH_TRAINER_SPARE_CUDA_CONTEXT": "true"} if args.backend == "nvml" else env
+        launch = subprocess.Popen(argv, env=launch_env, stdout=log, stderr=subprocess.STDOUT, text=True)
         wait_until(f"the job past step {args.warmup}", lambda: _furthest(logs) >= args.warmup, 240, 0.2)
         wait_until("a warm spare", _spare_warm, 120, 0.2)
         # The daemon lists a GPU's trainers at its next sample: up to interval_s (30 s by default).
