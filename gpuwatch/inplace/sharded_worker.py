@@ -6,7 +6,8 @@ Each rank trains a small MLP with Adam, whose moments ZeroRedundancyOptimizer sh
 beside a frozen block of `--state-bytes` (a model's frozen weights: state every snapshot holds, so a
 restore's cost grows with it while a step stays short). Every K steps each rank snapshots its own
 state in host memory. Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (t, pid,
-member, generation, rank, world, step, a checksum of the parameters; on the first line when the
+member, generation, rank, world, step, a checksum of the parameters, the newest step this process
+committed to its host snapshot; on the first line when the
 process started, when its imports, its model and its ShardedJob were done, and how many seconds it
 waited as a warm spare; on a generation's first step how the rank got its state and where the
 seconds of that change went), so a test reads its figures from the job itself. Runs `--steps` steps
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             line: dict[str, Any] = {"t": time.time(), "pid": os.getpid(), "member": job.member}
             line.update(generation=job.generation, rank=job.rank, world=job.world_size, step=job.step)
             line["checksum"] = checksum(mlp)
+            line["committed"] = job.snapshot.committed_step if job.snapshot is not None else None
             if generation is None:
                 line["started"], line["marks"] = STARTED, marks
                 line["spare_warm_s"] = float(os.environ[SPARE_WARM_S_ENV]) if SPARE_WARM_S_ENV in os.environ else None

@@ -221,12 +221,13 @@ def _gpu_bytes(pid: int) -> int | None:
 
 
 def _steady(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The newest pid's lines once it took _STEADY_STEPS steps."""
+    """The newest pid's lines once it took _STEADY_STEPS steps and committed a host snapshot of its own (a
+    fault before that would find only what its predecessor left: not the fault measured here)."""
     if not lines:
         return []
     newest = max(lines, key=lambda ln: ln["t"])["pid"]
     own = [ln for ln in lines if ln["pid"] == newest]
-    return own if len(own) >= _STEADY_STEPS else []
+    return own if len(own) >= _STEADY_STEPS and own[-1].get("committed") is not None else []
 
 
 def _new(lines: list[dict[str, Any]], victim: int, t: float) -> list[dict[str, Any]]:
