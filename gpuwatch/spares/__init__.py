@@ -7,7 +7,8 @@ keeps N of them per node (`gpuwatch launch --in-place --spares N`); when a rank 
 hands one the rank's command and environment (`SparePool.hand_over`) and starts another behind it.
 
 * `gpuwatch.spares.worker`: the spare process (`python -m gpuwatch.spares.worker`);
-* `gpuwatch.spares.pool`: the launcher's side, `SparePool`;
+* `gpuwatch.spares.pool`: the launcher's side, `SparePool`, and each rank's last word;
+* `gpuwatch.spares.room`: whether a GPU has room for a replacement beside a dying rank's memory (NVML);
 * `gpuwatch.spares.bench`: a spare against a cold start, for `gpuwatch bench --only recovery`.
 
 docs/spares.md is the user guide.
