@@ -43,7 +43,7 @@ PRELOAD_ENV = "GPUWATCH_SPARE_PRELOAD"  # more modules to import while waiting (
 
 
 def main() -> int:
-    """Warm up, say so, wait for the hand-over, run the job (its exit code is ours)."""
+    """Warm up, say so, wait for the hand-over, run the job (its exit code is ours); with NOW_ENV, run it at once."""
     now = os.environ.pop(NOW_ENV, "") == "1"
     if not now:
         _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
@@ -60,7 +60,8 @@ def main() -> int:
         return 0
     order = json.loads(line)
     argv, env = [str(a) for a in order["argv"]], {str(k): str(v) for k, v in order["env"].items()}
-    env[SPARE_WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
+    if not now:  # a spare took the rank over (its report says so); a first rank was only run by the runner
+        env[SPARE_WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
     env.pop(CUDA_ENV, None)
     _take_over(env)
     return _run_and_say(argv, word_fd)

@@ -183,3 +183,18 @@ def test_a_replacement_starts_beside_a_dying_rank_only_where_the_gpu_has_room(
     monkeypatch.setattr(room_module, "_nvml", [_FakeNvml(100, free, pids)])
     assert room_module.room_beside("GPU-a", 7) is room
     assert room_module.room_beside("GPU-bench-cpu-0", 7) is True  # no GPU NVML knows: no memory to wait for
+
+
+def test_a_first_rank_run_by_the_runner_is_no_spare(tmp_path: Path) -> None:
+    """run_now starts a job's first ranks under the runner: same __main__ and exit, but its report must not
+    say a spare took it over (GPUWATCH_SPARE_WARM_S is a spare's alone)."""
+    script, result = tmp_path / "job.py", tmp_path / "result.json"
+    script.write_text(JOB)
+    rank = SparePool(0, launch_env(), echo=lambda _: None).run_now([str(script), str(result)], launch_env())
+    assert rank is not None
+    try:
+        assert rank.process.wait(timeout=60) == 3 and rank.last_word() == 3
+    finally:
+        rank.close()
+    seen = json.loads(result.read_text())
+    assert seen["main"] == "__main__" and seen["warm"] is None, seen
