@@ -1,12 +1,13 @@
 """measure_spare: a one-rank job that loses its rank, taken over by a warm spare or by a cold start.
 
-    python -m gpuwatch.spares.bench --gib 1 4 16 [--faults kill xid stop] [--every K] [--workdir DIR]
+    python -m gpuwatch.spares.bench --gib 1 4 16 [--faults kill xid stop] [--every K] [--spares N] [--workdir DIR]
 
 prints one JSON line per state size and way of starting the replacement (spare, cold).
 
 A job of one gpuwatch.inplace.sharded_worker rank (a host snapshot every K steps) runs under the
 in-place supervisor (in this process, on a thread; fake GPUs on the CPU, GPU 0 on a GPU machine).
-Each fault in turn, once the rank is steady (and, with a spare, the spare is warm):
+Each fault in turn, once the rank is steady (5 steps and a host snapshot of its own committed) and,
+with spares, one is warm:
 
 * kill: SIGKILL (what the kill_rank drill sends);
 * xid: SIGUSR2 to a rank with `allow_drills` (the fault_rank drill): it stores to an unmapped
@@ -16,7 +17,10 @@ Each fault in turn, once the rank is steady (and, with a spare, the spare is war
 
 The figures come from the job's own step log: fault_to_step_s, the fault to the replacement's first
 completed step; steps_redone, the furthest step logged before the fault minus the step restored
-(from the host snapshot, so at most K); kill_to_step_s for `stop` counts from the SIGKILL.
+(from the host snapshot, so at most K); kill_to_step_s for `stop` counts from the SIGKILL; `parts`,
+where those seconds went, each from the SIGKILL (for xid, the SIGUSR2): the dying rank's exit begun,
+the launcher taking it for dead, the hand-over, the job's script started, imported, its model built,
+its ShardedJob formed (with that change's own parts: rendezvous, group, state, DDP), its first step.
 """
 
 from __future__ import annotations
