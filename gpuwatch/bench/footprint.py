@@ -66,7 +66,7 @@ IMPORT_LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("click and rich (the CLI)", ("click", "rich.console", "rich.table")),
     ("uvicorn and httptools", ("uvicorn", "uvicorn.protocols.http.httptools_impl")),
     ("apscheduler", ("apscheduler.schedulers.background",)),
-    ("gpuwatch: config, model, rules, monitor", ("gpuwatch.config", "gpuwatch.monitor", "gpuwatch.backends.sim")),
+    ("gpuwatch: config, model, rules, monitor", ("gpuwatch.config", "gpuwatch.node.monitor", "gpuwatch.backends.sim")),
     ("gpuwatch: trainer side, reports, remediation", ("gpuwatch.trainer", "gpuwatch.remediation.service")),
     ("gpuwatch: drills", ("gpuwatch.drills.service",)),
     ("gpuwatch: the rest of `gpuwatch run`", ("gpuwatch.cli", "gpuwatch.daemon")),

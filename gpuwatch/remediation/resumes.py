@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from gpuwatch.ranks import JobKey
+from gpuwatch.node.ranks import JobKey
 from gpuwatch.remediation.incidents import PATH_IN_PLACE, Incident
 from gpuwatch.reports import Report
 

@@ -24,10 +24,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from gpuwatch.base.procfs import ProcFs
+from gpuwatch.base.sourcelog import SourceLog
 from gpuwatch.model import TrainerInfo
-from gpuwatch.procfs import ProcFs
 from gpuwatch.reports.parse import ReportError, parse_report
-from gpuwatch.sourcelog import SourceLog
 from gpuwatch.trainer.contract import REPORT_PROTOCOL, STEP_PAGE_BYTES, StepPage, read_step_page
 
 log = logging.getLogger("gpuwatch.reports")

@@ -8,7 +8,7 @@ hands one the rank's command and environment (`SparePool.hand_over`) and starts 
 
 * `gpuwatch.spares.worker`: the spare process (`python -m gpuwatch.spares.worker`);
 * `gpuwatch.spares.pool`: the launcher's side, `SparePool`;
-* `gpuwatch.spares.bench`: a spare against a cold start, for `gpuwatch bench --only recovery`.
+* `gpuwatch.bench.recovery_spare`: a spare against a cold start, for `gpuwatch bench --only recovery`.
 
 docs/spares.md is the user guide.
 """

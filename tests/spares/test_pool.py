@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.launch import launch
+from gpuwatch.launcher.launch import launch
 from gpuwatch.spares import SparePool
 from tests.helpers import launch_env
 
@@ -64,7 +64,7 @@ def test_spares_without_in_place_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_a_replacement_due_on_a_gpu_no_longer_usable_moves_to_a_free_usable_gpu_with_its_rank(tmp_path: Path) -> None:
-    from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, Supervisor
+    from gpuwatch.launcher.in_place import GpuView, InPlacePlan, Supervisor
 
     views = [GpuView(0, "GPU-0", False, 1), GpuView(1, "GPU-1", True, 0)]  # GPU 0 quarantined since its rank died
     said: list[str] = []
