@@ -59,6 +59,7 @@ from gpuwatch.base.command_error import OneLineCommand, fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
+from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
 from gpuwatch.launcher.job_check import missing_job
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
@@ -106,11 +107,6 @@ class Plan:
     command: tuple[str, ...]
     stop_grace_s: float = 60.0  # the daemon's trainer.grace_period_s (GET /v1/daemon)
     watch_poll_s: float = 1.0  # how often QuarantineWatch asks the daemon
-
-
-def usable(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """The GPUs a job may use: not quarantined and not unhealthy by index."""
-    return sorted((g for g in gpus if not g.quarantined and g.state != "unhealthy"), key=lambda g: g.index)
 
 
 def rendezvous_args(
@@ -696,9 +692,7 @@ def launch(
             client = DaemonClient(config)
 
             def gpu_views() -> list[GpuView]:
-                gpus = client.gpus()
-                ok = {g.uuid for g in usable(gpus)}
-                return [GpuView(g.index, g.uuid, g.uuid in ok, g.epoch) for g in gpus]
+                return in_place_views(client.gpus())
 
             in_place_plan = InPlacePlan(
                 job_id, command, ranks_dir, nproc, min_nproc, max_restarts,
