@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.backends.kmsg import pci_key
-from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
+from gpuwatch.bench.daemon_process import bench_daemon
+from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import Row, Section, target
 from gpuwatch.config import RulesConfig
 from gpuwatch.serving import wire

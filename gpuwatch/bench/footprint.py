@@ -27,8 +27,8 @@ from typing import Any
 
 import psutil
 
-from gpuwatch.bench.daemon_process import ServerProcess, child_env
-from gpuwatch.bench.harness import Context, Http, bench_daemon, nvitop_exporter, progress
+from gpuwatch.bench.daemon_process import ServerProcess, bench_daemon, child_env, nvitop_exporter
+from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, target
 
 SCRAPE_EVERY_S = 15.0

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import child_env
-from gpuwatch.bench.harness import Context, bench_daemon, progress
+from gpuwatch.bench.daemon_process import bench_daemon, child_env
+from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
 
 SIZES_ENV = "GPUWATCH_BENCH_RECOVERY_GIB"

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import child_env
-from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
+from gpuwatch.bench.daemon_process import bench_daemon, child_env
+from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
 from gpuwatch.bench.sampling import bench_config, open_backend
 from gpuwatch.serving import wire

@@ -27,8 +27,9 @@ from typing import Any
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.base.clock import ManualClock
-from gpuwatch.bench.harness import Context, progress, summarize
+from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, not_applicable, ratio, target
+from gpuwatch.bench.stats import summarize
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.health import engine
 from gpuwatch.health.history import History

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.bench import sampling
-from gpuwatch.bench.harness import Context, bench_daemon, nvitop_exporter, progress
+from gpuwatch.bench.daemon_process import bench_daemon, nvitop_exporter
+from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.interference import CONDITIONS, DEFAULT_CONDITIONS, DEFAULT_STEPS, attribution, cpus, rows
 from gpuwatch.bench.interference.beside import (
     START_SETTLE_S,
@@ -42,9 +43,9 @@ from gpuwatch.bench.interference.caller import CallerProcess
 from gpuwatch.bench.interference.job import JobProcess
 from gpuwatch.bench.interference.plan import interleave, rounds_within
 from gpuwatch.bench.interference.runner import differences, planned_round_s, summarize, time_segments
-from gpuwatch.bench.interference.stats import ALONE, pooled
 from gpuwatch.bench.report import Section, Skip
 from gpuwatch.bench.serving import NVIDIA_SMI_FIELDS
+from gpuwatch.bench.stats import ALONE, pooled
 
 SHARE = {"short": 0.6, "long": 0.4}  # of the monitors' rounds when both steps run: the short step shows the cost most
 OURS, OURS_EVENT_SET, OURS_30S, NVITOP = "gpuwatch_1s", "gpuwatch_1s_event_set", "gpuwatch_30s", "nvitop_exporter_1s"
