@@ -7,7 +7,7 @@ none for the others. Then the monitors (by default gpuwatch at 1 s as shipped, g
 the NVML event set it registered before `nvml.events`, nvitop-exporter at 1 s), each started around
 its own segments and scraped every second (beside.py). Both are interleaved with alone segments in
 rounds (plan.py); each segment is compared with the alone segments either side of it, with a Student t
-interval over the rounds, and two conditions with each other round by round (stats.py). The job is
+interval over the rounds, and two conditions with each other round by round (bench/stats.py). The job is
 also timed before anything starts and after everything stops (bare). The attribution by NVML call and
 daemon thread (attribution.py) runs last when asked for (--attribute-s).
 
