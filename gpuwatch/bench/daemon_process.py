@@ -1,6 +1,6 @@
 """A real `gpuwatch run` process (or another local server) on a free loopback port: started, waited for, stopped.
 
-Every measurement starts its daemons and peers here: `bench_daemon` (a daemon on the bench's backend
+The bench starts its daemons and peers here: `bench_daemon` (a daemon on the bench's backend
 that never quarantines: a quarantine signals the processes on that GPU, and on a real node those are
 someone's job) and `nvitop_exporter` (the peer it is compared with) are built on it.
 
