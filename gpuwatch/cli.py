@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 import click
 
 from gpuwatch import __version__
+from gpuwatch.base.command_error import FiniteFloatRange, OneLineGroup, fail
 from gpuwatch.bench.cli import bench
-from gpuwatch.command_error import FiniteFloatRange, OneLineGroup, fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.launch import launch
+from gpuwatch.launcher.launch import launch
 from gpuwatch.service.cli import service
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -104,7 +104,7 @@ def main() -> None:
 def run(config_path: str | None, **flags: Any) -> None:
     """Run the daemon: sample, judge, export, serve."""
     from gpuwatch.daemon import Daemon, setup_logging
-    from gpuwatch.statelock import NewDaemonDir
+    from gpuwatch.node.statelock import NewDaemonDir
 
     config = build_config(config_path, **flags)
     setup_logging(config.log_level)
@@ -127,8 +127,8 @@ def run(config_path: str | None, **flags: Any) -> None:
 @one_line_errors
 def status(config_path: str | None, as_json: bool, wide: bool, plain: bool, **flags: Any) -> None:
     """Show the GPUs of the running daemon: a table that fits the terminal, or one GPU per line when piped."""
-    from gpuwatch import status_view
-    from gpuwatch.client import DaemonClient
+    from gpuwatch.serving import status_view
+    from gpuwatch.serving.client import DaemonClient
 
     client = DaemonClient(build_config(config_path, **flags), config_path=config_path, over_tcp=True)
     listed = client.gpu_list()
@@ -183,7 +183,7 @@ def check(
     listed = _daemon_view(config) if slurm else None
     from_daemon = listed is not None
     if listed is None:
-        from gpuwatch.offline import check as run_check
+        from gpuwatch.node.offline import check as run_check
 
         snapshot = run_check(config, samples=samples, duration_s=duration_s)
         rows: list[dict[str, Any]] = [
@@ -220,8 +220,8 @@ BAD = {"degraded", "unhealthy"}  # the severities (and states) that fail a check
 def _daemon_view(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
     """The running daemon's GPUs and node findings as GET /v1/gpus writes them (check's rows are its --json), or
     None when no daemon answers."""
-    from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
+    from gpuwatch.serving.client import DaemonClient
 
     try:
         listed = DaemonClient(config, timeout_s=5.0).gpu_list()
@@ -239,8 +239,8 @@ def _slurm_check(
     Only the daemon knows the quarantines it persisted: judged from a sample of its own, check drains but
     never resumes.
     """
-    from gpuwatch import slurm
-    from gpuwatch.fleet import FleetBreaker
+    from gpuwatch.cluster import slurm
+    from gpuwatch.cluster.fleet import FleetBreaker
 
     gate = FleetBreaker(config.fleet).allow_drain if config.fleet.prometheus_url else None  # asks, within timeout_s
     scontrol = slurm.Scontrol(config.slurm.scontrol, config.slurm.timeout_s)
@@ -261,7 +261,7 @@ def _slurm_check(
 @one_line_errors
 def record(config_path: str | None, out_path: str, duration_s: float, **flags: Any) -> None:
     """Record a trace from any backend (JSON lines; the format: docs/trace-format.md in the repository)."""
-    from gpuwatch.recorder import record as run_record
+    from gpuwatch.node.recorder import record as run_record
 
     interval = flags.pop("interval_s") or 1.0
     config = build_config(config_path, **flags)
@@ -280,8 +280,8 @@ def _progress(done_s: float, total_s: float) -> None:
 @one_line_errors
 def replay(trace_path: str, config_path: str | None, as_json: bool) -> None:
     """Run a trace through the rules and the state machine."""
-    from gpuwatch.offline import replay as run_replay
-    from gpuwatch.trace import read_trace
+    from gpuwatch.backends.trace import read_trace
+    from gpuwatch.node.offline import replay as run_replay
 
     started = time.perf_counter()
     results = run_replay(read_trace(Path(trace_path)), load(config_path, known_rules=_rule_names()))
@@ -305,7 +305,7 @@ def replay(trace_path: str, config_path: str | None, as_json: bool) -> None:
 @one_line_errors
 def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -> None:
     """Quarantine GPU INDEX: trainers on it are asked to checkpoint and leave."""
-    from gpuwatch.client import DaemonClient
+    from gpuwatch.serving.client import DaemonClient
 
     g = DaemonClient(build_config(config_path, **flags), config_path=config_path).quarantine(index, reason)
     click.echo(g.message or f"GPU {g.index} quarantined (epoch {g.epoch}): {g.quarantine_reason}")
@@ -320,8 +320,8 @@ def quarantine(index: int, reason: str, config_path: str | None, **flags: Any) -
 @one_line_errors
 def release(index: int, reason: str, force: bool, validate: bool, config_path: str | None, **flags: Any) -> None:
     """Release GPU INDEX from quarantine (a GPU still degraded or unhealthy needs --force)."""
-    from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
+    from gpuwatch.serving.client import DaemonClient
 
     config = build_config(config_path, **flags)
     wait_s = config.validation.timeout_s * 2 + 30 if validate else None  # the GPU test, then dcgmi diag

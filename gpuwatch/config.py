@@ -198,7 +198,7 @@ class ApiConfig:
 
 @dataclass(frozen=True)
 class SlurmConfig:
-    """Draining this node in Slurm while gpuwatch holds a GPU out of service (gpuwatch/slurm.py)."""
+    """Draining this node in Slurm while gpuwatch holds a GPU out of service (gpuwatch/cluster/slurm.py)."""
 
     enabled: bool = False
     node_name: str = ""  # "": this host's short name, as Slurm names nodes
@@ -212,7 +212,8 @@ class SlurmConfig:
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The fleet-wide circuit breaker: Prometheus' view of every node, asked before acting (gpuwatch/fleet.py)."""
+    """The fleet-wide circuit breaker: Prometheus' view of every node, asked before acting
+    (gpuwatch/cluster/fleet.py)."""
 
     prometheus_url: str = ""  # "": off
     max_quarantined_share: float = 0.1  # refuse when this share of the fleet's GPUs is quarantined

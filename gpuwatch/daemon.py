@@ -25,19 +25,28 @@ import uvicorn
 from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client.registry import Collector
 
-from gpuwatch import __version__, liveness, systemd, validation
-from gpuwatch.api_token import ensure_token
+from gpuwatch import __version__, validation
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Backend, KernelLogAware, Scripted
 from gpuwatch.backends.kmsg import KernelLog
+from gpuwatch.base import systemd
+from gpuwatch.cluster.fleet import FleetBreaker, FleetCollector
+from gpuwatch.cluster.slurm import Drainer, SlurmCollector
 from gpuwatch.config import Config, RulesConfig
 from gpuwatch.control.access import Access
 from gpuwatch.control.hosts import HostPolicy
 from gpuwatch.drills.service import DrillService
 from gpuwatch.errors import ConfigError, StoreError
-from gpuwatch.fleet import FleetBreaker, FleetCollector
 from gpuwatch.health.state import Decision
-from gpuwatch.httpserver import (
+from gpuwatch.model import GpuEvent, Snapshot
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.node.runtime import RuntimeDir
+from gpuwatch.node.statelock import StateDirLock
+from gpuwatch.node.store import JOURNAL_NAME, Store
+from gpuwatch.remediation import Remediation
+from gpuwatch.serving import liveness
+from gpuwatch.serving.api_token import ensure_token
+from gpuwatch.serving.httpserver import (
     ACCEPT_BURST,
     AcceptErrorLog,
     ASGIApp,
@@ -47,20 +56,13 @@ from gpuwatch.httpserver import (
     limited_protocol,
     raise_fd_limit,
 )
-from gpuwatch.listeners import open_listeners
-from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
-from gpuwatch.model import GpuEvent, Snapshot
-from gpuwatch.monitor import Monitor
-from gpuwatch.remediation import Remediation
-from gpuwatch.remediation_metrics import RemediationCollector
-from gpuwatch.runtime import RuntimeDir
-from gpuwatch.runtime_metrics import RuntimeCollector
-from gpuwatch.slurm import Drainer, SlurmCollector
+from gpuwatch.serving.listeners import open_listeners
+from gpuwatch.serving.metrics import MetricsRenderer, SnapshotCollector
+from gpuwatch.serving.remediation_metrics import RemediationCollector
+from gpuwatch.serving.runtime_metrics import RuntimeCollector
 from gpuwatch.snapshots.layout import snapshot_root
 from gpuwatch.snapshots.prune import SquatWatch
 from gpuwatch.snapshots.prune import prune as prune_snapshots
-from gpuwatch.statelock import StateDirLock
-from gpuwatch.store import JOURNAL_NAME, Store
 
 log = logging.getLogger("gpuwatch.daemon")
 
@@ -257,8 +259,8 @@ class Daemon:
 
     def api(self) -> ASGIApp:
         """The FastAPI app with every part's routes. Its imports (about 16 MiB) happen here, not at start."""
-        from gpuwatch import remediation_api
-        from gpuwatch.api import create_api
+        from gpuwatch.serving import remediation_api
+        from gpuwatch.serving.api import create_api
 
         return create_api(
             self.monitor,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.runtime import RuntimeDir
+from gpuwatch.node.runtime import RuntimeDir
 
 # Every load() without an explicit path, in this process and in every child that inherits the environment,
 # reads this empty file instead of a node's /etc/gpuwatch/gpuwatch.toml (.ci/run puts a decoy there to prove it).

@@ -10,8 +10,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.bench.daemon_process import child_env
-from gpuwatch.clock import ManualClock
 from gpuwatch.config import Config, load
 from gpuwatch.daemon import Daemon
 from tests.reporting import FakeRank

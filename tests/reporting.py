@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.runtime import RuntimeDir
+from gpuwatch.node.runtime import RuntimeDir
 
 ServeReports = Callable[[Path], RuntimeDir]  # the `serve_reports` fixture (tests/conftest.py)
 SPIN = "import threading; threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()"

@@ -117,7 +117,7 @@ def test_healthz_says_stale_once_sampling_stops_and_answers_only_get_and_head(no
 
 
 def test_an_empty_token_file_is_replaced(tmp_path: Path) -> None:
-    from gpuwatch.api_token import ensure_token
+    from gpuwatch.serving.api_token import ensure_token
 
     path = tmp_path / "token"
     path.write_text("\n")

@@ -9,7 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch.metrics import MetricsRenderer, SnapshotCollector, text_exposition
+from gpuwatch.serving.metrics import MetricsRenderer, SnapshotCollector, text_exposition
 
 
 class Families(Collector):

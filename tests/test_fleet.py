@@ -1,4 +1,4 @@
-"""gpuwatch/fleet.py: the verdicts, the Prometheus query and its failures, caching, counting, the collector.
+"""gpuwatch/cluster/fleet.py: the verdicts, the Prometheus query and its failures, caching, counting, the collector.
 
 A real Prometheus runs in tests/e2e/test_fleet_breaker.py; here a small HTTP server answers with
 what Prometheus' query API returns, including the answers it gives when something is wrong.
@@ -19,10 +19,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.bench.daemon_process import free_port, wait_until
-from gpuwatch.clock import ManualClock
-from gpuwatch.config import FleetConfig
-from gpuwatch.fleet import (
+from gpuwatch.cluster.fleet import (
     MAX_ANSWER_BYTES,
     QUARANTINED_SHARE,
     FleetBreaker,
@@ -35,7 +34,8 @@ from gpuwatch.fleet import (
     judge_drain,
     judge_quarantine,
 )
-from gpuwatch.slurm import DrainStatus, SlurmCollector
+from gpuwatch.cluster.slurm import DrainStatus, SlurmCollector
+from gpuwatch.config import FleetConfig
 from tests.bad_prometheus import HUGE_BYTES, BadPrometheus
 
 LIMITS = FleetConfig(prometheus_url="http://x", max_quarantined_share=0.2, max_drained_nodes=3)

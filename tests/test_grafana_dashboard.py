@@ -1,6 +1,6 @@
 """dashboards/grafana/gpuwatch.json: valid, wired to its variables, and querying only metrics gpuwatch exposes.
 
-The names a query may use come from rendering gpuwatch.metrics for a fully populated GPU, plus
+The names a query may use come from rendering gpuwatch.serving.metrics for a fully populated GPU, plus
 the families other modules add (EXTRA_METRICS) and the series Prometheus makes per target.
 `dashboard_queries()` turns every panel query into plain PromQL, for checks against a real
 Prometheus as well as the ones here.
@@ -22,7 +22,6 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import (
     Action,
     Finding,
@@ -34,10 +33,12 @@ from gpuwatch.model import (
     Severity,
     Snapshot,
 )
+from gpuwatch.serving.metrics import MetricsRenderer, SnapshotCollector
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "grafana" / "gpuwatch.json"
 
-# Families exposed by the trainer, drill, incident, Slurm and fleet collectors, which gpuwatch.metrics only hosts.
+# Families exposed by the trainer, drill, incident, Slurm and fleet collectors, which gpuwatch.serving.metrics only
+# hosts.
 EXTRA_METRICS = frozenset(
     {
         "gpuwatch_trainer_memory_fragmentation_ratio",
@@ -96,7 +97,7 @@ def metric_names(expr: str) -> set[str]:
 
 
 def _populated_snapshot() -> Snapshot:
-    """One GPU with every optional field set, so every family gpuwatch.metrics can emit is emitted."""
+    """One GPU with every optional field set, so every family gpuwatch.serving.metrics can emit is emitted."""
     text = {"index", "uuid", "name", "pci_bus_id"}
     limits = {f.name: 1 for f in dataclasses.fields(GpuStatic) if f.name not in text}
     static = GpuStatic(0, "GPU-0", name="NVIDIA H200", pci_bus_id="00000000:19:00.0", **limits)

@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.client import DaemonClient
 from gpuwatch.errors import DaemonError
-from gpuwatch.launch import (
+from gpuwatch.launcher.launch import (
     EXIT_RESUME,
     Failure,
     Launcher,
@@ -34,9 +33,10 @@ from gpuwatch.launch import (
     run_torchrun,
     usable,
 )
-from gpuwatch.launching.torchrun_output import parse_failures
+from gpuwatch.launcher.torchrun_output import parse_failures
+from gpuwatch.serving.client import DaemonClient
+from gpuwatch.serving.wire import DaemonInfo, Gpu
 from gpuwatch.trainer.contract import LAUNCH_DIR_ENV, STEP_LAYOUT, STEP_PAGE_MAGIC, step_page_name
-from gpuwatch.wire import DaemonInfo, Gpu
 
 
 @pytest.fixture(autouse=True)

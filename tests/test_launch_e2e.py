@@ -45,7 +45,7 @@ def start_node(tmp_path: Path) -> Iterator[Callable[..., Node]]:
 
 
 def _launch(node: Node, ckpt: Path, *example_args: str, max_restarts: int = 2) -> subprocess.Popen[str]:
-    example = ["-m", "gpuwatch.trainer.example", "--ckpt-dir", str(ckpt), "--report-interval", "0.2"]
+    example = ["-m", "gpuwatch.examples.trainer", "--ckpt-dir", str(ckpt), "--report-interval", "0.2"]
     return _launch_job(node, ckpt.parent, *example, *example_args, max_restarts=max_restarts)
 
 

@@ -44,7 +44,7 @@ def test_a_job_launched_without_a_runtime_dir_reports_to_the_daemons_own_and_a_q
 ) -> None:
     assert node.runtime_dir != Path("/run/gpuwatch")
     assert node.get("/v1/daemon")["runtime_dir"] == str(node.runtime_dir)
-    example = ["-m", "gpuwatch.trainer.example", "--ckpt-dir", str(tmp_path / "ckpt"), "--report-interval", "0.2"]
+    example = ["-m", "gpuwatch.examples.trainer", "--ckpt-dir", str(tmp_path / "ckpt"), "--report-interval", "0.2"]
     proc = _launch(node, tmp_path, "--max-restarts", "1", "--", *example, "--steps", "80", "--step-sleep", "0.05")
 
     ranks = _wait_for_ranks(node, proc, ranks=2, step=5)  # the daemon hears both ranks

@@ -5,9 +5,9 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from gpuwatch.launching.gpu_watch import MARGIN_S, QuarantineWatch, StopSwitch
-from gpuwatch.launching.torchrun_output import TorchrunOutput
-from gpuwatch.wire import Gpu
+from gpuwatch.launcher.gpu_watch import MARGIN_S, QuarantineWatch, StopSwitch
+from gpuwatch.launcher.torchrun_output import TorchrunOutput
+from gpuwatch.serving.wire import Gpu
 
 
 def gpu(index: int, quarantined: bool = False, **extra: Any) -> Gpu:

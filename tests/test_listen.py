@@ -8,7 +8,7 @@ import pytest
 
 from gpuwatch.config import Config
 from gpuwatch.errors import ConfigError
-from gpuwatch.listeners import bind_tcp
+from gpuwatch.serving.listeners import bind_tcp
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.sim import SimBackend
-from gpuwatch.clock import ManualClock
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.errors import StoreError
 from gpuwatch.model import GpuSample
-from gpuwatch.monitor import Monitor
-from gpuwatch.store import Store
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.node.store import Store
 from tests.helpers import T0, sim_config
 
 

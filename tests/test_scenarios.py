@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.sim import SCENARIOS
-from gpuwatch.offline import check
+from gpuwatch.node.offline import check
 from tests.helpers import metric_samples, sim_config, start_sim_node
 
 RULE_SCENARIOS = sorted(name for name in SCENARIOS if name not in {"demo", "all_series", "healthy", "idle"})

@@ -1,4 +1,4 @@
-"""gpuwatch.systemd speaks sd_notify: datagrams arrive on a real socket, path or abstract."""
+"""gpuwatch.base.systemd speaks sd_notify: datagrams arrive on a real socket, path or abstract."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch import systemd
+from gpuwatch.base import systemd
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""gpuwatch/slurm.py without Slurm: the policy, the plan, reading scontrol, failures, the drainer, its metrics.
+"""gpuwatch/cluster/slurm.py without Slurm: the policy, the plan, reading scontrol, failures, the drainer, its metrics.
 
 The real slurmctld and slurmd run in tests/e2e/test_slurm_drain.py; here scontrol is a shell
 script where its failures (missing, an error, a hang) are the point, and an in-memory node elsewhere.
@@ -14,8 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
-from gpuwatch.config import SlurmConfig
-from gpuwatch.slurm import (
+from gpuwatch.cluster.slurm import (
     Drainer,
     DrainStatus,
     GpuView,
@@ -28,6 +27,7 @@ from gpuwatch.slurm import (
     plan,
     wanted,
 )
+from gpuwatch.config import SlurmConfig
 from tests.helpers import fake_scontrol, metric_samples, start_sim_node
 
 SHOW_DRAINED = """NodeName=gwnode Arch=x86_64 CoresPerSocket=1

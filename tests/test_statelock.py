@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.errors import ConfigError
-from gpuwatch.statelock import LOCK_NAME, StateDirLock
+from gpuwatch.node.statelock import LOCK_NAME, StateDirLock
 
 
 def test_second_holder_is_refused_with_the_first_ones_pid(tmp_path: Path) -> None:

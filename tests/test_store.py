@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuwatch.model import Action, Finding, Severity
-from gpuwatch.store import QuarantineRecord, Store
+from gpuwatch.node.store import QuarantineRecord, Store
 
 
 def test_quarantine_survives_reopen(tmp_path: Path) -> None:

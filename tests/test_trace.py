@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.backends.trace import TraceWriter, read_trace, reading_from_dict, reading_to_dict
 from gpuwatch.errors import TraceError
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
-from gpuwatch.trace import TraceWriter, read_trace, reading_from_dict, reading_to_dict
 from tests.helpers import HEALTHY_TRACE
 
 SHARED_TRACE = HEALTHY_TRACE  # the real H200 trace of shared/traces, committed under tests/data
@@ -179,9 +179,9 @@ def test_the_format_doc_in_the_repository_names_every_field_and_kind() -> None:
 
     from click.testing import CliRunner
 
+    from gpuwatch.backends.trace import FORMAT, VERSION
     from gpuwatch.cli import main
     from gpuwatch.model import ERROR_KINDS, EVENT_KINDS
-    from gpuwatch.trace import FORMAT, VERSION
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "trace-format.md"
     text = doc.read_text()

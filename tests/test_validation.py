@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.sim import SimBackend
-from gpuwatch.clock import ManualClock
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.config import Config, ValidationConfig
 from gpuwatch.model import GpuSample, GpuStatic
-from gpuwatch.monitor import Monitor
-from gpuwatch.store import Store
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.node.store import Store
 from gpuwatch.validation import ValidationResult, judge, validate
 from tests.helpers import T0, sim_config
 
@@ -244,9 +244,9 @@ def test_cli_release_validate_exit_codes(tmp_path: Path, monkeypatch: pytest.Mon
     from click.testing import CliRunner
 
     from gpuwatch.cli import main
-    from gpuwatch.client import DaemonClient
     from gpuwatch.errors import DaemonError
-    from gpuwatch.wire import GpuChanged
+    from gpuwatch.serving.client import DaemonClient
+    from gpuwatch.serving.wire import GpuChanged
 
     asked: list[float | None] = []
 

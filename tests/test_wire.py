@@ -1,4 +1,5 @@
-"""The API's models (gpuwatch.wire) against real answers: what a client parses and writes back is what the daemon sent.
+"""The API's models (gpuwatch.serving.wire) against real answers: what a client parses and writes back is what the
+daemon sent.
 
 Every body of a sim daemon with drills, a job's ranks and an incident goes through the model its
 route declares; written back, it must be the same JSON to the key, the null and the int-or-float.
@@ -17,11 +18,11 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from gpuwatch import wire
 from gpuwatch.config import DrillSchedule
 from gpuwatch.errors import DaemonError
-from gpuwatch.injection import Injection
 from gpuwatch.model import SAMPLE_FIELDS, Action, Finding, GpuEvent, Severity, TrainerInfo
+from gpuwatch.node.injection import Injection
+from gpuwatch.serving import wire
 from tests.drills.conftest import Job, start_drill_node
 from tests.drills.test_validate_drill import idle_gpu, use_fake_test
 from tests.helpers import SimNode
@@ -162,6 +163,9 @@ def test_an_answer_that_is_not_the_body_is_a_daemon_error() -> None:
 
 def test_the_cli_and_the_daemon_start_without_pydantic() -> None:
     """The models load with the first answer read: `gpuwatch --help` and a scraped-only daemon never pay for them."""
-    code = "import sys, gpuwatch.cli, gpuwatch.daemon; print(sorted({'pydantic', 'gpuwatch.wire'} & set(sys.modules)))"
+    code = (
+        "import sys, gpuwatch.cli, gpuwatch.daemon; "
+        "print(sorted({'pydantic', 'gpuwatch.serving.wire'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from gpuwatch.backends.trace import Trace, read_trace
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendError, GpuReadError
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic, Reading
-from gpuwatch.trace import Trace, read_trace
 
 # When no event is due, wait_events waits this long so an event loop calling it does not spin.
 _IDLE_WAIT_S = 0.05

@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from gpuwatch import __version__
-from gpuwatch.command_error import FiniteFloatRange, OneLineCommand, fail
+from gpuwatch.base.command_error import FiniteFloatRange, OneLineCommand, fail
 
 # In the order they run: the long footprint and the trainer jobs come last.
 SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation", "interference", "recovery")

@@ -23,11 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuwatch import wire
 from gpuwatch.backends.kmsg import pci_key
-from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
+from gpuwatch.bench.daemon_process import bench_daemon
+from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import Row, Section, target
 from gpuwatch.config import RulesConfig
+from gpuwatch.serving import wire
 
 EVENT_TARGET_S = 1.0
 KERNEL_LOG_TARGET_S = 0.05

@@ -27,8 +27,8 @@ from typing import Any
 
 import psutil
 
-from gpuwatch.bench.daemon_process import ServerProcess, child_env
-from gpuwatch.bench.harness import Context, Http, bench_daemon, nvitop_exporter, progress
+from gpuwatch.bench.daemon_process import ServerProcess, bench_daemon, child_env, nvitop_exporter
+from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, target
 
 SCRAPE_EVERY_S = 15.0
@@ -66,7 +66,7 @@ IMPORT_LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("click and rich (the CLI)", ("click", "rich.console", "rich.table")),
     ("uvicorn and httptools", ("uvicorn", "uvicorn.protocols.http.httptools_impl")),
     ("apscheduler", ("apscheduler.schedulers.background",)),
-    ("gpuwatch: config, model, rules, monitor", ("gpuwatch.config", "gpuwatch.monitor", "gpuwatch.backends.sim")),
+    ("gpuwatch: config, model, rules, monitor", ("gpuwatch.config", "gpuwatch.node.monitor", "gpuwatch.backends.sim")),
     ("gpuwatch: trainer side, reports, remediation", ("gpuwatch.trainer", "gpuwatch.remediation.service")),
     ("gpuwatch: drills", ("gpuwatch.drills.service",)),
     ("gpuwatch: the rest of `gpuwatch run`", ("gpuwatch.cli", "gpuwatch.daemon")),

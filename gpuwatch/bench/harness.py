@@ -1,28 +1,22 @@
-"""What the measurements share: the run's context, the daemons it measures, keep-alive HTTP, statistics.
+"""What the measurements share besides the processes they start (daemon_process) and their statistics (stats):
+the run's context, progress lines, keep-alive HTTP to a server, the size of an exposition.
 
-Every daemon the bench starts is a real `python -m gpuwatch run` process (daemon_process.DaemonProcess)
+Every daemon the bench starts is a real `python -m gpuwatch run` process (daemon_process.bench_daemon)
 on 127.0.0.1 with its own config file, state dir and runtime dir under the bench's temp dir, and
 without the caller's GPUWATCH_* variables, so a node's configuration never leaks in and the bench never
-touches the node's daemon. Unless a measurement asks otherwise it never quarantines a GPU
-(`policy.quarantine_on_unhealthy = false`): a quarantine signals the processes on that GPU, and on a
-real node those are someone's job.
+touches the node's daemon.
 """
 
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
-import math
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
-
-from gpuwatch.bench.daemon_process import ConfigTables, DaemonProcess, ServerProcess, free_port
 
 
 @dataclass(frozen=True)
@@ -58,23 +52,6 @@ class Context:
 def progress(message: str) -> None:
     """A progress line on stderr (stdout carries the table)."""
     click.echo(f"bench: {message}", err=True)
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..1) of already sorted values."""
-    return sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))]
-
-
-def summarize(values_s: Sequence[float], unit: str) -> dict[str, float]:
-    """Mean, p50 and p99 of durations in seconds, in `unit` (us or ms), and how many there were."""
-    scale = {"us": 1e6, "ms": 1e3, "s": 1.0}[unit]
-    ordered = sorted(values_s)
-    return {
-        f"mean_{unit}": sum(ordered) / len(ordered) * scale,
-        f"p50_{unit}": percentile(ordered, 0.50) * scale,
-        f"p99_{unit}": percentile(ordered, 0.99) * scale,
-        "n": len(ordered),
-    }
 
 
 class Http:
@@ -122,31 +99,6 @@ class Http:
 
     def close(self) -> None:
         self._conn.close()
-
-
-def bench_daemon(ctx: Context, name: str, interval_s: float, tables: ConfigTables | None = None) -> DaemonProcess:
-    """`gpuwatch run` on the bench's backend, at `interval_s`, with `tables` over the bench's config (no quarantine).
-
-    A start that fails says so in one line (the last of its log), as a section's reason in the table.
-    """
-    merged: dict[str, dict[str, Any]] = {"policy": {"quarantine_on_unhealthy": False}}
-    for section, values in (tables or {}).items():
-        merged.setdefault(section, {}).update(values)
-    args = ["--interval", f"{interval_s:g}", "--log-level", "warning"]
-    if ctx.backend == "sim":
-        args += ["--sim-gpus", str(ctx.gpus), "--sim-scenario", "healthy", "--seed", "0"]
-    root = ctx.workdir / name
-    return DaemonProcess(root, *args, backend=ctx.backend, config=merged, name=f"gpuwatch run ({name})", tail_lines=1)
-
-
-def nvitop_exporter(ctx: Context, name: str, interval_s: float = 1.0) -> ServerProcess | None:
-    """nvitop-exporter as its own process (`python -m nvitop_exporter`) on a free port; None when not installed."""
-    if importlib.util.find_spec("nvitop_exporter") is None:
-        return None
-    port = free_port()
-    args = [sys.executable, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", str(port)]
-    args += ["--interval", f"{interval_s:g}"]
-    return ServerProcess(f"nvitop-exporter ({name})", args, port, ctx.workdir / f"nvitop-{name}.log", tail_lines=1)
 
 
 def exposition_size(body: bytes) -> dict[str, int]:

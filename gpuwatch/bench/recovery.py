@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import child_env
-from gpuwatch.bench.harness import Context, bench_daemon, progress
+from gpuwatch.bench.daemon_process import bench_daemon, child_env
+from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
 
 SIZES_ENV = "GPUWATCH_BENCH_RECOVERY_GIB"
@@ -342,7 +342,7 @@ def in_place(trial: Trial) -> dict[str, Any]:
     """
     import torch
 
-    from gpuwatch.inplace.bench import measure_in_place
+    from gpuwatch.bench.recovery_in_place import measure_in_place
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < 2:
@@ -353,9 +353,9 @@ def in_place(trial: Trial) -> dict[str, Any]:
 
 def _one_rank_in_place(trial: Trial, *, spare: bool) -> dict[str, Any]:
     """A 1-rank job under the in-place launcher (gpuwatch.inplace.sharded_worker, a host snapshot every
-    SPARE_EVERY steps), SIGKILLed; its replacement is a warm spare or a cold start (gpuwatch.spares.bench)."""
+    SPARE_EVERY steps), SIGKILLed; its replacement is a warm spare or a cold start (gpuwatch.bench.recovery_spare)."""
+    from gpuwatch.bench.recovery_spare import measure_spare
     from gpuwatch.snapshots import snapshot_root
-    from gpuwatch.spares.bench import measure_spare
 
     if (reason := _shm_short(snapshot_root(), int(trial.gib * 2**30))) is not None:
         raise Skip(reason)

@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch import wire
-from gpuwatch.bench.daemon_process import child_env
-from gpuwatch.bench.harness import Context, Http, bench_daemon, progress
+from gpuwatch.bench.daemon_process import bench_daemon, child_env
+from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
 from gpuwatch.bench.sampling import bench_config, open_backend
+from gpuwatch.serving import wire
 
 RESUME_TARGET_S = 30.0
 FAULT_GPU = 1
@@ -59,7 +59,7 @@ def run(ctx: Context) -> Section:
         ckpt = daemon.root / "ckpt"
         args = [sys.executable, "-m", "gpuwatch", "launch", "--nproc-per-node", "2", "--min-nproc", "1"]
         args += ["--max-restarts", "3", "--runtime-dir", str(daemon.runtime_dir), "--listen", daemon.listen]
-        args += ["--state-dir", str(daemon.state_dir), "--", "-m", "gpuwatch.trainer.example"]  # torchrun runs it
+        args += ["--state-dir", str(daemon.state_dir), "--", "-m", "gpuwatch.examples.trainer"]  # torchrun runs it
         args += ["--steps", str(steps), "--ckpt-dir", str(ckpt), "--step-sleep", "0.05"]
         args += ["--report-interval", f"{report_s:g}"]
         out_path, log_path = daemon.root / "launch.out", daemon.root / "launch.log"

@@ -26,18 +26,19 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.backends.base import Backend
-from gpuwatch.bench.harness import Context, progress, summarize
+from gpuwatch.base.clock import ManualClock
+from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, not_applicable, ratio, target
-from gpuwatch.clock import ManualClock
+from gpuwatch.bench.stats import summarize
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.health import engine
 from gpuwatch.health.history import History
 from gpuwatch.health.running import RunningState
-from gpuwatch.metrics import MetricsRenderer, SnapshotCollector
 from gpuwatch.model import GpuSample, GpuStatic
-from gpuwatch.monitor import Monitor
-from gpuwatch.runtime import RuntimeDir
-from gpuwatch.store import Store
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.node.runtime import RuntimeDir
+from gpuwatch.node.store import Store
+from gpuwatch.serving.metrics import MetricsRenderer, SnapshotCollector
 
 FLOOR_TARGET_RATIO = 3.0
 TICK_TARGET_US = 150.0  # per GPU with a full hour of history (on an H200)

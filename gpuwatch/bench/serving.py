@@ -23,17 +23,10 @@ import subprocess
 import time
 from typing import Any
 
-from gpuwatch.bench.harness import (
-    Context,
-    Http,
-    bench_daemon,
-    exposition_size,
-    nvitop_exporter,
-    percentile,
-    progress,
-    summarize,
-)
+from gpuwatch.bench.daemon_process import bench_daemon, nvitop_exporter
+from gpuwatch.bench.harness import Context, Http, exposition_size, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, ratio, target
+from gpuwatch.bench.stats import percentile, summarize
 
 LEVELS = (1, 10, 50)
 P99_TARGET_MS = 5.0

@@ -13,10 +13,10 @@ import http.client
 import socket
 from pathlib import Path
 
+from gpuwatch.base.unixsock import address as unix_address
 from gpuwatch.control import peer, socket_path
 from gpuwatch.control.peer import PeerCred
 from gpuwatch.control.socket_path import NoControlSocket, NotTheDaemon
-from gpuwatch.unixsock import address as unix_address
 
 
 def connect(path: Path, timeout_s: float) -> tuple[socket.socket, PeerCred]:

@@ -19,7 +19,7 @@ from gpuwatch.errors import DrillError
 from gpuwatch.model import Severity
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 _BAD = (Severity.DEGRADED.value, Severity.UNHEALTHY.value)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpuwatch.command_error import OneLineCommand, fail
+from gpuwatch.base.command_error import OneLineCommand, fail
 from gpuwatch.config import Config, load
 from gpuwatch.drills.steps import FAIL, PASS, Clock, Progress, Verdict
 from gpuwatch.errors import DaemonError, GpuwatchError
@@ -219,7 +219,7 @@ def _print(verdict: Verdict, title: str, as_json: bool) -> None:
 
 def _clear(config: Config, gpu: int | None, config_path: str | None) -> None:
     """End the injections in force (on `gpu`, else on every GPU) now, one line for each; or say there was none."""
-    from gpuwatch.client import DaemonClient
+    from gpuwatch.serving.client import DaemonClient
 
     client = DaemonClient(config, config_path=config_path)
     client.require_control()

@@ -1,10 +1,10 @@
 """How a drill sees the daemon: the same HTTP API an operator or Alertmanager sees, nothing private,
-over the control socket an operator's commands use (gpuwatch.client).
+over the control socket an operator's commands use (gpuwatch.serving.client).
 
 A drill proves the chain a fault goes through (finding, /metrics, quarantine, incident), so it
 reads what the outside world reads. Tests plug an in-process client in behind `DrillApi`.
 
-The answers a drill reads come back as the API's models (gpuwatch.wire), imported at the first
+The answers a drill reads come back as the API's models (gpuwatch.serving.wire), imported at the first
 call: the daemon imports the drills at start, and pydantic only with its API's first request.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gpuwatch.client import DaemonClient
 from gpuwatch.config import Config
+from gpuwatch.serving.client import DaemonClient
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read (see above)
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 
 class DrillApi(Protocol):
@@ -51,7 +51,7 @@ class HttpApi(DaemonClient):
 
 
 def node(api: DrillApi) -> wire.GpuList:
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     return wire.read(wire.GpuList, api.get("/v1/gpus"), "GET /v1/gpus")
 
@@ -61,7 +61,7 @@ def gpus(api: DrillApi) -> list[wire.Gpu]:
 
 
 def gpu(api: DrillApi, index: int) -> wire.Gpu:
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     path = f"/v1/gpus/{index}"
     return wire.read(wire.Gpu, api.get(path), f"GET {path}")
@@ -69,21 +69,21 @@ def gpu(api: DrillApi, index: int) -> wire.Gpu:
 
 def incidents(api: DrillApi, limit: int | None = None) -> list[wire.Incident]:
     """The daemon's incidents, newest first (its default number of them without `limit`)."""
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     path = "/v1/incidents" if limit is None else f"/v1/incidents?limit={limit}"
     return wire.read(wire.Incidents, api.get(path), f"GET {path}").incidents
 
 
 def inject(api: DrillApi, index: int, body: dict[str, Any]) -> wire.Injection:
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     path = f"/v1/gpus/{index}/inject"
     return wire.read(wire.Injection, api.post(path, body), f"POST {path}")
 
 
 def release(api: DrillApi, index: int, body: dict[str, Any]) -> wire.GpuChanged:
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     path = f"/v1/gpus/{index}/release"
     return wire.read(wire.GpuChanged, api.post(path, body), f"POST {path}")
@@ -91,14 +91,14 @@ def release(api: DrillApi, index: int, body: dict[str, Any]) -> wire.GpuChanged:
 
 def release_backend(api: DrillApi, duration_s: float) -> wire.BackendReleased:
     """Ask the daemon to let go of its NVML/DCGM handles; findings read as the drill's for `duration_s`."""
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     path = "/v1/backend/release"
     return wire.read(wire.BackendReleased, api.post(path, {"duration_s": duration_s}), f"POST {path}")
 
 
 def reacquire_backend(api: DrillApi) -> wire.BackendReacquired:
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     path = "/v1/backend/reacquire"
     return wire.read(wire.BackendReacquired, api.post(path, {}), f"POST {path}")

@@ -17,9 +17,9 @@ from typing import Any
 
 import psutil
 
+from gpuwatch.base.tools import run_tool
 from gpuwatch.config import Config
 from gpuwatch.errors import DrillError
-from gpuwatch.tools import run_tool
 
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 

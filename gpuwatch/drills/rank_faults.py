@@ -26,7 +26,7 @@ from gpuwatch.drills.steps import Outcome, Pending, Step
 from gpuwatch.errors import DrillError
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 FAULT_SIGNAL = signal.SIGUSR2  # what TrainerLink(allow_drills=True) answers with a real XID 31
 SUDDEN = ("rank_died", "gpu_fault")

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpuwatch.drills.steps import FAIL, PASS
-from gpuwatch.store import Store
+from gpuwatch.node.store import Store
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 log = logging.getLogger("gpuwatch.drills")
 _RECALLED_RUNS = 1000
@@ -57,13 +57,13 @@ class DrillRecord:
 
     def runs(self, limit: int) -> list[wire.DrillRun]:
         """The newest `limit` verdicts, for GET /v1/drills."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         return [wire.DrillRun.model_validate(run) for run in self._store.drill_runs(limit=limit)]
 
     def skipped(self) -> list[wire.DrillSkip]:
         """The skips by drill and reason, for GET /v1/drills."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         with self._lock:
             return [wire.DrillSkip(drill=d, reason=r, count=n) for (d, r), n in sorted(self._skipped.items())]

@@ -19,14 +19,14 @@ from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from gpuwatch import wire
 from gpuwatch.backends.base import Releasable
 from gpuwatch.config import DrillSchedule
 from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.scheduler import DrillScheduler, validate
 from gpuwatch.drills.spec import KINDS
 from gpuwatch.errors import BackendError, ConfigError
-from gpuwatch.monitor import Monitor
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.serving import wire
 
 
 def _known_drill(name: str) -> str:

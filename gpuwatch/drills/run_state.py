@@ -15,7 +15,7 @@ from gpuwatch.drills.spec import DcgmSpec, Expectation, InjectSpec, Kind
 from gpuwatch.drills.steps import Clock
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 
 @dataclass

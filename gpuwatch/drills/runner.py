@@ -20,7 +20,7 @@ from gpuwatch.drills.steps import Clock, Outcome, Pending, Progress, Skip, Step,
 from gpuwatch.errors import DaemonError, DrillError
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 XID_FAULT = 31
 RANK_DRILLS: dict[str, Callable[[Run], list[Step]]] = {

@@ -29,7 +29,7 @@ from gpuwatch.drills.steps import Clock, Verdict
 from gpuwatch.errors import ConfigError, GpuwatchError
 
 if TYPE_CHECKING:  # pydantic loads with the first answer read, not with the daemon that imports the drills
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 log = logging.getLogger("gpuwatch.drills")
 
@@ -171,7 +171,7 @@ class DrillScheduler:
 
     def schedule_view(self, now: datetime) -> list[wire.ScheduleEntry]:
         """Each scheduled entry with its next runs, for GET /v1/drills."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         return [
             wire.ScheduleEntry(

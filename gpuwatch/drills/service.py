@@ -11,8 +11,8 @@ from gpuwatch.drills.daemon_client import HttpApi
 from gpuwatch.drills.record import DrillRecord
 from gpuwatch.drills.scheduler import DrillScheduler
 from gpuwatch.drills.steps import Clock, Interrupted
-from gpuwatch.monitor import Monitor
-from gpuwatch.store import Store
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.node.store import Store
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -13,7 +13,7 @@ the next state and the decisions to act on (the monitor logs, persists and execu
   `breaker_window_s`, so a bad rule, driver or rack cannot take a whole node out. Operator
   quarantines bypass it. It counts drill quarantines too: a drill takes real GPUs out.
 * Gate: an optional callable asked after the node breaker allows an auto quarantine (the fleet
-  breaker, gpuwatch/fleet.py, which asks Prometheus); it returns None to allow or why it refuses.
+  breaker, gpuwatch/cluster/fleet.py, which asks Prometheus); it returns None to allow or why it refuses.
   This module only calls it: whatever it reads is the caller's business.
 """
 

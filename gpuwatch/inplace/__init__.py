@@ -2,8 +2,8 @@
 leaves, dies or hangs, and whose returning GPUs get the state from a peer, never from disk.
 
 Trainer side: `InPlaceJob` (gpuwatch.inplace.job), stdlib and torch only, like gpuwatch.trainer.
-Launcher side: `gpuwatch launch --in-place` (gpuwatch.inplace.supervisor) runs the workers and
-hosts the job's store. `measure_in_place` (gpuwatch.inplace.bench) times it for `gpuwatch bench`.
+Launcher side: `gpuwatch launch --in-place` (gpuwatch.launcher.in_place) runs the workers and
+hosts the job's store. `measure_in_place` (gpuwatch.bench.recovery_in_place) times it for `gpuwatch bench`.
 """
 
 from __future__ import annotations

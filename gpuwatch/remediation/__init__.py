@@ -6,7 +6,7 @@
 * judging.py: the trainers' timelines and jobs' progress, judged by gpuwatch.health.trainer_rules;
 * incidents.py: the incident record, stored in SQLite.
 
-Its HTTP routes are in gpuwatch.remediation_api, its metrics in gpuwatch.remediation_metrics.
+Its HTTP routes are in gpuwatch.serving.remediation_api, its metrics in gpuwatch.serving.remediation_metrics.
 """
 
 from gpuwatch.remediation.service import Remediation, parse_signal

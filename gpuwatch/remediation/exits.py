@@ -14,7 +14,7 @@ import os
 import select
 import threading
 
-from gpuwatch.procfs import ProcFs
+from gpuwatch.base.procfs import ProcFs
 
 log = logging.getLogger("gpuwatch.remediation")
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.ranks import JobKey, Rank
-from gpuwatch.store import Store
+from gpuwatch.node.ranks import JobKey, Rank
+from gpuwatch.node.store import Store
 
 log = logging.getLogger("gpuwatch.remediation")
 

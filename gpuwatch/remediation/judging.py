@@ -16,11 +16,11 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.config import TrainerConfig
 from gpuwatch.health import trainer_rules
 from gpuwatch.model import Finding, Snapshot, TrainerInfo
-from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import PID_BACKENDS, JobKey, Rank
+from gpuwatch.node.ranks import PID_BACKENDS, JobKey, Rank
 
 log = logging.getLogger("gpuwatch.remediation")
 

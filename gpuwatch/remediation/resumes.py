@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from gpuwatch.model import TrainerInfo
-from gpuwatch.ranks import JobKey
+from gpuwatch.node.ranks import JobKey
 from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_SPARE, Incident
 from gpuwatch.reports import Report
 

@@ -33,22 +33,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatch.base.procfs import ProcFs
+from gpuwatch.base.sourcelog import SourceLog
 from gpuwatch.config import Config
 from gpuwatch.errors import ConfigError
 from gpuwatch.health import trainer_rules
 from gpuwatch.health.state import Decision
 from gpuwatch.model import Snapshot
-from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import PID_BACKENDS, JobKey, Rank, map_ranks
+from gpuwatch.node.ranks import PID_BACKENDS, JobKey, Rank, map_ranks
+from gpuwatch.node.runtime import Report, RuntimeDir
+from gpuwatch.node.store import Store
 from gpuwatch.remediation.exits import ExitWatch
 from gpuwatch.remediation.faults import STARTED_SLACK_S, Fault, FaultTracker
 from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident, IncidentBook, Target
 from gpuwatch.remediation.judging import Hang, TrainerJudge
 from gpuwatch.remediation.resumes import ResumeWatches
 from gpuwatch.remediation.stopping import JobStop
-from gpuwatch.runtime import Report, RuntimeDir
-from gpuwatch.sourcelog import SourceLog
-from gpuwatch.store import Store
 from gpuwatch.trainer.contract import ENDED_ERROR
 
 log = logging.getLogger("gpuwatch.remediation")

@@ -14,8 +14,8 @@ import logging
 import os
 import signal
 
-from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import Rank
+from gpuwatch.base.procfs import ProcFs
+from gpuwatch.node.ranks import Rank
 
 log = logging.getLogger("gpuwatch.remediation")
 

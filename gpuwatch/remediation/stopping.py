@@ -14,8 +14,8 @@ import logging
 import signal
 import time
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.config import TrainerConfig
-from gpuwatch.procfs import ProcFs
 from gpuwatch.remediation import signals
 from gpuwatch.remediation.incidents import Incident, Target
 

@@ -24,10 +24,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from gpuwatch.base.procfs import ProcFs
+from gpuwatch.base.sourcelog import SourceLog
 from gpuwatch.model import TrainerInfo
-from gpuwatch.procfs import ProcFs
 from gpuwatch.reports.parse import ReportError, parse_report
-from gpuwatch.sourcelog import SourceLog
 from gpuwatch.trainer.contract import REPORT_PROTOCOL, STEP_PAGE_BYTES, StepPage, read_step_page
 
 log = logging.getLogger("gpuwatch.reports")
@@ -103,15 +103,22 @@ class ReportBoard:
             entry.connected += 1
             return True
 
+    def _admitted(self, pid: int, page_fd: int | None) -> _Entry | None:
+        """An admitted connection's entry, with the step page it passed taken; None (the page closed) for any
+        other. Called with the lock held."""
+        entry = self._entries.get(pid)
+        if entry is None:
+            _close(page_fd)
+        elif page_fd is not None:
+            self._take_page(entry, page_fd)
+        return entry
+
     def receive(self, pid: int, data: bytes, page_fd: int | None = None) -> None:
         """A message of an admitted connection; a descriptor passed with it is taken or closed here."""
         with self._lock:
-            entry = self._entries.get(pid)
+            entry = self._admitted(pid, page_fd)
             if entry is None:
-                _close(page_fd)
                 return
-            if page_fd is not None:
-                self._take_page(entry, page_fd)
             try:
                 entry.info = parse_report(data, pid)
             except ReportError as exc:
@@ -120,12 +127,9 @@ class ReportBoard:
     def hello(self, pid: int, protocol: int, page_fd: int | None = None) -> None:
         """A connection's first message: its hello naming `protocol` (1: none, an older rank), with the step page."""
         with self._lock:
-            entry = self._entries.get(pid)
+            entry = self._admitted(pid, page_fd)
             if entry is None:
-                _close(page_fd)
                 return
-            if page_fd is not None:
-                self._take_page(entry, page_fd)
             if protocol != REPORT_PROTOCOL:
                 self._say.say(
                     entry.uid, logging.WARNING,

@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuwatch.base.unixsock import address as socket_address
 from gpuwatch.reports.board import ReportBoard
 from gpuwatch.trainer.contract import MAX_REPORT_BYTES, hello, hello_protocol
-from gpuwatch.unixsock import address as socket_address
 
 log = logging.getLogger("gpuwatch.reports")
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from gpuwatch.command_error import fail
+from gpuwatch.base.command_error import fail
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.service.layout import Root, prefix_of
 

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.base.tools import run_tool
 from gpuwatch.errors import ServiceError
 from gpuwatch.service.layout import COMMAND_LINK, DEFAULT_PREFIX, MONITORING, NODE_FILES, SHARE, NodeFile, Root
-from gpuwatch.tools import run_tool
 
 MANIFEST = "installed.json"  # in <prefix>/share/gpuwatch/
 REPLACED = "replaced"  # <prefix>/share/gpuwatch/replaced/: files install put aside

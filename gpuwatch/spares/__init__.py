@@ -9,7 +9,7 @@ hands one the rank's command and environment (`SparePool.hand_over`) and starts 
 * `gpuwatch.spares.worker`: the spare process (`python -m gpuwatch.spares.worker`);
 * `gpuwatch.spares.pool`: the launcher's side, `SparePool`, and each rank's last word;
 * `gpuwatch.spares.room`: whether a GPU has room for a replacement beside a dying rank's memory (NVML);
-* `gpuwatch.spares.bench`: a spare against a cold start, for `gpuwatch bench --only recovery`.
+* `gpuwatch.bench.recovery_spare`: a spare against a cold start, for `gpuwatch bench --only recovery`.
 
 docs/spares.md is the user guide.
 """

@@ -27,6 +27,7 @@ import stat
 import time
 from pathlib import Path
 
+from gpuwatch.base.unixsock import address as unix_address
 from gpuwatch.trainer.contract import (
     LAUNCH_DIR_ENV,
     NO_STEP,
@@ -39,7 +40,6 @@ from gpuwatch.trainer.contract import (
     hello_protocol,
     step_page_name,
 )
-from gpuwatch.unixsock import address as unix_address
 
 log = logging.getLogger("gpuwatch.trainer")
 

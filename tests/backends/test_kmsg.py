@@ -11,9 +11,9 @@ import pytest
 
 from gpuwatch.backends.kmsg import KernelLog, parse_record, pci_key
 from gpuwatch.backends.sim import SimBackend
-from gpuwatch.clock import ManualClock
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.model import GpuEvent, GpuStatic
-from gpuwatch.monitor import Monitor
+from gpuwatch.node.monitor import Monitor
 from tests.helpers import T0, sim_config
 
 BOOT = 1_800_000_000.0
@@ -145,7 +145,7 @@ def test_an_xid_from_both_sources_counts_once(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("readable", "value"), [(False, 0.0), (True, 1.0)])
 def test_kernel_log_access_is_exported(tmp_path: Path, readable: bool, value: float) -> None:
-    from gpuwatch.metrics import SnapshotCollector, text_exposition
+    from gpuwatch.serving.metrics import SnapshotCollector, text_exposition
     from tests.helpers import metric_samples
 
     clock = ManualClock(T0)
@@ -202,8 +202,8 @@ def test_status_lists_kernel_xids_with_their_time(tmp_path: Path, monkeypatch: p
     from click.testing import CliRunner
 
     from gpuwatch.cli import main
-    from gpuwatch.client import DaemonClient
-    from gpuwatch.wire import GpuList
+    from gpuwatch.serving.client import DaemonClient
+    from gpuwatch.serving.wire import GpuList
 
     gpu = {"index": 0, "uuid": "GPU-a", "state": "healthy", "quarantined": False, "findings": [], "sample": None}
     gpu |= {"suggested_action": "none", "kernel_xids": [{"t": BOOT, "xid": 31, "line": XID31}]}

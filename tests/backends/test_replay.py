@@ -10,10 +10,10 @@ import pytest
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.backends.replay import ReplayBackend, Tick, iter_ticks
+from gpuwatch.backends.trace import Trace, TraceWriter
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendError, GpuReadError, TraceError
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
-from gpuwatch.trace import Trace, TraceWriter
 from tests.helpers import HEALTHY_TRACE
 
 SHARED_TRACE = HEALTHY_TRACE  # the real H200 trace of shared/traces, committed under tests/data

@@ -16,13 +16,13 @@ import pytest
 
 from gpuwatch.backends.base import Backend
 from gpuwatch.backends.sim import BUSY_S, CYCLE_S, SCENARIOS, SimBackend
-from gpuwatch.clock import ManualClock
+from gpuwatch.backends.trace import read_trace
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.config import Config, RulesConfig, SimConfig
 from gpuwatch.errors import BackendError, ConfigError, GpuReadError
 from gpuwatch.health import node
 from gpuwatch.health.engine import ALL_RULE_IDS
 from gpuwatch.model import GpuEvent, GpuSample
-from gpuwatch.trace import read_trace
 
 T0 = 1_800_000_000.0
 FAULTY = 1

@@ -16,7 +16,7 @@ import click
 import pytest
 from fastapi.testclient import TestClient
 
-from gpuwatch.clock import ManualClock
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.config import Config, DrillSchedule
 from gpuwatch.daemon import Daemon
 from gpuwatch.drills.cli import drill

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.bench.daemon_process import DaemonProcess, run_gpuwatch
-from gpuwatch.clock import ManualClock
 from gpuwatch.daemon import Daemon
 from tests.helpers import T0, sim_config
 

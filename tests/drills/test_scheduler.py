@@ -16,8 +16,8 @@ from gpuwatch.drills.runner import DrillRefused
 from gpuwatch.drills.scheduler import DrillScheduler, entries, next_runs, pick_target
 from gpuwatch.drills.steps import Clock
 from gpuwatch.errors import ConfigError
-from gpuwatch.store import Store
-from gpuwatch.wire import Gpu
+from gpuwatch.node.store import Store
+from gpuwatch.serving.wire import Gpu
 from tests.drills.conftest import FakeDaemon, drill_service, fake_gpu, start_drill_node
 from tests.helpers import metric_samples
 

@@ -45,7 +45,7 @@ def _launch(node: DaemonProcess, ckpt: Path, steps: int, *launch_args: str) -> s
     command = [
         sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
         "--max-restarts", "2", *launch_args,
-        "--", "-m", "gpuwatch.trainer.example", "--ckpt-dir", str(ckpt), "--steps", str(steps),
+        "--", "-m", "gpuwatch.examples.trainer", "--ckpt-dir", str(ckpt), "--steps", str(steps),
         "--step-sleep", "0.1", "--ckpt-every", "10", "--report-interval", "0.2",
     ]  # fmt: skip
     return subprocess.Popen(

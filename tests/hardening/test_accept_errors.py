@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gpuwatch.httpserver import FD_RESERVE, AcceptErrorLog
+from gpuwatch.serving.httpserver import FD_RESERVE, AcceptErrorLog
 
 
 def emfile_context() -> dict[str, object]:
@@ -55,7 +55,7 @@ def test_connection_cap_fits_below_the_fd_limit() -> None:
     probe = (
         "import logging, resource, sys\n"
         "logging.basicConfig(stream=sys.stdout, format='%(message)s')\n"
-        "from gpuwatch.httpserver import raise_fd_limit\n"
+        "from gpuwatch.serving.httpserver import raise_fd_limit\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 300))\n"
         "print(raise_fd_limit(1000), raise_fd_limit(50), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
     )

@@ -115,7 +115,7 @@ def test_rules_failing_on_one_gpu_never_stop_judging_the_others(
     node: SimNode, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Defence behind the validation: a value the rules choke on (here planted past the API) stays on its GPU."""
-    from gpuwatch.injection import Injection
+    from gpuwatch.node.injection import Injection
 
     monitor = node.daemon.monitor
     now = node.clock()

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from gpuwatch import config
 from gpuwatch.cli import main
 from gpuwatch.errors import ConfigError
-from gpuwatch.httpserver import FD_RESERVE
+from gpuwatch.serving.httpserver import FD_RESERVE
 from tests.hardening.conftest import tmpfs
 from tests.helpers import sim_config
 from tests.test_systemd_unit import EXAMPLE_CONFIG, SYSTEMD_DIR, parse_unit

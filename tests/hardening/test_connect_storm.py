@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.node.runtime import RuntimeDir
 from gpuwatch.reports.server import STORM_CPU_SHARE
-from gpuwatch.runtime import RuntimeDir
 from tests.hardening.conftest import local_users
 from tests.reporting import FakeRank
 
@@ -33,7 +33,7 @@ pytestmark = [
 STORM_S = 10.0
 STORM = """
 import os, socket, sys, time
-from gpuwatch.unixsock import address as socket_address
+from gpuwatch.base.unixsock import address as socket_address
 from pathlib import Path
 uid = int(sys.argv[2])
 os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)  # the stormer, from here on

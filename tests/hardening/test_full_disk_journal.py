@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.base.slotfile import Mirrored, SlotFile
 from gpuwatch.bench.daemon_process import DaemonProcess, wait_until
 from gpuwatch.errors import StoreError
 from gpuwatch.model import GpuEvent
-from gpuwatch.slotfile import Mirrored, SlotFile
-from gpuwatch.store import JOURNAL_NAME, JOURNAL_SLOT_BYTES, Store
+from gpuwatch.node.store import JOURNAL_NAME, JOURNAL_SLOT_BYTES, Store
 from tests.hardening.conftest import tmpfs
 from tests.helpers import start_sim_node
 

@@ -379,7 +379,7 @@ def test_host_policy() -> None:
 
 
 def test_sd_listen_fds_takes_only_what_is_meant_for_this_process() -> None:
-    from gpuwatch.systemd import listen_fds
+    from gpuwatch.base.systemd import listen_fds
 
     other = {"LISTEN_PID": str(os.getpid() + 1), "LISTEN_FDS": "2", "LISTEN_FDNAMES": "a:b"}
     assert listen_fds(other) == [] and other == {}, "a parent's sockets are not ours; the variables go either way"

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 from gpuwatch.bench.daemon_process import run_gpuwatch
 from gpuwatch.cli import main
+from gpuwatch.cluster.fleet import FleetView, judge_quarantine
 from gpuwatch.config import MAX_CONFIG_BYTES, FleetConfig
-from gpuwatch.fleet import FleetView, judge_quarantine
-from gpuwatch.store import QuarantineRecord, Store
+from gpuwatch.node.store import QuarantineRecord, Store
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:

@@ -20,7 +20,7 @@ import pytest
 
 from gpuwatch.errors import StoreError
 from gpuwatch.model import GpuEvent
-from gpuwatch.store import QuarantineRecord, Store
+from gpuwatch.node.store import QuarantineRecord, Store
 from tests.hardening.conftest import tmpfs
 from tests.helpers import SimNode, metric_samples, start_sim_node
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
+from gpuwatch.base.unixsock import address as socket_address
 from gpuwatch.remediation.incidents import USER_INCIDENTS_PER_MIN
-from gpuwatch.unixsock import address as socket_address
 from tests.hardening.conftest import local_users
 from tests.helpers import SimNode, start_sim_node
 from tests.reporting import SPIN, FakeRank
@@ -178,7 +178,7 @@ def test_nobody_can_fill_the_runtime_dir_and_a_connection_flood_hides_no_victim_
 
 FLOOD = """
 import json, os, socket, time
-from gpuwatch.unixsock import address as socket_address
+from gpuwatch.base.unixsock import address as socket_address
 from pathlib import Path
 os.setgroups([]); os.setresgid(UID, UID, UID); os.setresuid(UID, UID, UID)  # mallory, from here on
 sockets, attempted, accepted = [], 0, 0

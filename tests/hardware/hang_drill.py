@@ -41,7 +41,7 @@ def main() -> int:
     launch: subprocess.Popen[str] | None = None
     try:
         daemon.start()
-        job = ["-m", "gpuwatch.trainer.example", "--steps", str(args.steps), "--ckpt-dir", str(work / "ckpt")]
+        job = ["-m", "gpuwatch.examples.trainer", "--steps", str(args.steps), "--ckpt-dir", str(work / "ckpt")]
         job += ["--step-sleep", "0.02", "--ckpt-every", "200"]
         argv = [*daemon.command("launch", "--runtime-dir", str(daemon.runtime_dir), "--max-restarts", "3"), "--", *job]
         log = open(work / "launch.log", "w")  # noqa: SIM115  # the launcher's, for as long as it runs

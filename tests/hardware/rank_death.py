@@ -55,7 +55,7 @@ def main() -> int:
     env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
     sim = ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.backend == "sim" else []
     with DaemonProcess(work, "--interval", "1", *sim, backend=args.backend) as daemon:
-        example = ["-m", "gpuwatch.trainer.example", "--ckpt-dir", str(work / "ckpt"), "--steps", str(args.steps)]
+        example = ["-m", "gpuwatch.examples.trainer", "--ckpt-dir", str(work / "ckpt"), "--steps", str(args.steps)]
         example += ["--ckpt-every", str(args.ckpt_every), "--step-sleep", str(args.step_sleep)]
         example += ["--report-interval", "0.5", "--abort-after", str(args.abort_after), "--gloo-timeout", "10"]
         example += ["--no-rescue"] if args.no_rescue else []

@@ -66,7 +66,7 @@ def _run_job(trainer: str, args: argparse.Namespace, daemon: DaemonProcess, env:
     work = daemon.root
     ckpt = work / f"ckpt-{trainer}"
     if trainer == "example":
-        job = ["-m", "gpuwatch.trainer.example", "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]
+        job = ["-m", "gpuwatch.examples.trainer", "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]
         job += ["--step-sleep", "0.02", "--report-interval", "1", "--allow-drills", "--ckpt-every", "200"]
     else:
         job = [str(REPO / "tests/hardware/readme_trainer.py"), "--steps", str(args.steps), "--ckpt-dir", str(ckpt)]

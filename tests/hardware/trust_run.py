@@ -43,7 +43,7 @@ def main() -> int:
     daemon = DaemonProcess(work, "--interval", "1", *sim, backend=args.backend, env=HANG_IN_SECONDS)
     env = {**child_env(("GPUWATCH_", "TORCHELASTIC_")), **HANG_IN_SECONDS}
     ckpt = work / "ckpt"
-    job = ["-m", "gpuwatch.trainer.example", "--steps", str(args.steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "50"]
+    job = ["-m", "gpuwatch.examples.trainer", "--steps", str(args.steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "50"]
     job += ["--step-sleep", "0.02", "--report-interval", "1", "--allow-drills", "--no-rescue"]
     result: dict[str, Any] = {"backend": args.backend, "drills": [], "ok": False}
     launch = None

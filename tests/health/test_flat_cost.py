@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from gpuwatch.backends.sim import SimBackend
-from gpuwatch.clock import ManualClock
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.config import Config, RulesConfig, SimConfig
-from gpuwatch.monitor import Monitor
+from gpuwatch.node.monitor import Monitor
 
 T0 = 1_800_000_000.0
 TICKS = 20

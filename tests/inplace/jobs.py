@@ -113,7 +113,7 @@ def launch_in_place(
     command = [
         sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
         "--in-place", *launch_args,
-        "--", "-m", "gpuwatch.trainer.example", "--in-place", "--ckpt-dir", str(logs), "--steps", str(steps),
+        "--", "-m", "gpuwatch.examples.trainer", "--in-place", "--ckpt-dir", str(logs), "--steps", str(steps),
         "--step-sleep", str(step_sleep), "--report-interval", "0.2", "--gloo-timeout", "20",
         "--ckpt-every", str(ckpt_every),
     ]  # fmt: skip

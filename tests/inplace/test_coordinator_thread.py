@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 
 from gpuwatch.inplace.coordinator import Coordinator  # noqa: E402
 from gpuwatch.inplace.protocol import JOIN, append_event, latest_generation, read_generation  # noqa: E402
-from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor  # noqa: E402
+from gpuwatch.launcher.in_place import GpuView, InPlacePlan, InPlaceStopped, Supervisor  # noqa: E402
 
 SLEEPER = ("-c", "import time; time.sleep(120)")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.client import DaemonClient
-from gpuwatch.launch import launch
-from gpuwatch.wire import DaemonInfo, Gpu
+from gpuwatch.launcher.launch import launch
+from gpuwatch.serving.client import DaemonClient
+from gpuwatch.serving.wire import DaemonInfo, Gpu
 
 
 @pytest.fixture(autouse=True)

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.config import TrainerConfig
 from gpuwatch.model import GpuSample, GpuStatic, GpuStatus, Snapshot, TrainerInfo
-from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import JobKey, Rank
+from gpuwatch.node.ranks import JobKey, Rank
 from gpuwatch.remediation.judging import Hang, TrainerJudge
 
 T0 = 1_800_000_000.0

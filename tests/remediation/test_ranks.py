@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.model import GpuSample, GpuStatic, GpuStatus, TrainerInfo
-from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import map_ranks, resolve_gpu
+from gpuwatch.node.ranks import map_ranks, resolve_gpu
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 

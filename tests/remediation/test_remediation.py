@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from gpuwatch.errors import ConfigError
 from gpuwatch.remediation import Remediation, parse_signal
-from gpuwatch.remediation_metrics import RemediationCollector
+from gpuwatch.serving.remediation_metrics import RemediationCollector
 from tests.helpers import SimNode, metric_samples, start_sim_node
 from tests.remediation.conftest import Spawn
 from tests.reporting import FakeRank

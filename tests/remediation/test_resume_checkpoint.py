@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _example(tmp_path: Path, steps: int, **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH_", "TORCHELASTIC_", "RANK"))}
     return subprocess.run(
-        [sys.executable, "-m", "gpuwatch.trainer.example", "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt")]
+        [sys.executable, "-m", "gpuwatch.examples.trainer", "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ckpt")]
         + ["--ckpt-every", "5"],
         env={**base, "PYTHONPATH": str(REPO), "GPUWATCH_RUNTIME_DIR": str(tmp_path / "run"), **env},
         capture_output=True,

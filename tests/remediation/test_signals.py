@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.model import TrainerInfo
-from gpuwatch.procfs import ProcFs
-from gpuwatch.ranks import Rank
+from gpuwatch.node.ranks import Rank
 from gpuwatch.remediation import signals
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")

@@ -21,18 +21,18 @@ from typing import Any
 
 import pytest
 
-from gpuwatch import runtime as runtime_module
+from gpuwatch.base.procfs import ProcFs
+from gpuwatch.base.unixsock import address as socket_address
 from gpuwatch.errors import ConfigError
-from gpuwatch.procfs import ProcFs
+from gpuwatch.node import runtime as runtime_module
+from gpuwatch.node.runtime import RuntimeDir
 from gpuwatch.reports import board as board_module
 from gpuwatch.reports import parse_report
 from gpuwatch.reports.board import DEAD_KEEP_S, ReportBoard
 from gpuwatch.reports.parse import ReportError
 from gpuwatch.reports.server import FLOOD_DROPS
-from gpuwatch.runtime import RuntimeDir
 from gpuwatch.trainer.channel import StepPageWriter
 from gpuwatch.trainer.contract import MAX_REPORT_BYTES, PAUSE_UNTIL_SLOT, REPORT_PROTOCOL, STEP_SLOT, hello
-from gpuwatch.unixsock import address as socket_address
 from tests.reporting import FakeRank
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.runtime import RuntimeDir
+from gpuwatch.node.runtime import RuntimeDir
 from tests.reporting import ServeReports
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
     """torchrun as `gpuwatch launch` runs it: a local c10d store, the run id pinned to the job id."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--rdzv-backend", "c10d"]
     command += ["--rdzv-endpoint", "localhost:0", "--rdzv-id", JOB, "--max-restarts", "0", f"--nproc-per-node={nproc}"]
-    return [*command, "-m", "gpuwatch.trainer.example", *args]
+    return [*command, "-m", "gpuwatch.examples.trainer", *args]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

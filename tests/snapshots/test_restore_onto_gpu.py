@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from gpuwatch.examples import trainer as example  # noqa: E402
 from gpuwatch.inplace import sharded  # noqa: E402
-from gpuwatch.trainer import example  # noqa: E402
 
 
 class _Snap:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.launch import launch
+from gpuwatch.launcher.launch import launch
 from gpuwatch.spares import SparePool
 from tests.helpers import launch_env
 
@@ -79,7 +79,7 @@ def test_the_nodes_trainer_spares_leaves_a_torchrun_launch_alone(tmp_path: Path)
 
 
 def test_a_replacement_due_on_a_gpu_no_longer_usable_moves_to_a_free_usable_gpu_with_its_rank(tmp_path: Path) -> None:
-    from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, Supervisor
+    from gpuwatch.launcher.in_place import GpuView, InPlacePlan, Supervisor
 
     views = [GpuView(0, "GPU-0", False, 1), GpuView(1, "GPU-1", True, 0)]  # GPU 0 quarantined since its rank died
     said: list[str] = []
@@ -105,7 +105,7 @@ while True:
 
 def test_a_killed_rank_leaves_no_last_word_and_its_exit_is_seen_before_it_is_reaped(tmp_path: Path) -> None:
     """The launcher replaces a rank when its exit begins: no word from the runner means it was killed."""
-    from gpuwatch.inplace.supervisor import exit_began
+    from gpuwatch.launcher.in_place import exit_began
 
     script = tmp_path / "loop.py"
     script.write_text(LOOP)

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 
 from gpuwatch.model import GpuStatic, GpuStatus, Health, Snapshot, TrainerInfo
+from gpuwatch.node.runtime import status_body
 from gpuwatch.reports.parse import _FIELDS
-from gpuwatch.runtime import status_body
 from gpuwatch.trainer.contract import (
     PAUSE_LAYOUT,
     STEP_LAYOUT,

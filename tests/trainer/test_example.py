@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.runtime import RuntimeDir
+from gpuwatch.node.runtime import RuntimeDir
 from gpuwatch.trainer import EXIT_RESUME
 from tests.reporting import ServeReports, reports_by_rank
 
@@ -34,7 +34,7 @@ TIMEOUT_S = 180
 
 def _torchrun(nproc: int, *args: str) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*command, "-m", "gpuwatch.trainer.example", *args]
+    return [*command, "-m", "gpuwatch.examples.trainer", *args]
 
 
 def _env(runtime_dir: Path, **extra: str) -> dict[str, str]:

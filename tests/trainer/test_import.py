@@ -12,7 +12,7 @@ FORBIDDEN = ("fastapi", "pynvml", "apscheduler", "prometheus_client", "gpuwatch.
 
 
 def test_import_pulls_in_no_daemon_dependency() -> None:
-    code = "import json, sys, gpuwatch.trainer, gpuwatch.trainer.example; print(json.dumps(sorted(sys.modules)))"
+    code = "import json, sys, gpuwatch.trainer, gpuwatch.examples.trainer; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
 
     modules = set(json.loads(out.stdout))

@@ -18,7 +18,7 @@ from types import FrameType
 
 import pytest
 
-from gpuwatch.runtime import RuntimeDir
+from gpuwatch.node.runtime import RuntimeDir
 from gpuwatch.trainer import EXIT_RESUME, TrainerLink, bench_step
 from gpuwatch.trainer.contract import STEP_PAGE_BYTES, read_step_page
 

@@ -1,9 +1,10 @@
 """Interference: what a monitor costs the training job beside it (`gpuwatch bench --only interference`).
 
 section.py runs it (the job alone and beside each monitor, interleaved, then the attribution by NVML
-call and daemon thread); job.py and caller.py are the processes it drives, beside.py the monitors,
-plan.py the order, stats.py the ratios and intervals, cpus.py where each runs. The section is loaded
-when it runs: `gpuwatch run --backend gpuwatch.bench.interference.variants:…` imports only variants.
+call and daemon thread); job.py and caller.py are the processes it drives (child.py their line
+protocol), beside.py the monitors, plan.py the order, cpus.py where each runs; the ratios and
+intervals are the bench's statistics (bench/stats.py). The section is loaded when it runs:
+`gpuwatch run --backend gpuwatch.bench.interference.variants:…` imports only variants.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwatch.backends import nvml_plan
-from gpuwatch.bench.harness import Context, bench_daemon, progress
-from gpuwatch.bench.interference import stats, variants
+from gpuwatch.bench import stats
+from gpuwatch.bench.daemon_process import bench_daemon
+from gpuwatch.bench.harness import Context, progress
+from gpuwatch.bench.interference import variants
 from gpuwatch.bench.interference.beside import Beside, CallLoop, Monitor
 from gpuwatch.bench.interference.caller import NVML_KINDS, SIM_KINDS, CallerProcess, Kind
 from gpuwatch.bench.interference.plan import interleave

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import functools
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ from typing import Any
 
 from gpuwatch.backends import nvml_plan
 from gpuwatch.backends.nvml_plan import ReadPlan
-from gpuwatch.bench.interference.child import answer, read_line
+from gpuwatch.bench.interference.child import Child, answer
 from gpuwatch.config import Config, NvmlConfig, SimConfig
 
 Call = Callable[[], object]
@@ -335,56 +334,31 @@ class CallerProcess:
     def __init__(self, backend: str, gpu: int, sim_gpus: int, stderr_path: Path) -> None:
         argv = [sys.executable, "-m", "gpuwatch.bench.interference.caller", "--backend", backend]
         argv += ["--gpu", str(gpu), "--sim-gpus", str(sim_gpus)]
-        self._stderr = stderr_path.open("wb")
-        self._process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1
-        )
+        self._child = Child("NVML helper", argv, stderr_path)
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self._child.pid
 
     def probe(self, kind: str) -> str:
         """ "" when the helper can make `kind`'s call here, else why not."""
-        reply = self._ask(f"probe {kind}")
+        reply = self._child.ask(f"probe {kind}", self.ANSWER_TIMEOUT_S)
         return "" if reply == "ok" else reply.removeprefix("failed ")
 
     def run(self, kind: str, rate: float) -> None:
-        reply = self._ask(f"run {kind} {rate!r}")
+        reply = self._child.ask(f"run {kind} {rate!r}", self.ANSWER_TIMEOUT_S)
         if reply != "running":
             raise RuntimeError(f"the helper could not run {kind}: {reply}")
 
     def stop(self) -> tuple[int, float, int]:
         """Calls made, seconds, and errors since run()."""
-        reply = self._ask("stop").split()
+        reply = self._child.ask("stop", self.ANSWER_TIMEOUT_S).split()
         if reply[0] != "stopped":
             raise RuntimeError(f"the helper answered {' '.join(reply)!r} to stop")
         return int(reply[1]), float(reply[2]), int(reply[3])
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            try:
-                assert self._process.stdin is not None
-                self._process.stdin.write("quit\n")
-                self._process.stdin.flush()
-                self._process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self._process.kill()
-                self._process.wait()
-        self._stderr.close()
-
-    def _ask(self, line: str) -> str:
-        stdin, stdout = self._process.stdin, self._process.stdout
-        assert stdin is not None and stdout is not None
-        try:
-            stdin.write(line + "\n")
-            stdin.flush()
-        except BrokenPipeError:
-            raise RuntimeError("the NVML helper exited") from None
-        reply = read_line(stdout, self.ANSWER_TIMEOUT_S)
-        if reply is None:
-            raise RuntimeError(f"the NVML helper gave no answer to {line.split()[0]}")
-        return reply.strip()
+        self._child.close()
 
 
 if __name__ == "__main__":

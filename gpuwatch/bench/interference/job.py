@@ -23,7 +23,6 @@ import array
 import collections
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.interference.child import answer, read_line
+from gpuwatch.bench.interference.child import Child, answer
 
 # (matmuls, size) per device and kind
 STEPS = {
@@ -137,29 +136,19 @@ class JobProcess:
         argv = [sys.executable, "-m", "gpuwatch.bench.interference.job", "--device", device]
         if cpu is not None:
             argv += ["--cpu", str(cpu)]
-        self._stderr_path = workdir / "job.stderr"
-        self._stderr = self._stderr_path.open("wb")
-        self._process = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            bufsize=1,
-            env={**os.environ, **(env or {})},
-        )
+        self._child = Child("job", argv, workdir / "job.stderr", env)
         self._segments = 0
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self._child.pid
 
     def use(self, kind: str, warm_up_s: float) -> float:
         """Switch to step `kind` and warm it up; its median step in seconds."""
         return float(self._ask(f"use {kind} {warm_up_s}", "ready", ANSWER_TIMEOUT_S + warm_up_s))
 
     def start(self) -> None:
-        self._send("start")
+        self._child.send("start")
 
     def stop(self) -> list[float]:
         """Stop timing; the step times (seconds) since start()."""
@@ -173,40 +162,13 @@ class JobProcess:
         return timed.tolist()
 
     def close(self) -> None:
-        if self._process.poll() is None:
-            try:
-                self._send("quit")
-                self._process.wait(timeout=10)
-            except (OSError, RuntimeError, subprocess.TimeoutExpired):
-                self._process.kill()
-                self._process.wait()
-        self._stderr.close()
-
-    def _send(self, line: str) -> None:
-        stdin = self._process.stdin
-        assert stdin is not None
-        try:
-            stdin.write(line + "\n")
-            stdin.flush()
-        except BrokenPipeError:
-            raise RuntimeError(f"the job exited: {self._stderr_tail()}") from None
+        self._child.close()
 
     def _ask(self, line: str, answer: str, timeout_s: float) -> str:
-        self._send(line)
-        stdout = self._process.stdout
-        assert stdout is not None
-        reply = read_line(stdout, timeout_s)
-        if reply is None or not reply.startswith(answer + " "):
-            state = "exited" if self._process.poll() is not None else f"gave no `{answer}` in {timeout_s:g} s"
-            raise RuntimeError(f"the job {state}: {self._stderr_tail()}")
+        reply = self._child.ask(line, timeout_s)
+        if not reply.startswith(answer + " "):
+            raise RuntimeError(f"the job answered {reply!r} to {line.split()[0]}: {self._child.stderr_tail()}")
         return reply.split(" ", 1)[1].strip()
-
-    def _stderr_tail(self) -> str:
-        try:
-            lines = [x for x in self._stderr_path.read_text(errors="replace").splitlines() if x.strip()]
-        except OSError:
-            return "(no stderr)"
-        return lines[-1] if lines else "(empty stderr)"
 
     def __enter__(self) -> JobProcess:
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpuwatch.bench.interference.stats import ALONE
+from gpuwatch.bench.stats import ALONE
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpuwatch.bench.interference import STEPS
-from gpuwatch.bench.interference.stats import ALONE
 from gpuwatch.bench.report import Row, Section, not_applicable, target
+from gpuwatch.bench.stats import ALONE
 
 OURS, OURS_30S, NVITOP = "gpuwatch_1s", "gpuwatch_30s", "nvitop_exporter_1s"
 COST_TARGET_PCT = 0.1  # gpuwatch at 1 s, short step, p50 and mean

@@ -6,8 +6,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from gpuwatch.bench import stats
 from gpuwatch.bench.harness import progress
-from gpuwatch.bench.interference import stats
 from gpuwatch.bench.interference.beside import Beside
 from gpuwatch.bench.interference.plan import Segment, round_seconds
 

@@ -7,7 +7,7 @@ none for the others. Then the monitors (by default gpuwatch at 1 s as shipped, g
 the NVML event set it registered before `nvml.events`, nvitop-exporter at 1 s), each started around
 its own segments and scraped every second (beside.py). Both are interleaved with alone segments in
 rounds (plan.py); each segment is compared with the alone segments either side of it, with a Student t
-interval over the rounds, and two conditions with each other round by round (stats.py). The job is
+interval over the rounds, and two conditions with each other round by round (bench/stats.py). The job is
 also timed before anything starts and after everything stops (bare). The attribution by NVML call and
 daemon thread (attribution.py) runs last when asked for (--attribute-s).
 
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.bench import sampling
-from gpuwatch.bench.harness import Context, bench_daemon, nvitop_exporter, progress
+from gpuwatch.bench.daemon_process import bench_daemon, nvitop_exporter
+from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.interference import CONDITIONS, DEFAULT_CONDITIONS, DEFAULT_STEPS, attribution, cpus, rows
 from gpuwatch.bench.interference.beside import (
     START_SETTLE_S,
@@ -42,9 +43,9 @@ from gpuwatch.bench.interference.caller import CallerProcess
 from gpuwatch.bench.interference.job import JobProcess
 from gpuwatch.bench.interference.plan import interleave, rounds_within
 from gpuwatch.bench.interference.runner import differences, planned_round_s, summarize, time_segments
-from gpuwatch.bench.interference.stats import ALONE, pooled
 from gpuwatch.bench.report import Section, Skip
 from gpuwatch.bench.serving import NVIDIA_SMI_FIELDS
+from gpuwatch.bench.stats import ALONE, pooled
 
 SHARE = {"short": 0.6, "long": 0.4}  # of the monitors' rounds when both steps run: the short step shows the cost most
 OURS, OURS_EVENT_SET, OURS_30S, NVITOP = "gpuwatch_1s", "gpuwatch_1s_event_set", "gpuwatch_30s", "nvitop_exporter_1s"

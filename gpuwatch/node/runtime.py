@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.errors import ConfigError
 from gpuwatch.model import Snapshot
-from gpuwatch.procfs import ProcFs
 from gpuwatch.reports import Report, ReportBoard, ReportServer
 from gpuwatch.trainer.contract import REPORT_SOCKET, STATUS_FILE, Status, StatusGpu
 

@@ -1,6 +1,6 @@
 """The JSON bodies of the HTTP API, one pydantic model each: what the server writes and its clients read.
 
-The server (gpuwatch.api, gpuwatch.remediation_api, gpuwatch.drills.routes) returns these, so
+The server (gpuwatch.serving.api, gpuwatch.serving.remediation_api, gpuwatch.drills.routes) returns these, so
 /openapi.json documents every body; the CLI, `launch`, the drills and the bench parse what they
 get into them (model_validate) and read attributes, not string keys.
 
@@ -500,7 +500,8 @@ class ReleaseBody(BaseModel):
 class InjectBody(BaseModel):
     """A drill's injection: sample fields to override for `duration_s`, and/or one event.
 
-    Each field's type and range is checked against the sample field it overrides (gpuwatch.injection.checked_injection).
+    Each field's type and range is checked against the sample field it overrides
+    (gpuwatch.node.injection.checked_injection).
     """
 
     model_config = ConfigDict(extra="forbid")

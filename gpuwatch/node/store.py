@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuwatch.base.slotfile import Mirrored
 from gpuwatch.errors import StoreError
 from gpuwatch.model import Action, Finding, Severity
-from gpuwatch.slotfile import Mirrored
 
 log = logging.getLogger("gpuwatch.store")
 

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.model import GpuStatus, TrainerInfo
-from gpuwatch.procfs import ProcFs
 from gpuwatch.trainer.contract import RECOVERY_IN_PLACE
 
 log = logging.getLogger("gpuwatch.ranks")
@@ -74,7 +74,7 @@ def map_ranks(
 
     Args:
         gpus: the Snapshot's GPUs (their samples' `pids` are NVML's process lists).
-        reports: the trainers' live reports, attributed to their processes by gpuwatch.runtime.
+        reports: the trainers' live reports, attributed to their processes by gpuwatch.node.runtime.
         proc: where to read environments, owners and start times.
         use_pids: trust the samples' PIDs (only real backends: nvml, dcgm).
     """

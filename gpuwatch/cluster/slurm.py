@@ -27,10 +27,10 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuwatch.base.tools import run_tool
 from gpuwatch.config import SlurmConfig
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.model import GpuStatus, Snapshot
-from gpuwatch.tools import run_tool
 
 log = logging.getLogger("gpuwatch.slurm")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch.runtime import RuntimeDir
+from gpuwatch.node.runtime import RuntimeDir
 from gpuwatch.snapshots.prune import SquatWatch
 
 REASONS = ("invalid", "too_large", "rate", "user_limit", "node_limit")

@@ -6,7 +6,7 @@ byte is sent, the kernel says that root (or the caller itself) listens there, so
 caller is (root, or `api.admin_group`), never by a token a stand-in on the TCP port could keep.
 Only `gpuwatch status`, which shows and decides nothing, may fall back to the TCP listener.
 
-Answers are parsed into the API's own models (gpuwatch.wire), imported at the first answer: the
+Answers are parsed into the API's own models (gpuwatch.serving.wire), imported at the first answer: the
 daemon imports this client (its drills talk to it) and must not load pydantic before its own API
 is asked something, and `gpuwatch --help` should not pay for it either.
 """
@@ -28,7 +28,7 @@ from gpuwatch.control.socket_path import NoControlSocket, NotTheDaemon
 from gpuwatch.errors import DaemonError
 
 if TYPE_CHECKING:
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
 
 class DaemonClient:
@@ -141,30 +141,30 @@ class DaemonClient:
 
     def gpu_list(self) -> wire.GpuList:
         """GET /v1/gpus whole: the GPUs and the findings on the node."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         return wire.read(wire.GpuList, self.request("GET", "/v1/gpus"), "GET /v1/gpus")
 
     def daemon_info(self) -> wire.DaemonInfo:
         """GET /v1/daemon: the daemon's version, state dir, runtime dir and stop grace."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         return wire.read(wire.DaemonInfo, self.request("GET", "/v1/daemon"), "GET /v1/daemon")
 
     def injections(self) -> list[wire.Injection]:
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         return wire.read(wire.Injections, self.request("GET", "/v1/injections"), "GET /v1/injections").injections
 
     def end_injection(self, injection_id: int) -> wire.Injection:
         """End a drill's injection now (DELETE); the answer's `until` is when it ended."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         path = f"/v1/injections/{injection_id}"
         return wire.read(wire.Injection, self.request("DELETE", path), f"DELETE {path}")
 
     def quarantine(self, index: int, reason: str) -> wire.GpuChanged:
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         path = f"/v1/gpus/{index}/quarantine"
         return wire.read(wire.GpuChanged, self.request("POST", path, {"reason": reason}), f"POST {path}")
@@ -174,7 +174,7 @@ class DaemonClient:
     ) -> wire.GpuChanged:
         """Release GPU `index`; a GPU still degraded or unhealthy needs `force` (HTTP 409 without it); with
         `validate_timeout_s`, only after the GPU test passes (waited for that long)."""
-        from gpuwatch import wire
+        from gpuwatch.serving import wire
 
         path, body = f"/v1/gpus/{index}/release", {"reason": reason, "force": force}
         if validate_timeout_s is not None:
@@ -186,7 +186,7 @@ def _detail(body: bytes) -> str:
     """What an error answer says: its `detail`, a 422's bad parts one by one, or the body as it came."""
     from pydantic import ValidationError
 
-    from gpuwatch import wire
+    from gpuwatch.serving import wire
 
     try:
         detail = wire.UnprocessableBody.model_validate_json(body).detail

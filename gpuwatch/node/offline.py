@@ -17,11 +17,11 @@ from typing import Any
 from gpuwatch.backends import open_backend
 from gpuwatch.backends.base import Scripted
 from gpuwatch.backends.replay import ReplayBackend, iter_ticks
-from gpuwatch.clock import ManualClock
+from gpuwatch.backends.trace import Trace
+from gpuwatch.base.clock import ManualClock
 from gpuwatch.config import Config
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, Health, Snapshot, worst
-from gpuwatch.monitor import Monitor
-from gpuwatch.trace import Trace
+from gpuwatch.node.monitor import Monitor
 
 
 def check(config: Config, samples: int = 3, spacing_s: float = 1.0, duration_s: float | None = None) -> Snapshot:

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpuwatch.backends import open_backend
+from gpuwatch.backends.trace import TraceWriter
 from gpuwatch.config import Config
 from gpuwatch.errors import GpuReadError, TraceError
 from gpuwatch.model import GpuError, GpuSample, GpuStatic
-from gpuwatch.trace import TraceWriter
 
 
 def record(

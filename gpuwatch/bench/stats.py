@@ -1,4 +1,6 @@
-"""The statistics of an interleaved run: step summaries, each condition against the alone segments either side.
+"""The bench's statistics: nearest-rank percentiles and latency summaries for every section, and the statistics
+of the interference section's interleaved run: step summaries, each condition against the alone segments
+either side.
 
 A condition's segment is compared with the mean of the alone segments just before and just after it
 (the plan puts one on each side), so a slow drift of the card (clocks, temperature, power capping)
@@ -16,7 +18,23 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuwatch.bench.harness import percentile
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..1) of already sorted values."""
+    return sorted_values[max(0, min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1))]
+
+
+def summarize(values_s: Sequence[float], unit: str) -> dict[str, float]:
+    """Mean, p50 and p99 of durations in seconds, in `unit` (us or ms), and how many there were."""
+    scale = {"us": 1e6, "ms": 1e3, "s": 1.0}[unit]
+    ordered = sorted(values_s)
+    return {
+        f"mean_{unit}": sum(ordered) / len(ordered) * scale,
+        f"p50_{unit}": percentile(ordered, 0.50) * scale,
+        f"p99_{unit}": percentile(ordered, 0.99) * scale,
+        "n": len(ordered),
+    }
+
 
 ALONE = "alone"
 STATS = ("p50", "mean")

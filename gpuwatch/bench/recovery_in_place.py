@@ -1,6 +1,6 @@
 """measure_in_place: what a rank's death costs an in-place job, and what a join costs, at a given state size.
 
-    python -m gpuwatch.inplace.bench --gib 0.1 0.5 2 [--backend nccl] [--workdir DIR]
+    python -m gpuwatch.bench.recovery_in_place --gib 0.1 0.5 2 [--backend nccl] [--workdir DIR]
 
 prints one JSON line per state size (the dict below).
 
@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, Supervisor
+from gpuwatch.launcher.in_place import GpuView, InPlacePlan, Supervisor
 
 _STEADY_STEPS = 5
 
@@ -181,7 +181,9 @@ def _step_time(lines: list[dict[str, Any]], pid: int, world: int) -> float | Non
 
 def main(argv: list[str] | None = None) -> int:
     """Measure at each --gib state size; one JSON line each."""
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.inplace.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gpuwatch.bench.recovery_in_place", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--gib", type=float, nargs="+", default=[0.1, 0.5, 2.0], help="state sizes (GiB)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--ranks", type=int, help="default: 3 on gloo, every GPU on nccl")

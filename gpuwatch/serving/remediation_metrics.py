@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gpuwatch.health import trainer_rules
-from gpuwatch.ranks import Rank
+from gpuwatch.node.ranks import Rank
 from gpuwatch.remediation import Remediation
 
 LABELS = ["gpu", "uuid", "rank", "job_id"]

@@ -9,7 +9,7 @@ on them (CUDA_VISIBLE_DEVICES = their UUIDs, never indices), and reads how the j
 * the root-cause worker exited 75 (TrainerLink.exit_for_resume: checkpoint saved, stop requested
   or peers' state rescued): relaunch on the GPUs usable now, with GPUWATCH_RESUME=1, and log which
   GPUs left and why. torchrun itself exits 1 whatever its workers did; the workers' codes and
-  signals come from the summary torchrun prints on its stderr (gpuwatch.launching.torchrun_output
+  signals come from the summary torchrun prints on its stderr (gpuwatch.launcher.torchrun_output
   keeps it, and all of torchrun's own output, in a log file) and from the error file it writes to
   TORCHELASTIC_ERROR_FILE (only when the root cause left one).
 * anything else (a rank killed by a signal, a non-zero exit, torchrun tearing the group down): a
@@ -19,7 +19,7 @@ on them (CUDA_VISIBLE_DEVICES = their UUIDs, never indices), and reads how the j
 
 The ranks report to the daemon's own runtime dir (GET /v1/daemon; one given by hand that differs is
 refused), and while torchrun runs launch watches the daemon's GPU list itself
-(gpuwatch.launching.gpu_watch): a job the daemon cannot stop is moved off a quarantined GPU anyway.
+(gpuwatch.launcher.gpu_watch): a job the daemon cannot stop is moved off a quarantined GPU anyway.
 
 The job's progress (furthest step, first step of a relaunch) comes from its ranks' step pages in
 a directory of the launch's own (GPUWATCH_LAUNCH_DIR), exact even for a rank killed by SIGKILL.
@@ -55,13 +55,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpuwatch.command_error import OneLineCommand, fail
+from gpuwatch.base.command_error import OneLineCommand, fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.launching.daemon_dir import runtime_dir_for_ranks
-from gpuwatch.launching.gpu_watch import QuarantineWatch, StopSwitch
-from gpuwatch.launching.job_check import missing_job
-from gpuwatch.launching.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
+from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
+from gpuwatch.launcher.daemon_gpus import in_place_views, usable
+from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
+from gpuwatch.launcher.job_check import missing_job
+from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
     LAUNCH_DIR_ENV,
@@ -73,8 +74,8 @@ from gpuwatch.trainer.contract import (
     step_page_pid,
 )
 
-if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.client)
-    from gpuwatch.wire import Gpu
+if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemon is asked (gpuwatch.serving.client)
+    from gpuwatch.serving.wire import Gpu
 
 COMMAND = "gpuwatch launch"  # the start of its error lines
 EXIT_STOPPED = 3
@@ -110,11 +111,6 @@ class Plan:
     command: tuple[str, ...]
     stop_grace_s: float = 60.0  # the daemon's trainer.grace_period_s (GET /v1/daemon)
     watch_poll_s: float = 1.0  # how often QuarantineWatch asks the daemon
-
-
-def usable(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """The GPUs a job may use: not quarantined and not unhealthy by index."""
-    return sorted((g for g in gpus if not g.quarantined and g.state != "unhealthy"), key=lambda g: g.index)
 
 
 def rendezvous_args(
@@ -670,7 +666,7 @@ def launch(
     if inplace_secret_file and not in_place:
         fail("--inplace-secret-file applies to --in-place only", command=COMMAND)
     try:
-        from gpuwatch.client import DaemonClient
+        from gpuwatch.serving.client import DaemonClient
 
         config = load(config_path, overrides={"listen": listen, "state_dir": state_dir, "runtime_dir": runtime_dir})
         torchrun_rendezvous = rendezvous_args(job_id=job_id, **rendezvous)
@@ -695,16 +691,14 @@ def launch(
             command=command,
             stop_grace_s=daemon.stop_grace_s,
         )
-        if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.inplace.supervisor)
-            from gpuwatch.inplace.supervisor import GpuView, InPlacePlan, InPlaceStopped, Supervisor
+        if in_place:  # no torchrun: our own workers, membership and store (gpuwatch.launcher.in_place)
+            from gpuwatch.launcher.in_place import GpuView, InPlacePlan, InPlaceStopped, Supervisor
             from gpuwatch.spares import SparePool
 
             client = DaemonClient(config)
 
             def gpu_views() -> list[GpuView]:
-                gpus = client.gpus()
-                ok = {g.uuid for g in usable(gpus)}
-                return [GpuView(g.index, g.uuid, g.uuid in ok, g.epoch) for g in gpus]
+                return in_place_views(client.gpus())
 
             in_place_plan = InPlacePlan(
                 job_id, command, ranks_dir, nproc, min_nproc, max_restarts,

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuwatch.cluster.peer_http import PeerError, get, loads
 from gpuwatch.config import FleetConfig
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.peer_http import PeerError, get, loads
 
 log = logging.getLogger("gpuwatch.fleet")
 

@@ -1,7 +1,7 @@
 """A small DDP trainer wired to gpuwatch: the workload of the quarantine-and-resume drill.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        -m gpuwatch.trainer.example --steps 400 --ckpt-dir /tmp/ckpt
+        -m gpuwatch.examples.trainer --steps 400 --ckpt-dir /tmp/ckpt
 
 A 2-layer MLP learns a fixed function from synthetic data that depends only on the step, so
 a run that stops, loses a GPU and resumes on fewer ranks sees the same samples. The global
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.trainer.example", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.examples.trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, required=True, help="train until this step")
     parser.add_argument("--ckpt-dir", required=True, help="checkpoint directory (also holds progress.json)")
     parser.add_argument("--global-batch", type=int, default=64, help="samples per step over all ranks")
@@ -441,7 +441,7 @@ def _main_in_place(args: argparse.Namespace) -> int:
         try:
             job = InPlaceJob(net, optim, link, load=load, save=save, collective_timeout_s=args.gloo_timeout)
         except NotInPlace as exc:
-            print(f"python -m gpuwatch.trainer.example: error: --in-place: {exc}", file=sys.stderr)
+            print(f"python -m gpuwatch.examples.trainer: error: --in-place: {exc}", file=sys.stderr)
             return 2
         generation = None
         while job.step < args.steps:

@@ -22,13 +22,14 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from gpuwatch import __version__, liveness, statuspage, wire
+from gpuwatch import __version__
 from gpuwatch.control.access import Access
 from gpuwatch.errors import ConfigError
-from gpuwatch.httpserver import peer
 from gpuwatch.model import SAMPLE_FIELDS, GpuStatus, Snapshot
-from gpuwatch.monitor import Monitor
-from gpuwatch.operator_actions import quarantine_outcome, release_outcome, release_refusal
+from gpuwatch.node.monitor import Monitor
+from gpuwatch.serving import liveness, statuspage, wire
+from gpuwatch.serving.httpserver import peer
+from gpuwatch.serving.operator_actions import quarantine_outcome, release_outcome, release_refusal
 
 log = logging.getLogger("gpuwatch.api")
 

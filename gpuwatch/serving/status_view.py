@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from gpuwatch.wire import Finding, Gpu
+    from gpuwatch.serving.wire import Finding, Gpu
 
 STATE_STYLE = {"healthy": "green", "degraded": "yellow", "unhealthy": "bold red", "unknown": "dim"}
 FULL_COLUMNS = ("GPU", "UUID", "state", "quarantined", "SM MHz", "W", "°C", "findings", "action", "ranks")

@@ -19,10 +19,10 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwatch import systemd
+from gpuwatch.base import systemd
+from gpuwatch.base.unixsock import address
 from gpuwatch.config import Config
 from gpuwatch.errors import ConfigError
-from gpuwatch.unixsock import address
 
 log = logging.getLogger("gpuwatch.daemon")
 

@@ -1,6 +1,7 @@
 """measure_spare: a one-rank job that loses its rank, taken over by a warm spare or by a cold start.
 
-    python -m gpuwatch.spares.bench --gib 1 4 16 [--faults kill xid stop] [--every K] [--spares N] [--workdir DIR]
+    python -m gpuwatch.bench.recovery_spare --gib 1 4 16 [--faults kill xid stop] [--every K] [--spares N]
+        [--workdir DIR]
 
 prints one JSON line per state size and way of starting the replacement (spare, cold).
 
@@ -41,8 +42,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.inplace.bench import _gpus, _lines, _run, _wait
-from gpuwatch.inplace.supervisor import InPlacePlan, Supervisor, exit_began
+from gpuwatch.bench.recovery_in_place import _gpus, _lines, _run, _wait
+from gpuwatch.launcher.in_place import InPlacePlan, Supervisor, exit_began
 from gpuwatch.snapshots import job_dir_name, snapshot_root, user_dir_name
 from gpuwatch.spares.pool import SparePool
 
@@ -244,7 +245,9 @@ def _print(gib: float, entry: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure at each --gib, with a spare and with a cold start; one JSON line each."""
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.spares.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gpuwatch.bench.recovery_spare", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--gib", type=float, nargs="+", default=[0.1], help="state sizes (GiB)")
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=["kill"])
     parser.add_argument("--cold-faults", nargs="*", choices=FAULTS, help="faults for the cold start (default: same)")

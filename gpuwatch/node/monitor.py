@@ -23,7 +23,6 @@ from gpuwatch.config import Config, RulesConfig
 from gpuwatch.errors import ConfigError, GpuReadError, StoreError
 from gpuwatch.health import engine, node, state
 from gpuwatch.health.running import RunningState
-from gpuwatch.injection import Injection, checked_injection
 from gpuwatch.model import (
     Action,
     Finding,
@@ -37,8 +36,9 @@ from gpuwatch.model import (
     Snapshot,
     TrainerInfo,
 )
-from gpuwatch.runtime import RuntimeDir
-from gpuwatch.store import QuarantineRecord, Store
+from gpuwatch.node.injection import Injection, checked_injection
+from gpuwatch.node.runtime import RuntimeDir
+from gpuwatch.node.store import QuarantineRecord, Store
 from gpuwatch.validation import FAILED_RULE, ValidationResult
 
 Validator = Callable[[GpuStatic, Sequence[int]], ValidationResult]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from gpuwatch.errors import GpuwatchError
 
 if TYPE_CHECKING:
-    from gpuwatch.wire import Gpu
+    from gpuwatch.serving.wire import Gpu
 
 MARGIN_S = 15.0  # after the daemon's grace period: its SIGTERM and torchrun's teardown
 

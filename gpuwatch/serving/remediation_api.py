@@ -11,11 +11,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from gpuwatch import wire
 from gpuwatch.health import trainer_rules
-from gpuwatch.ranks import Rank
+from gpuwatch.node.ranks import Rank
+from gpuwatch.node.store import Store
 from gpuwatch.remediation import Remediation
-from gpuwatch.store import Store
+from gpuwatch.serving import wire
 
 MAX_INCIDENTS = 1000
 

@@ -1,0 +1,1 @@
+"""The small shared base: stdlib-level helpers any part of gpuwatch may import."""

@@ -1,0 +1,1 @@
+"""Applications of the library: what a job imports, shown whole."""
