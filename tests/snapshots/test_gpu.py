@@ -35,7 +35,7 @@ def test_a_cuda_snapshot_is_pinned_async_and_exact(tmp_path: Path, caplog: pytes
     # The slot is pinned where the driver lets it register the shared mapping; where not (seen on an H200 in
     # a gVisor sandbox: CUDA error 1), one line says the copies go unpinned, and they must still be exact.
     assert snap._job is not None
-    assert snap._job.slot._registered is not None or "copies go unpinned" in caplog.text
+    assert snap._job.slot.pinned or "copies go unpinned" in caplog.text
     optim.step()  # right after the boundary: waits on the GPU for the copy, then updates in place
     snap.wait()
     torch.cuda.synchronize()
