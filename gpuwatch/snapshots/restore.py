@@ -194,18 +194,16 @@ def read_to_device(dir_fd: int, candidate: Candidate, device: Any) -> tuple[Any,
 def _to_device(fd: int, chunks: list[tensorfile.Chunk], flat: Any, chunk_len: int) -> tensorfile.Chunk | None:
     """pread, crc32 and copy each chunk into `flat`; the first chunk that does not verify, else None.
 
-    On a CUDA device the buffers are pinned (one allocation for all) and each worker copies on its own
-    stream (two buffers each: one is read and checked while the other goes to the GPU).
+    On a CUDA device the buffers are pinned and each worker copies on its own stream (two buffers
+    each: one is read and checked while the other goes to the GPU).
     """
     torch = sys.modules["torch"]
     cuda = flat.device.type == "cuda"
     n = min(RESTORE_WORKERS, max(1, len(chunks)))
     queues = [chunks[i::n] for i in range(n)]
-    pinned = torch.empty(2 * n * chunk_len, dtype=torch.uint8, pin_memory=cuda)  # one allocation: one page walk
 
-    def worker(k: int) -> tensorfile.Chunk | None:
-        mine = queues[k]
-        buffers = [pinned[(2 * k + i) * chunk_len : (2 * k + i + 1) * chunk_len] for i in range(2)]
+    def worker(mine: list[tensorfile.Chunk]) -> tensorfile.Chunk | None:
+        buffers = [torch.empty(chunk_len, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
         events: list[Any] = [None, None]
         stream = torch.cuda.Stream(device=flat.device) if cuda else None
         for i, chunk in enumerate(mine):
@@ -225,7 +223,7 @@ def _to_device(fd: int, chunks: list[tensorfile.Chunk], flat: Any, chunk_len: in
         return None
 
     with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpuwatch-restore") as pool:
-        bad = [b for b in pool.map(worker, range(n)) if b is not None]
+        bad = [b for b in pool.map(worker, queues) if b is not None]
     return bad[0] if bad else None
 
 

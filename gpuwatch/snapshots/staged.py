@@ -123,7 +123,7 @@ class Stager:
 
     def budget(self, step_s: float | None) -> int:
         """Bytes one portion may drain in a step of `step_s` (one chunk when the step is not known yet)."""
-        return int(DRAIN_SHARE * step_s * self.rate) if step_s else 0
+        return max(1, int(DRAIN_SHARE * step_s * self.rate)) if step_s else 1
 
     def submit(self, portion: _Portion) -> None:
         self._queue.put(portion)
@@ -199,6 +199,9 @@ class StagedJob:
         self._done = torch.cuda.Event()
         self._done.record(stream)
         self.copied.set()
+        if len(self._chunks) == 1:  # no tensor bytes: nothing drains, the structure is still written
+            self._last = self._done
+            stager.submit(_Portion(self, self._done, self._done, 1, 1, 0))
 
     # -- the training thread's side ---------------------------------------------------------------
 
@@ -312,6 +315,8 @@ class StagedJob:
         self._end()
 
     def _end(self) -> None:
+        if self.error is not None:  # portions still queued may write into the slot: the next job waits for them
+            self.stager.stream.synchronize()
         self._view.release()
         self._sources = []
         self.worker_s = time.perf_counter() - self.started
