@@ -1,15 +1,14 @@
 """One snapshot in flight: copy the state into a slot off the training thread, checksum it, commit it.
 
-The state's tensors are copied where they live, while the next step's forward and backward run:
+The state's tensors are copied where they live, while the next step's forward and backward run
+(a staged snapshot into a pinned slot is staged.py's: its copies are issued on the training thread):
 
-* CUDA, staged: on a side stream that first waits for the compute stream at the step boundary, each
-  tensor is copied device-to-device into a staging buffer on the same GPU (memory speed: 4 GiB in
-  about 2 ms on an H200). Before the optimizer updates the parameters in place, the compute stream
-  waits for that copy only (a GPU-side wait: the host does not block); the staging buffer then
-  drains into the host slot (pinned: cudaHostRegister) over the following steps, on the same side
-  stream, one 16 MiB chunk queued at a time, one copy per chunk (the copy engine serves
-  device-to-host copies in order: the job's own, such as loss.item(), wait behind what is queued;
-  and every copy issued is Python work that holds the GIL the training thread needs).
+* CUDA, staged into a slot CUDA would not pin: on a side stream that first waits for the compute
+  stream at the step boundary, each tensor is copied device-to-device into a staging buffer on the
+  same GPU. Before the optimizer updates the parameters in place, the compute stream waits for that
+  copy only (a GPU-side wait: the host does not block); the staging buffer then drains into the
+  host slot on this thread, one 16 MiB chunk queued at a time (the copy engine serves
+  device-to-host copies in order: the job's own, such as loss.item(), wait behind what is queued).
 * CUDA, partly staged or direct: where the GPU had room for less than the whole state (staging.py),
   the bytes past the staging buffer go device-to-host from the tensors themselves, and the update
   waits for those too (PCIe speed).

@@ -9,7 +9,7 @@ one after the other: a registration waits for a page walk in progress while it h
 lock, and every CUDA call of the job waits with it (a step stalled 12.8 s so on the H200); and a
 registration goes in pieces (Slot._pin).
 
-The mode says how a CUDA snapshot leaves the GPU (copier.py):
+The mode says how a CUDA snapshot leaves the GPU (staged.py, copier.py):
 
 * "staged": the whole state fits a staging buffer on the GPU: the optimizer waits only for a
   device-to-device copy; the drain to the host runs over the following steps;

@@ -17,7 +17,7 @@
 
 The first `step()` sets both slots (and, on a GPU, a staging buffer) up on a thread (prepare.py).
 Then every K steps `step()` starts copying the state into the older of the rank's two slots
-(copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
+(staged.py, copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
 the staging buffer, which drains to the host over the next steps; the next snapshot due waits for
 the previous commit, so a death with no survivor loses at most K steps plus the steps a drain spans.
 `every="auto"` judges a snapshot by the loop's own step intervals with and without one in flight
