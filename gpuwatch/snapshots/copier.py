@@ -1,15 +1,14 @@
 """One snapshot in flight: copy the state into a slot off the training thread, checksum it, commit it.
 
-The state's tensors are copied where they live, while the next step's forward and backward run:
+The state's tensors are copied where they live, while the next step's forward and backward run
+(a staged snapshot into a pinned slot is staged.py's: its copies are issued on the training thread):
 
-* CUDA, staged: on a side stream that first waits for the compute stream at the step boundary, each
-  tensor is copied device-to-device into a staging buffer on the same GPU (memory speed: 4 GiB in
-  about 2 ms on an H200). Before the optimizer updates the parameters in place, the compute stream
-  waits for that copy only (a GPU-side wait: the host does not block); the staging buffer then
-  drains into the host slot (pinned: cudaHostRegister) over the following steps, on the same side
-  stream, one 16 MiB chunk queued at a time, one copy per chunk (the copy engine serves
-  device-to-host copies in order: the job's own, such as loss.item(), wait behind what is queued;
-  and every copy issued is Python work that holds the GIL the training thread needs).
+* CUDA, staged into a slot CUDA would not pin: on a side stream that first waits for the compute
+  stream at the step boundary, each tensor is copied device-to-device into a staging buffer on the
+  same GPU. Before the optimizer updates the parameters in place, the compute stream waits for that
+  copy only (a GPU-side wait: the host does not block); the staging buffer then drains into the
+  host slot on this thread, one 16 MiB chunk queued at a time (the copy engine serves
+  device-to-host copies in order: the job's own, such as loss.item(), wait behind what is queued).
 * CUDA, partly staged or direct: where the GPU had room for less than the whole state (staging.py),
   the bytes past the staging buffer go device-to-host from the tensors themselves, and the update
   waits for those too (PCIe speed).
@@ -153,19 +152,19 @@ class CopyJob:
         spans = [(r.offset, r.nbytes, s) for r, s in zip(self.flat.records, self._sources, strict=True) if r.nbytes]
         staged_end = self._staged_end(ranges)
         view = self.slot.payload_view(self.flat.size)
-        pool = _pool()
+        crc_pool = pool()
         self.slot.write_prefix(self.flat.prefix)
-        futures: dict[int, Any] = {0: pool.submit(_crc, view, ranges[0], None)}
+        futures: dict[int, Any] = {0: crc_pool.submit(_crc, view, ranges[0], None)}
         context = torch.cuda.device(self.cuda) if self.cuda is not None else contextlib.nullcontext()
         with context:
-            stream = _side_stream(torch, self.cuda) if self.cuda is not None else None
+            stream = side_stream(torch, self.cuda) if self.cuda is not None else None
             if stream is not None:
                 stream.wait_event(self._ready)
                 self._stage(torch, stream, staged_end)
             for i, (offset, length) in enumerate(ranges[1:], 1):
                 if offset + length > staged_end:
                     ready = self._copy_range(torch, stream, spans, offset, length)
-                    futures[i] = pool.submit(_crc, view, (offset, length), ready)
+                    futures[i] = crc_pool.submit(_crc, view, (offset, length), ready)
             if stream is not None:
                 self._done_event = torch.cuda.Event()
                 self._done_event.record(stream)
@@ -175,7 +174,7 @@ class CopyJob:
                     for i, (offset, length) in enumerate(ranges[1:], 1):
                         if offset + length <= staged_end:
                             ready = self._drain_chunk(torch, spans, offset, length)
-                            futures[i] = pool.submit(_crc, view, (offset, length), ready)
+                            futures[i] = crc_pool.submit(_crc, view, (offset, length), ready)
             results = [futures[i].result() for i in range(len(ranges))]
         self.drain_s = max(t for _, t in results) - self.started
         self.copy_s = time.perf_counter() - started
@@ -216,7 +215,9 @@ class CopyJob:
                 dst.copy_(piece.source[piece.start : piece.start + piece.length])
             elif piece.source.device.type != "cpu":  # CPU tensors went at the boundary (_prepare)
                 with torch.cuda.stream(stream):
-                    dst.copy_(piece.source[piece.start : piece.start + piece.length], non_blocking=True)
+                    for at, n in self.slot.spans(offset + piece.at, piece.length):
+                        start = piece.start + at - offset - piece.at
+                        self.slot.payload_tensor(at, n).copy_(piece.source[start : start + n], non_blocking=True)
         if stream is None:
             return None
         event = torch.cuda.Event()
@@ -247,7 +248,8 @@ class CopyJob:
         while len(self._in_flight) >= DRAIN_DEPTH:
             self._in_flight.popleft().synchronize()  # releases the GIL
         for start, end in runs:
-            self.slot.payload_tensor(start, end - start).copy_(self.staging[start:end], non_blocking=True)
+            for at, n in self.slot.spans(start, end - start):
+                self.slot.payload_tensor(at, n).copy_(self.staging[at : at + n], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         self._in_flight.append(event)
@@ -263,16 +265,17 @@ class CopyJob:
             crcs=crcs,
             world_size=self.world_size,
             rank=self.rank,
-            before_commit=self._test_death,
+            before_commit=lambda: die_if_asked(self.step),
         )
 
-    def _test_death(self) -> None:
-        """The test-only hook of the module docstring: die between the copy and the commit."""
-        if os.environ.get(DIE_BEFORE_COMMIT_ENV) == str(self.step):
-            with contextlib.suppress(OSError):
-                sys.stderr.write(f"{DIE_BEFORE_COMMIT_ENV}={self.step}: dying before the slot's commit\n")
-                sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+
+def die_if_asked(step: int) -> None:
+    """The test-only hook of the module docstring: die between the copy and the commit of `step`."""
+    if os.environ.get(DIE_BEFORE_COMMIT_ENV) == str(step):
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"{DIE_BEFORE_COMMIT_ENV}={step}: dying before the slot's commit\n")
+            sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> tuple[int, float]:
@@ -287,7 +290,7 @@ def _crc(view: memoryview, rng: tuple[int, int], ready: Any) -> tuple[int, float
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
+def pool() -> concurrent.futures.ThreadPoolExecutor:
     """The checksum threads, one pool for the process (crc32 releases the GIL)."""
     global _POOL
     if _POOL is None:
@@ -298,7 +301,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 _STREAMS: dict[int, Any] = {}
 
 
-def _side_stream(torch: Any, device: int) -> Any:
+def side_stream(torch: Any, device: int) -> Any:
     """One copy stream per device for the life of the process (creating one per snapshot would leak)."""
     stream = _STREAMS.get(device)
     if stream is None:

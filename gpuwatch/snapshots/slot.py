@@ -46,6 +46,7 @@ _STATE_AT = 12  # byte offset of `state` in the header
 _CRC = struct.Struct("<I")
 HEADER_LEN = tensorfile.PAGE
 _MAX_CHUNKS = (HEADER_LEN - _FIXED.size - _CRC.size) // _CRC.size
+PIN_PIECE = 64 << 20  # registered with CUDA one piece at a time (see Slot._pin)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,9 @@ class Slot:
         self.map: mmap.mmap | None = None
         self.size = 0
         self.payload_capacity = 0
-        self._registered: int | None = None  # the address registered with CUDA (cudaHostRegister)
+        self._registered: list[int] = []  # the addresses of the pieces registered with CUDA (cudaHostRegister)
+        self._payload: torch.Tensor | None = None  # the whole payload as one uint8 tensor (views of it are cheap)
+        self._address: int | None = None  # the payload's address in this process while mapped
         self.map_s = 0.0  # of the last ensure(): sizing and mapping (the rest was pinning)
         self.pin_failed = False
 
@@ -134,7 +137,7 @@ class Slot:
         Raises:
             OSError: no room in the shared-memory file system (ENOSPC), or mapping failed.
         """
-        pinned = self._registered is not None or self.pin_failed
+        pinned = bool(self._registered) or self.pin_failed
         if self.map is not None and payload_len <= self.payload_capacity and pin == pinned:
             return 0.0
         started = time.monotonic()
@@ -151,6 +154,13 @@ class Slot:
             self._pin()
         return time.monotonic() - started
 
+    def pin(self) -> float:
+        """Register the mapping with CUDA when it is not yet (see _pin); seconds it took."""
+        started = time.monotonic()
+        if self.map is not None and not self._registered and not self.pin_failed:
+            self._pin()
+        return time.monotonic() - started
+
     def _invalidate_on_disk(self) -> None:
         with contextlib.suppress(OSError):
             if os.fstat(self.fd).st_size >= HEADER_LEN:
@@ -163,10 +173,38 @@ class Slot:
 
     def payload_tensor(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over payload bytes [offset, offset + nbytes) (pinned when the slot is)."""
-        import torch
+        if self._payload is None:
+            import torch
 
-        assert self.map is not None
-        return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=HEADER_LEN + offset)
+            assert self.map is not None
+            self._payload = torch.frombuffer(
+                self.map, dtype=torch.uint8, count=self.payload_capacity, offset=HEADER_LEN
+            )
+        return self._payload[offset : offset + nbytes]
+
+    def payload_address(self) -> int:
+        """The address of the payload's first byte in this process (for copies issued by address)."""
+        if self._address is None:
+            assert self.map is not None
+            self._address = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + HEADER_LEN
+        return self._address
+
+    def spans(self, offset: int, length: int) -> list[tuple[int, int]]:
+        """Payload [offset, offset + length) cut where one registered piece ends and the next begins.
+
+        CUDA refuses a copy into host memory that crosses two registrations (invalid argument), so a
+        device-to-host copy goes one span at a time.
+        """
+        if len(self._registered) < 2:
+            return [(offset, length)] if length > 0 else []
+        out = []
+        end = offset + length
+        while offset < end:
+            piece_end = ((offset + HEADER_LEN) // PIN_PIECE + 1) * PIN_PIECE - HEADER_LEN
+            cut = min(end, piece_end)
+            out.append((offset, cut - offset))
+            offset = cut
+        return out
 
     def write_prefix(self, prefix: bytes) -> None:
         assert self.map is not None
@@ -202,45 +240,57 @@ class Slot:
     def _pin(self) -> None:
         """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are DMA transfers.
 
-        The registration walks every page (seconds for GiBs under a sandbox's memory manager), which is
-        why slots are prepared off the training thread. Where CUDA refuses (a locked-memory limit, an old
-        driver), the slot stays pageable: the copies still run, at about a quarter of the bandwidth.
-        Said once in the log with CUDA's error, which is then cleared so that it does not surface in
-        the job's next CUDA call.
+        Registering walks every page (0.7 s for 16 GiB on an H200) and holds a driver lock the job's
+        own CUDA calls wait on meanwhile: one call for the whole slot stalled a step by 0.8 s there.
+        So it goes in PIN_PIECE pieces with a pause as long as each after it, and no step waits for
+        more than one piece (a copy then goes piece by piece: `spans`). Where CUDA refuses (a file on
+        a disk file system, a locked-memory limit, an old driver), the slot stays pageable: the
+        copies still run, at about a quarter of the bandwidth. Said once in the log with CUDA's
+        error, which is then cleared so that it does not surface in the job's next CUDA call.
         """
         torch = sys.modules.get("torch")
         if torch is None or self.map is None or not torch.cuda.is_available():
             return
-        address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        address, code, reason = base, 0, "success"
         try:
             cudart = torch.cuda.cudart()
-            code = int(cudart.cudaHostRegister(address, self.size, 0))
+            for address in range(base, base + self.size, PIN_PIECE):
+                started = time.monotonic()
+                code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
+                if code != 0:
+                    reason = _cuda_error(cudart, code)
+                    break
+                self._registered.append(address)
+                time.sleep(time.monotonic() - started)  # the job's CUDA calls get the driver's lock in between
         except Exception as exc:  # no cudart binding in this torch build
             code, reason = -1, f"{type(exc).__name__}: {exc}"
-        else:
-            reason = _cuda_error(cudart, code)
         if code != 0:
+            self._unpin()
             global _PIN_WARNED
             if not _PIN_WARNED:
                 log.warning("slot %s: cudaHostRegister(%#x, %d bytes, 0) failed (%s): copies go unpinned",
-                            self.name, address, self.size, reason)  # fmt: skip
+                            self.name, address, min(PIN_PIECE, base + self.size - address), reason)  # fmt: skip
                 _PIN_WARNED = True
             self.pin_failed = True
-            return
-        self._registered = address
+
+    def _unpin(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            for address in self._registered:
+                with contextlib.suppress(Exception):
+                    torch.cuda.cudart().cudaHostUnregister(address)
+        self._registered = []
 
     @property
     def pinned(self) -> bool:
         """Whether the mapping is registered with CUDA (page-locked)."""
-        return self._registered is not None
+        return bool(self._registered)
 
     def release(self) -> None:
         """Unpin and unmap (the file and its contents stay)."""
-        torch = sys.modules.get("torch")
-        if self._registered is not None and torch is not None:
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self._registered)
-        self._registered = None
+        self._unpin()
+        self._payload, self._address = None, None
         if self.map is not None:
             with contextlib.suppress(BufferError):  # a tensor view still alive: the map goes with it
                 self.map.close()

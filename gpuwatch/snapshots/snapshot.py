@@ -17,7 +17,7 @@
 
 The first `step()` sets both slots (and, on a GPU, a staging buffer) up on a thread (prepare.py).
 Then every K steps `step()` starts copying the state into the older of the rank's two slots
-(copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
+(staged.py, copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
 the staging buffer, which drains to the host over the next steps; the next snapshot due waits for
 the previous commit, so a death with no survivor loses at most K steps plus the steps a drain spans.
 `every="auto"` judges a snapshot by the loop's own step intervals with and without one in flight
@@ -73,6 +73,7 @@ from gpuwatch.snapshots.restore import (
     read_to_device,
 )
 from gpuwatch.snapshots.slot import Slot, SlotHeader
+from gpuwatch.snapshots.staged import Layout, LayoutChanged, StagedJob, Stager, layout_of, tensor_ptrs
 from gpuwatch.trainer import tensorfile
 from gpuwatch.trainer.checkpoint import latest_step, load_latest, save_checkpoint, save_flat_buffer
 
@@ -162,7 +163,9 @@ class HostSnapshot:
         except SnapshotDirError as exc:
             self._disable(str(exc))
         self._slots: dict[int, Slot] = {}
-        self._job: CopyJob | None = None
+        self._job: CopyJob | StagedJob | None = None
+        self._stager: Stager | None = None  # the staged mode's buffer, stream and drain thread
+        self._layout: Layout | None = None  # the state's layout, reused while its tensors are the same ones
         self._preparation: Preparation | None = None
         self._prepared: Prepared | None = None
         self._renames: dict[int, str] = {}
@@ -314,11 +317,20 @@ class HostSnapshot:
                 self._plain.append(interval)
         if job is not None and job.committed.is_set():
             self._finish(job)
+        elif isinstance(job, StagedJob):
+            job.advance(self._drain_budget())
         if self._due(step):
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
                 self._finish(self._job)
             if self.enabled:
                 self._start(step)
+                if isinstance(self._job, StagedJob):
+                    self._job.advance(self._drain_budget())
+
+    def _drain_budget(self) -> int:
+        """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time."""
+        assert self._stager is not None
+        return self._stager.budget(statistics.median(self._plain) if self._plain else None)
 
     def wait(self) -> None:
         """Wait until the snapshot in flight (if any) is committed."""
@@ -397,6 +409,8 @@ class HostSnapshot:
         self._renames = dict(prepared.renames)
         self.setup_s += prepared.seconds
         self.mode = prepared.mode
+        if prepared.mode == "staged" and prepared.pinned and self._cuda is not None:
+            self._stager = Stager(prepared.staging, self._cuda)
         staged = 0 if prepared.staging is None else int(prepared.staging.numel())
         host = "pinned" if prepared.pinned else "pageable" if self._cuda is not None else "host"
         gpu = f", {_size(staged)} of GPU memory for staging" if staged else ""
@@ -413,29 +427,27 @@ class HostSnapshot:
 
     def _start(self, step: int) -> None:
         try:
-            flat = tensorfile.plan(localize(self._state_fn()))
-            if flat is None:
-                self._disable("the state holds values a flat tensor file cannot (custom objects, sparse tensors)")
-                return
-            cuda = _cuda_device(flat)
-            k = self._target_slot()
-            if k in self._renames:  # the new file prepared for the restored slot takes its name now
-                assert self._dir_fd is not None
-                os.rename(self._renames.pop(k), slot_name(self.rank, k), src_dir_fd=self._dir_fd,
-                          dst_dir_fd=self._dir_fd)  # fmt: skip
-                self._slot(k).name = slot_name(self.rank, k)
-                if k == self._aliased:
-                    self._aliased = None
-            if k == self._aliased:
-                self._replace_slot(k)
-            slot = self._slot(k)
-            setup_s = slot.ensure(flat.size, pin=cuda is not None)
-            if setup_s:
-                log.info("host snapshot slot %s: %s in %s, set up in %.2f s", slot.name, _size(flat.size),
-                         self.directory, setup_s)  # fmt: skip
-            self.setup_s += setup_s
-            staging = self._prepared.staging if self._prepared is not None else None
-            job = CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank, staging)
+            state = self._state_fn()
+            staged = self._staged_layout(state)
+            if staged is not None:
+                layout, replan = staged
+                flat, cuda = layout.flat, self._cuda
+            else:
+                planned = tensorfile.plan(localize(state))
+                if planned is None:
+                    self._disable("the state holds values a flat tensor file cannot (custom objects, sparse tensors)")
+                    return
+                flat, cuda = planned, _cuda_device(planned)
+            slot = self._target(flat.size, cuda)
+            job: CopyJob | StagedJob
+            if staged is not None and self._stager is not None and slot.pinned:
+                job = StagedJob(step, self._seq, slot, layout, self._stager, self.world_size, self.rank, replan)
+            else:
+                if self._stager is not None:  # the copy below writes the staging buffer in its own layout
+                    self._stager.layout = None
+                staging = self._prepared.staging if self._prepared is not None else None
+                job = CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank,
+                              staging)  # fmt: skip
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
@@ -446,10 +458,52 @@ class HostSnapshot:
         if not self._optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
 
-    def _finish(self, job: CopyJob) -> None:
+    def _staged_layout(self, state: Any) -> tuple[Layout, Any] | None:
+        """In the staged mode: the state's layout (reused while its tensors are the same ones) and, when reused,
+        what plans the boundary's state again off the step (StagedJob checks it there); else None."""
+        if self._stager is None:
+            return None
+        ptrs = tensor_ptrs(state)
+        layout = self._layout
+        if layout is not None and layout.ptrs == ptrs:
+            return layout, lambda: tensorfile.plan(localize(state))
+        flat = tensorfile.plan(localize(state))
+        if flat is None or _cuda_device(flat) != self._cuda or flat.size > self._stager.staging.numel():
+            self._layout = None
+            return None
+        planned = {s.data_ptr() for s in flat.sources}
+        layout = layout_of(flat, self._owned(flat), ptrs)
+        self._layout = layout if planned <= set(ptrs) else None  # a copied (non-contiguous) tensor: plan each time
+        return layout, None
+
+    def _target(self, nbytes: int, cuda: int | None) -> Slot:
+        """The slot the next snapshot goes into, sized for `nbytes` (see _target_slot)."""
+        k = self._target_slot()
+        if k in self._renames:  # the new file prepared for the restored slot takes its name now
+            assert self._dir_fd is not None
+            os.rename(self._renames.pop(k), slot_name(self.rank, k), src_dir_fd=self._dir_fd,
+                      dst_dir_fd=self._dir_fd)  # fmt: skip
+            self._slot(k).name = slot_name(self.rank, k)
+            if k == self._aliased:
+                self._aliased = None
+        if k == self._aliased:
+            self._replace_slot(k)
+        slot = self._slot(k)
+        setup_s = slot.ensure(nbytes, pin=cuda is not None)
+        if setup_s:
+            log.info("host snapshot slot %s: %s in %s, set up in %.2f s", slot.name, _size(nbytes), self.directory,
+                     setup_s)  # fmt: skip
+        self.setup_s += setup_s
+        return slot
+
+    def _finish(self, job: CopyJob | StagedJob) -> None:
         job.release_for_update()
         job.wait_committed()
         self._job = None
+        if isinstance(job.error, LayoutChanged):  # dropped; the next snapshot plans the state afresh
+            log.info("host snapshot of step %d dropped: %s", job.step, job.error)
+            self._layout = None
+            return
         if job.error is not None:
             self._disable(f"the snapshot of step {job.step} failed: {type(job.error).__name__}: {job.error}")
             return
@@ -599,7 +653,9 @@ class HostSnapshot:
         log.info("checkpoint of step %d written from host memory: %s", step, path)
         return path
 
-    def _write_disk_in_background(self, directory: Path, step: int, k: int, keep: int, job: CopyJob | None) -> None:
+    def _write_disk_in_background(
+        self, directory: Path, step: int, k: int, keep: int, job: CopyJob | StagedJob | None
+    ) -> None:
         try:
             if job is not None:  # the snapshot of `step` is still draining: write once it is committed
                 job.committed.wait()
@@ -639,6 +695,10 @@ class HostSnapshot:
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._layout = None
             for slot in self._slots.values():
                 slot.close()
             self._slots = {}

@@ -1,16 +1,17 @@
 """What host snapshots cost a real training loop, from the loop's own step log (run on a GPU machine).
 
-    python tests/hardware/snapshot_cost.py --gib 4 16 --steps 200 [--kill]
+    python tests/hardware/snapshot_cost.py --gib 4 16 --steps 200 [--repeat 2] [--batches 2394 2002] [--kill]
 
 Per state size: fp32 weights + AdamW (a stack of square linear layers; state = weights and both
-moments), the batch sized so a step takes --step-ms (20 ms per 4 GiB of state by default). Each
-loop logs its own step wall times (loss.item() every step). Runs, in order: no snapshots, snapshots
-every --every steps, every="auto", no snapshots again (the second size: none, auto, none, every K),
-all with one HostSnapshot whose slots are set up once; the warm-up runs until the slots are set up
-and a first snapshot committed, then --steps steps are timed. Printed: the wall time of each run,
-the overhead against the mean of the two runs without, the largest step after the warm-up, the
-mode, the drain, K and what stats() says; then a snapshot of the current step is restored onto
-the GPU and compared with the state, byte for byte.
+moments), the batch sized so a step takes --step-ms (20 ms per 4 GiB of state by default; --batches
+gives it per size instead). Each loop logs its own step wall times (loss.item() every step). Runs,
+--repeat times over: no snapshots, snapshots every --every steps, every="auto" (the second size:
+none, auto, every K), all with one HostSnapshot whose slots are set up once; the warm-up runs until
+the slots are set up and a first snapshot committed, then --steps steps are timed. Printed: the wall
+time of each run, the overhead of each run with snapshots against the mean of the runs without, the
+largest step after the warm-up, the largest step while the slots were set up, the mode, the drain,
+K and what stats() says; then a snapshot of the current step is restored onto the GPU and compared
+with the state, byte for byte.
 
 --kill: all of that runs in a child, which after the last size trains on with snapshots every
 --every steps, logging each step, and is SIGKILLed --kill-after steps later; a second child
@@ -124,7 +125,7 @@ def sizes(args: argparse.Namespace, device: Any) -> None:
 
     for n, gib in enumerate(args.gib):
         step_s = args.step_ms / 1e3 * gib / 4 if args.step_ms else 0.02 * gib / 4
-        batch = calibrate(gib, device, step_s)
+        batch = args.batches[n] if n < len(args.batches) else calibrate(gib, device, step_s)
         model, optim, x = build(gib, device, batch)
         for _ in range(3):
             train_step(model, optim, x)
@@ -133,9 +134,10 @@ def sizes(args: argparse.Namespace, device: Any) -> None:
         results: dict[str, Any] = {}
         step = 3
         fixed = f"every {args.every}"
-        runs = [("none", None), (fixed, args.every), ("auto", "auto"), ("none again", None)]
+        modes = [("none", None), (fixed, args.every), ("auto", "auto")]
         if n % 2:  # alternate the order between sizes
-            runs = [("none", None), ("auto", "auto"), ("none again", None), (fixed, args.every)]
+            modes = [("none", None), ("auto", "auto"), (fixed, args.every)]
+        runs = [(f"{name} #{k + 1}", every) for k in range(args.repeat) for name, every in modes]
         snap = HostSnapshot(functools.partial(state_of, model, optim), every=args.every, optimizer=optim,
                             replicated=True, job_id=args.job_id or f"cost-{gib}")  # fmt: skip
         for name, every in runs:
@@ -152,11 +154,16 @@ def sizes(args: argparse.Namespace, device: Any) -> None:
                   f"{out['warm_max_s'] * 1e3:.1f} ms)", flush=True)  # fmt: skip
             if every is not None:
                 print(f"{'':>12}  stats: {json.dumps(out['stats'])}", flush=True)
-        base = (results["none"]["wall_s"] + results["none again"]["wall_s"]) / 2
-        for name in (fixed, "auto"):
-            over = results[name]["wall_s"] / base - 1
-            print(f"{state_gib:.2f} GiB {name}: wall {results[name]['wall_s']:.3f} s vs {base:.3f} s without "
-                  f"(mean of two runs): {over:+.2%}; K = {results[name]['stats']['every']}", flush=True)  # fmt: skip
+        nones = [out["wall_s"] for name, out in results.items() if name.startswith("none")]
+        base = statistics.fmean(nones)
+        print(f"{state_gib:.2f} GiB: slots set up in {snap.stats()['setup_s']:.1f} s off the training thread; the "
+              f"largest step meanwhile {results[runs[1][0]]['warm_max_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+        for mode in (fixed, "auto"):
+            walls = [(out["wall_s"], out["stats"]["every"]) for name, out in results.items() if name.startswith(mode)]
+            each = ", ".join(f"{wall:.3f} s {wall / base - 1:+.2%} (K = {k})" for wall, k in walls)
+            mean = statistics.fmean(wall for wall, _ in walls) / base - 1
+            print(f"{state_gib:.2f} GiB {mode}: {each} vs {base:.3f} s without (mean of "
+                  f"{', '.join(f'{w:.3f}' for w in nones)}): mean {mean:+.2%}", flush=True)  # fmt: skip
         if snap.snapshot_now(step):  # the drained bytes are the state's: restore them onto the GPU and compare
             t0 = time.perf_counter()
             restored = snap.restore(device=device)
@@ -243,7 +250,8 @@ def kill_test(args: argparse.Namespace, device: Any) -> None:
     log = Path(args.out) / "killed.jsonl"
     log.unlink(missing_ok=True)
     job = f"killed-{os.getpid()}"
-    base = [sys.executable, __file__, "--job-id", job, "--every", str(args.every), "--steps", str(args.steps)]
+    base = [sys.executable, __file__, "--job-id", job, "--every", str(args.every), "--steps", str(args.steps),
+            "--repeat", str(args.repeat), "--batches", *[str(b) for b in args.batches]]  # fmt: skip
     first = subprocess.Popen([*base, "--gib", *[str(g) for g in args.gib], "--log", str(log)])
     while first.poll() is None:  # kill --kill-after steps into the training after the cost runs
         steps = [line["step"] for line in _lines(log) if "step" in line]
@@ -256,7 +264,7 @@ def kill_test(args: argparse.Namespace, device: Any) -> None:
     last = max(line["step"] for line in _lines(log) if "step" in line)
     gib = args.gib[-1]
     second = subprocess.run([*base, "--child", "--log", str(log), "--kill-gib", str(gib), "--batch", "256",
-                             "--child-steps", "3"],
+                             "--child-steps", "0"],
                             check=False)  # fmt: skip
     relaunch = [line for line in _lines(log) if "launch" in line][-1]
     print(f"kill -9 after step {last} (logged by the loop); relaunch rc {second.returncode}: restored step "
@@ -283,6 +291,8 @@ def main() -> int:
     parser.add_argument("--gib", type=float, nargs="*", default=[4.0, 16.0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2, help="runs of each mode per size")
+    parser.add_argument("--batches", type=int, nargs="*", default=[], help="batch per --gib size (no calibration)")
     parser.add_argument("--step-ms", type=float, default=0.0, help="step time per 4 GiB (default 20 ms)")
     parser.add_argument("--kill-gib", type=float, default=0.0)
     parser.add_argument("--kill", action="store_true", help="run the sizes in a child and kill it after the last")

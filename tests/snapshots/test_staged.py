@@ -1,0 +1,111 @@
+"""The pieces of the staged (GPU) snapshot path that run without a GPU: what drains from the staging buffer,
+copies that respect the slot's registered pieces, the order the slots are set up in, and the fallback
+when the CUDA runtime refuses a copy. The path itself runs on a GPU machine (tests/snapshots/test_gpu.py,
+tests/hardware/snapshot_cost.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpuwatch.snapshots import cudacopy, prepare
+from gpuwatch.snapshots.layout import open_job_dir
+from gpuwatch.snapshots.slot import HEADER_LEN, PIN_PIECE, Slot
+from gpuwatch.snapshots.staged import layout_of
+from gpuwatch.trainer.tensorfile import FlatState, TensorRecord
+
+
+def _record(offset: int, nbytes: int) -> TensorRecord:
+    return TensorRecord(dtype="uint8", shape=(nbytes,), offset=offset, nbytes=nbytes)
+
+
+def test_the_drain_covers_every_byte_but_the_cpu_tensors_that_went_to_the_host_at_the_boundary() -> None:
+    """Padding between GPU tensors drains too (it is zero in the staging buffer): the file's bytes."""
+    gpu = torch.empty(0, device="meta")  # stands in for a CUDA tensor: anything not on the CPU is staged
+    cpu = torch.zeros(8, dtype=torch.uint8)
+    records = [_record(8192, 5000), _record(13248, 8), _record(13312, 8), _record(16384, 4096), _record(20480, 8)]
+    sources = [gpu, cpu, cpu, gpu, cpu]
+    flat = FlatState(prefix=b"", records=records, sources=sources, data_off=8192, size=24576)
+    runs = layout_of(flat, [True] * 5, []).runs
+    assert runs == [(8192, 13248), (13256, 13312), (13320, 20480), (20488, 24576)]
+    drained = {b for start, end in runs for b in range(start, end)}
+    on_host = {b for r, s in zip(records, sources, strict=True) if s.device.type == "cpu"
+               for b in range(r.offset, r.offset + r.nbytes)}  # fmt: skip
+    assert drained | on_host == set(range(flat.data_off, flat.size)) and not drained & on_host
+
+
+def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_into_the_next(tmp_path: Path) -> None:
+    """CUDA refuses (invalid argument) a copy into host memory that spans two registrations."""
+    dir_fd = open_job_dir(str(tmp_path), "pieces")
+    slot = Slot(dir_fd, "rank-00000.slot0")
+    try:
+        slot._registered = [0, PIN_PIECE, 2 * PIN_PIECE]  # as _pin leaves them (addresses do not matter here)
+        offset, length = 3 * 4096, 2 * PIN_PIECE + 12345
+        spans = slot.spans(offset, length)
+        assert len(spans) == 3
+        assert sum(n for _, n in spans) == length and spans[0][0] == offset
+        assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # they tile the range
+        for at, n in spans:  # each within one piece of the mapping (the header is in the first)
+            assert (HEADER_LEN + at) // PIN_PIECE == (HEADER_LEN + at + n - 1) // PIN_PIECE
+        slot._registered = []
+        assert slot.spans(offset, length) == [(offset, length)]
+    finally:
+        slot._registered = []
+        slot.close()
+        os.close(dir_fd)
+
+
+def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registration that waits for another slot's page walk holds the driver's lock: the job's CUDA calls wait."""
+    events: list[tuple[str, str]] = []
+    mapped = lambda self, n, *, pin: events.append(("map+pin" if pin else "map", self.name))  # noqa: E731
+    monkeypatch.setattr(Slot, "ensure", mapped)
+    monkeypatch.setattr(Slot, "pin", lambda self: events.append(("pin", self.name)))
+    dir_fd = open_job_dir(str(tmp_path), "order")
+    try:
+        prepared = prepare.Preparation(dir_fd, 0, 1 << 20, cuda=0, staging=False, replace=set()).join()
+    finally:
+        os.close(dir_fd)
+    assert prepared.error is None, prepared.error
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["map", "map", "pin", "pin"], events
+    names = {"rank-00000.slot0", "rank-00000.slot1"}
+    assert {name for _, name in events[:2]} == {name for _, name in events[2:]} == names
+    for slot in prepared.slots.values():
+        slot.close()
+
+
+def test_a_copy_the_runtime_refuses_goes_through_torch_and_the_runtime_is_not_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[int] = []
+    copier = cudacopy.StreamCopier(SimpleNamespace(cuda_stream=0))
+    copier._memcpy = lambda *args: calls.append(1) or 1  # cudaErrorInvalidValue
+    monkey_runtime = SimpleNamespace(cudaGetLastError=lambda: 0)
+    cudacopy._RUNTIME[:] = [monkey_runtime]
+    done: list[int] = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.snapshots"):
+            copier.copy(1, 2, 3, lambda: done.append(1))
+            copier.copy(1, 2, 3, lambda: done.append(2))
+    finally:
+        cudacopy._RUNTIME.clear()
+    assert calls == [1] and done == [1, 2]
+    assert caplog.text.count("cudaMemcpyAsync failed (CUDA error 1)") == 1
+
+
+def test_without_a_shared_cuda_runtime_in_the_process_copies_go_through_torch() -> None:
+    cudacopy._RUNTIME.clear()
+    try:
+        if cudacopy.runtime() is not None:
+            pytest.skip("this process has a CUDA runtime loaded")
+        done: list[int] = []
+        cudacopy.StreamCopier(SimpleNamespace(cuda_stream=0)).copy(1, 2, 3, lambda: done.append(1))
+        assert done == [1]
+    finally:
+        cudacopy._RUNTIME.clear()
