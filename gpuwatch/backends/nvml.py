@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatch.backends import nvml_plan
+from gpuwatch.backends import nvml_calls, nvml_plan
 from gpuwatch.backends.nvml_plan import ReadPlan
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendUnavailable, GpuReadError
@@ -52,6 +52,16 @@ LINK_FIELDS = (
     ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
     ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
 )
+# The read plan's groups (nvml_plan.py) → the reads each makes when due, and the sample fields they fill.
+_TIERS = {
+    "remapped": ("remapped",),
+    "ecc_aggregate": ("ecc_sbe_aggregate", "ecc_dbe_aggregate"),
+    "pcie_gen": ("pcie_gen",),
+    "pcie_width": ("pcie_width",),
+}
+_ECC_AGGREGATES = ("ecc_sbe_aggregate", "ecc_dbe_aggregate")
+_PCIE_LINK = ("pcie_link_gen", "pcie_link_width")
+_REMAPPED = ("remapped_cor", "remapped_unc", "remapped_pending", "remapped_failure")
 # nvml.events → the event kinds registered on a GPU (auto: see event_kinds).
 _EVENT_KINDS: dict[str, tuple[str, ...]] = {"all": ("xid", "ecc_dbe", "ecc_sbe"), "xid": ("xid",), "none": ()}
 
@@ -79,7 +89,10 @@ class _Gpu:
     error: GpuReadError | None = None
     unsupported: set[str] = field(default_factory=set)
     nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
-    tiers: dict[str, tuple[float, Any]] = field(default_factory=dict)  # read-plan group → (time read, value)
+    tiers: dict[str, tuple[float, Any]] = field(default_factory=dict)  # read-plan group → (time read, values)
+    reads: dict[str, Callable[[], Any]] = field(default_factory=dict)  # per-sample read → its call (_bind_reads)
+    # The bound per-sample field batch: how many reads were unsupported when it was bound, its fields, its call.
+    fields: tuple[int, tuple[str, ...], Callable[[], Any] | None] = (-1, (), None)
     last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
 
 
@@ -192,63 +205,37 @@ class NvmlBackend:
             GpuReadError: this GPU failed (kind gpu_lost, reset_required or unknown).
         """
         gpu = self._gpu(index)
-        nvml = self._nvml
-        plan = self._plan
-        with self._mapped():
-            handle = gpu.handle
-            read = functools.partial(self._read, gpu)
-            tier = functools.partial(self._tiered, gpu, now=now, slow=slow)
-            util = read("util", nvml.nvmlDeviceGetUtilizationRates, handle)
-            memory = read("memory_used", nvml.nvmlDeviceGetMemoryInfo, handle)
-            power_mw = read("power", nvml.nvmlDeviceGetPowerUsage, handle)
-            pstate = read("pstate", nvml.nvmlDeviceGetPerformanceState, handle)
-            remapped = tier(
-                "remapped", plan.remapped_s, lambda: read("remapped", nvml.nvmlDeviceGetRemappedRows, handle)
-            )
-            pids = self._pids(gpu, handle, now, slow)
-            corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-            volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
-            ecc = nvml.nvmlDeviceGetTotalEccErrors
-            sbe_aggregate, dbe_aggregate = tier(
-                "ecc_aggregate",
-                plan.ecc_aggregate_s,
-                lambda: (
-                    read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
-                    read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
-                ),
-            )
+        plan, reads, read = self._plan, gpu.reads, self._read
+        try:
+            util = read(gpu, "util", reads["util"])
+            memory = read(gpu, "memory_used", reads["memory_used"])
+            power_mw = read(gpu, "power", reads["power"])
+            pstate = read(gpu, "pstate", reads["pstate"])
             values: dict[str, Any] = {
-                "sm_clock_mhz": read("sm_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
-                "mem_clock_mhz": read("mem_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
-                # ref. nvml.h nvmlDeviceGetTemperature: deprecated for ...TemperatureV, which older drivers lack.
-                "temp_c": read("temp", nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
-                "clocks_event_reasons": read("reasons", nvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
-                "ecc_sbe_volatile": read("ecc_sbe_volatile", ecc, handle, corrected, volatile),
-                "ecc_dbe_volatile": read("ecc_dbe_volatile", ecc, handle, uncorrected, volatile),
-                "ecc_sbe_aggregate": sbe_aggregate,
-                "ecc_dbe_aggregate": dbe_aggregate,
-                "pcie_link_gen": tier(
-                    "pcie_gen",
-                    plan.pcie_gen_s,
-                    lambda: read("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                ),
-                "pcie_link_width": tier(
-                    "pcie_width",
-                    plan.pcie_width_s,
-                    lambda: read("pcie_width", nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
-                ),
-                **self._read_field_values(gpu, handle, self._field_ids),
+                "sm_clock_mhz": read(gpu, "sm_clock", reads["sm_clock"]),
+                "mem_clock_mhz": read(gpu, "mem_clock", reads["mem_clock"]),
+                "temp_c": read(gpu, "temp", reads["temp"]),
+                "clocks_event_reasons": read(gpu, "reasons", reads["reasons"]),
+                "ecc_sbe_volatile": read(gpu, "ecc_sbe_volatile", reads["ecc_sbe_volatile"]),
+                "ecc_dbe_volatile": read(gpu, "ecc_dbe_volatile", reads["ecc_dbe_volatile"]),
             }
+            values.update(self._sample_fields(gpu))
+            remapped = self._tiered(gpu, "remapped", plan.remapped_s, now, slow)
+            values.update(zip(_ECC_AGGREGATES, self._tiered(gpu, "ecc_aggregate", plan.ecc_aggregate_s, now, slow)))
+            values.update(zip(_PCIE_LINK, self._tiered(gpu, "pcie_gen", plan.pcie_gen_s, now, slow)))
+            values.update(zip(_PCIE_LINK[1:], self._tiered(gpu, "pcie_width", plan.pcie_width_s, now, slow)))
+            pids = self._pids(gpu, gpu.handle, now, slow)
             if slow:
-                gpu.last_slow = {**self._read_slow(gpu, handle), **self._read_links(gpu, handle)}
-            # The costly counters, link counters and link states are read on slow samples; every sample repeats
-            # the last reading, so every scrape has each series (rate() over them works) and link rates and
-            # states are judged over windows shorter than slow_interval_s.
-            values.update(gpu.last_slow)
-        if remapped is not None:
+                gpu.last_slow = {**self._read_slow(gpu, gpu.handle), **self._read_links(gpu, gpu.handle)}
+        except self._vendor_errors as exc:
+            raise _map_error(self._nvml, exc) from exc
+        # The costly counters, link counters and link states are read on slow samples; every sample repeats
+        # the last reading, so every scrape has each series (rate() over them works) and link rates and
+        # states are judged over windows shorter than slow_interval_s.
+        values.update(gpu.last_slow)
+        if remapped[0] is not None:
             # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
-            cor, unc, pending, failure = remapped
-            values.update(remapped_cor=cor, remapped_unc=unc, remapped_pending=pending, remapped_failure=failure)
+            values.update(zip(_REMAPPED, remapped[0]))
         return GpuSample(
             t=now,
             index=gpu.index,
@@ -262,15 +249,14 @@ class NvmlBackend:
             **values,
         )
 
-    @staticmethod
-    def _tiered(gpu: _Gpu, group: str, period_s: float, read: Callable[[], Any], *, now: float, slow: bool) -> Any:
-        """`read()` when the plan says `group` is due, else the value it gave last time (repeated)."""
+    def _tiered(self, gpu: _Gpu, group: str, period_s: float, now: float, slow: bool) -> list[Any]:
+        """The group's reads (_TIERS) when the plan says it is due, else the values they gave last time (repeated)."""
         last = gpu.tiers.get(group)
         if last is None or nvml_plan.due(last[0], now, period_s, slow):
-            value = read()
-            gpu.tiers[group] = (now, value)
-            return value
-        return last[1]
+            last = (now, [self._read(gpu, key, gpu.reads[key]) for key in _TIERS[group]])
+            gpu.tiers[group] = last
+        values: list[Any] = last[1]
+        return values
 
     def _pids(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> tuple[int, ...] | None:
         """The compute processes on the GPU; by the plan, listed only when their count changed (or it is due).
@@ -332,9 +318,23 @@ class NvmlBackend:
             return None
         return int(info.state), int(info.status)
 
+    def _sample_fields(self, gpu: _Gpu) -> dict[str, Any]:
+        """The per-sample field values through the batch bound for them (bound again once a field turns out
+        unsupported), or pynvml's wrapper where none binds."""
+        unsupported, names, read = gpu.fields
+        if unsupported != len(gpu.unsupported):
+            wanted = [(field_id, name) for field_id, name in self._field_ids if name not in gpu.unsupported]
+            names = tuple(name for _, name in wanted)
+            read = nvml_calls.bind_field_values(self._nvml, gpu.handle, [f for f, _ in wanted]) if wanted else None
+            gpu.fields = (len(gpu.unsupported), names, read)
+        if read is None:
+            return self._read_field_values(gpu, gpu.handle, self._field_ids)
+        results = self._read(gpu, "field_values", read)
+        return {} if results is None else self._field_results(gpu, names, results)
+
     def _read_field_values(self, gpu: _Gpu, handle: Any, field_ids: tuple[tuple[int, str], ...]) -> dict[str, Any]:
-        """Several fields in one nvmlDeviceGetFieldValues call (per sample: HBM temperature, instantaneous
-        power and the driver's recovery action; on slow samples: the link error counters).
+        """Several fields in one nvmlDeviceGetFieldValues call through pynvml's wrapper (on slow samples: the
+        link error counters; every sample where the batch cannot be bound).
 
         One or two fields cost 5–8 µs, so this is the cheapest path for them; a field the GPU
         lacks is cached as unsupported like any other (ref. nvmlFieldValue_t.nvmlReturn).
@@ -346,11 +346,19 @@ class NvmlBackend:
         results = self._read(gpu, "field_values", nvml.nvmlDeviceGetFieldValues, handle, [f for f, _ in wanted])
         if results is None:
             return {}
+        decoded = [
+            (r.nvmlReturn, getattr(r.value, _VALUE_MEMBERS[r.valueType]) if r.nvmlReturn == nvml.NVML_SUCCESS else None)
+            for r in results
+        ]
+        return self._field_results(gpu, tuple(name for _, name in wanted), decoded)
+
+    def _field_results(self, gpu: _Gpu, names: tuple[str, ...], results: nvml_calls.FieldResults) -> dict[str, Any]:
+        """Each field's value by name; a field the GPU lacks is marked unsupported, a lost GPU raises."""
+        nvml = self._nvml
         values: dict[str, Any] = {}
-        for (_, name), result in zip(wanted, results, strict=True):
-            code = result.nvmlReturn
+        for name, (code, value) in zip(names, results, strict=True):
             if code == nvml.NVML_SUCCESS:
-                values[name] = int(getattr(result.value, _VALUE_MEMBERS[result.valueType]))
+                values[name] = int(value)  # type: ignore[arg-type]  # a success always carries a value
             elif code in self._unsupported_codes:
                 self._mark_unsupported(gpu, name)
             elif code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
@@ -578,7 +586,39 @@ class NvmlBackend:
             pcie_link_width_max=fact("pcie_width_max", nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
         )
         gpu.nvlinks = self._count_nvlinks(gpu)
+        gpu.reads = self._bind_reads(handle)
         return gpu
+
+    def _bind_reads(self, handle: Any) -> dict[str, Callable[[], Any]]:
+        """Each per-sample and read-plan call of one GPU, bound once (nvml_calls.py), else pynvml's wrapper."""
+        nvml = self._nvml
+        corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
+        ull, uint = ctypes.c_ulonglong, ctypes.c_uint
+        # read → (the C function, its arguments before the output, the output's type)
+        calls: dict[str, tuple[str, tuple[Any, ...], Any]] = {
+            "util": ("nvmlDeviceGetUtilizationRates", (), getattr(nvml, "c_nvmlUtilization_t", None)),
+            "memory_used": ("nvmlDeviceGetMemoryInfo", (), getattr(nvml, "c_nvmlMemory_t", None)),
+            "power": ("nvmlDeviceGetPowerUsage", (), uint),
+            "pstate": ("nvmlDeviceGetPerformanceState", (), uint),
+            "sm_clock": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_SM,), uint),
+            "mem_clock": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_MEM,), uint),
+            # ref. nvml.h nvmlDeviceGetTemperature: deprecated for ...TemperatureV, which older drivers lack.
+            "temp": ("nvmlDeviceGetTemperature", (nvml.NVML_TEMPERATURE_GPU,), uint),
+            "reasons": ("nvmlDeviceGetCurrentClocksEventReasons", (), ull),
+            "ecc_sbe_volatile": ("nvmlDeviceGetTotalEccErrors", (corrected, volatile), ull),
+            "ecc_dbe_volatile": ("nvmlDeviceGetTotalEccErrors", (uncorrected, volatile), ull),
+            "ecc_sbe_aggregate": ("nvmlDeviceGetTotalEccErrors", (corrected, aggregate), ull),
+            "ecc_dbe_aggregate": ("nvmlDeviceGetTotalEccErrors", (uncorrected, aggregate), ull),
+            "pcie_gen": ("nvmlDeviceGetCurrPcieLinkGeneration", (), uint),
+            "pcie_width": ("nvmlDeviceGetCurrPcieLinkWidth", (), uint),
+        }
+        reads: dict[str, Callable[[], Any]] = {}
+        for key, (name, args, out) in calls.items():
+            wrapper = functools.partial(getattr(nvml, name), handle, *args)
+            reads[key] = nvml_calls.bind(nvml, name, handle, *args, out=out) or wrapper
+        reads["remapped"] = functools.partial(nvml.nvmlDeviceGetRemappedRows, handle)  # four outputs: the wrapper
+        return reads
 
     def _count_nvlinks(self, gpu: _Gpu) -> int:
         """How many NVLinks the GPU has: links answer in order until the first that is not there."""
