@@ -268,7 +268,7 @@ class NvmlBackend:
         listed = gpu.tiers.get("pids")
         if plan.pids_by_count and listed is not None and listed[1] is not None:
             if not nvml_plan.due(listed[0], now, plan.pids_list_s, slow):
-                count = self._read(gpu, "pids_count", nvml_plan.process_count, self._nvml, handle)
+                count = self._read(gpu, "pids_count", gpu.reads["pids_count"])
                 if count == len(listed[1]):
                     pids: tuple[int, ...] = listed[1]
                     return pids
@@ -618,6 +618,7 @@ class NvmlBackend:
             wrapper = functools.partial(getattr(nvml, name), handle, *args)
             reads[key] = nvml_calls.bind(nvml, name, handle, *args, out=out) or wrapper
         reads["remapped"] = functools.partial(nvml.nvmlDeviceGetRemappedRows, handle)  # four outputs: the wrapper
+        reads["pids_count"] = nvml_plan.bind_process_count(nvml, handle)
         return reads
 
     def _count_nvlinks(self, gpu: _Gpu) -> int:

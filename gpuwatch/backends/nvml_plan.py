@@ -24,6 +24,8 @@ can measure a daemon with each plan in one run.
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +66,29 @@ def process_count(nvml: Any, handle: Any) -> int:
     lookup = getattr(nvml, "_nvmlGetFunctionPointer", None)
     if lookup is None:
         raise nvml.NVMLError(nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-    fn = lookup("nvmlDeviceGetComputeRunningProcesses_v3")
     count = ctypes.c_uint(0)
-    code = fn(handle, ctypes.byref(count), None)
+    return _count(nvml, lookup("nvmlDeviceGetComputeRunningProcesses_v3")(handle, ctypes.byref(count), None), count)
+
+
+def bind_process_count(nvml: Any, handle: Any) -> Callable[[], int]:
+    """process_count of one GPU with the C function and its buffer found once (the sampler calls it every sample);
+    process_count itself where the binding's table lacks the function, raising as it does."""
+    try:
+        lookup = nvml._nvmlGetFunctionPointer
+        fn = lookup("nvmlDeviceGetComputeRunningProcesses_v3")
+    except (AttributeError, nvml.NVMLError):
+        return functools.partial(process_count, nvml, handle)
+    count = ctypes.c_uint(0)
+    pointer = ctypes.byref(count)
+
+    def read() -> int:
+        count.value = 0  # no buffer: NVML answers with the count
+        return _count(nvml, fn(handle, pointer, None), count)
+
+    return read
+
+
+def _count(nvml: Any, code: int, count: ctypes.c_uint) -> int:
     if code == nvml.NVML_SUCCESS:
         return 0
     if code == nvml.NVML_ERROR_INSUFFICIENT_SIZE:
