@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterator
@@ -53,14 +54,26 @@ LINK_FIELDS = (
     ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
 )
 # The read plan's groups (nvml_plan.py) → the reads each makes when due, and the sample fields they fill.
+# The reads every sample makes, by key: a sample field's name, or util, memory, power and pstate, which
+# sample() converts.
+_EVERY = (
+    "util",
+    "memory",
+    "power",
+    "pstate",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "temp_c",
+    "clocks_event_reasons",
+    "ecc_sbe_volatile",
+    "ecc_dbe_volatile",
+)
 _TIERS = {
     "remapped": ("remapped",),
     "ecc_aggregate": ("ecc_sbe_aggregate", "ecc_dbe_aggregate"),
-    "pcie_gen": ("pcie_gen",),
-    "pcie_width": ("pcie_width",),
+    "pcie_gen": ("pcie_link_gen",),
+    "pcie_width": ("pcie_link_width",),
 }
-_ECC_AGGREGATES = ("ecc_sbe_aggregate", "ecc_dbe_aggregate")
-_PCIE_LINK = ("pcie_link_gen", "pcie_link_width")
 _REMAPPED = ("remapped_cor", "remapped_unc", "remapped_pending", "remapped_failure")
 # nvml.events → the event kinds registered on a GPU (auto: see event_kinds).
 _EVENT_KINDS: dict[str, tuple[str, ...]] = {"all": ("xid", "ecc_dbe", "ecc_sbe"), "xid": ("xid",), "none": ()}
@@ -89,8 +102,13 @@ class _Gpu:
     error: GpuReadError | None = None
     unsupported: set[str] = field(default_factory=set)
     nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
-    tiers: dict[str, tuple[float, Any]] = field(default_factory=dict)  # read-plan group → (time read, values)
-    reads: dict[str, Callable[[], Any]] = field(default_factory=dict)  # per-sample read → its call (_bind_reads)
+    reads: dict[str, Callable[[], Any]] = field(default_factory=dict)  # each read → its call (_bind_reads)
+    every: tuple[tuple[str, Callable[[], Any]], ...] = ()  # the reads every sample makes, by key
+    tier_reads: dict[str, tuple[tuple[str, Callable[[], Any]], ...]] = field(default_factory=dict)  # read plan's
+    tiers: dict[str, float] = field(default_factory=dict)  # read-plan group → when it was last read
+    tier_values: dict[str, Any] = field(default_factory=dict)  # the sample fields the groups read last
+    tiers_fresh: tuple[float, float] = (math.inf, -math.inf)  # from and until when no group is due
+    listed: tuple[float, tuple[int, ...] | None] | None = None  # when the process list was read, and what it held
     # The bound per-sample field batch: how many reads were unsupported when it was bound, its fields, its call.
     fields: tuple[int, tuple[str, ...], Callable[[], Any] | None] = (-1, (), None)
     last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
@@ -205,37 +223,22 @@ class NvmlBackend:
             GpuReadError: this GPU failed (kind gpu_lost, reset_required or unknown).
         """
         gpu = self._gpu(index)
-        plan, reads, read = self._plan, gpu.reads, self._read
         try:
-            util = read(gpu, "util", reads["util"])
-            memory = read(gpu, "memory_used", reads["memory_used"])
-            power_mw = read(gpu, "power", reads["power"])
-            pstate = read(gpu, "pstate", reads["pstate"])
-            values: dict[str, Any] = {
-                "sm_clock_mhz": read(gpu, "sm_clock", reads["sm_clock"]),
-                "mem_clock_mhz": read(gpu, "mem_clock", reads["mem_clock"]),
-                "temp_c": read(gpu, "temp", reads["temp"]),
-                "clocks_event_reasons": read(gpu, "reasons", reads["reasons"]),
-                "ecc_sbe_volatile": read(gpu, "ecc_sbe_volatile", reads["ecc_sbe_volatile"]),
-                "ecc_dbe_volatile": read(gpu, "ecc_dbe_volatile", reads["ecc_dbe_volatile"]),
-            }
-            values.update(self._sample_fields(gpu))
-            remapped = self._tiered(gpu, "remapped", plan.remapped_s, now, slow)
-            values.update(zip(_ECC_AGGREGATES, self._tiered(gpu, "ecc_aggregate", plan.ecc_aggregate_s, now, slow)))
-            values.update(zip(_PCIE_LINK, self._tiered(gpu, "pcie_gen", plan.pcie_gen_s, now, slow)))
-            values.update(zip(_PCIE_LINK[1:], self._tiered(gpu, "pcie_width", plan.pcie_width_s, now, slow)))
+            got = self._read_all(gpu, gpu.every)
+            got.update(self._sample_fields(gpu))
+            if slow or not gpu.tiers_fresh[0] <= now < gpu.tiers_fresh[1]:
+                self._read_tiers(gpu, now, slow)
             pids = self._pids(gpu, gpu.handle, now, slow)
             if slow:
                 gpu.last_slow = {**self._read_slow(gpu, gpu.handle), **self._read_links(gpu, gpu.handle)}
         except self._vendor_errors as exc:
             raise _map_error(self._nvml, exc) from exc
+        util, memory, power_mw, pstate = got.pop("util"), got.pop("memory"), got.pop("power"), got.pop("pstate")
+        got.update(gpu.tier_values)
         # The costly counters, link counters and link states are read on slow samples; every sample repeats
         # the last reading, so every scrape has each series (rate() over them works) and link rates and
         # states are judged over windows shorter than slow_interval_s.
-        values.update(gpu.last_slow)
-        if remapped[0] is not None:
-            # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
-            values.update(zip(_REMAPPED, remapped[0]))
+        got.update(gpu.last_slow)
         return GpuSample(
             t=now,
             index=gpu.index,
@@ -246,17 +249,47 @@ class NvmlBackend:
             memory_used_bytes=None if memory is None else memory.used,
             pstate=pstate if pstate is not None and pstate <= _MAX_PSTATE else None,
             pids=() if pids is None else pids,
-            **values,
+            **got,
         )
 
-    def _tiered(self, gpu: _Gpu, group: str, period_s: float, now: float, slow: bool) -> list[Any]:
-        """The group's reads (_TIERS) when the plan says it is due, else the values they gave last time (repeated)."""
-        last = gpu.tiers.get(group)
-        if last is None or nvml_plan.due(last[0], now, period_s, slow):
-            last = (now, [self._read(gpu, key, gpu.reads[key]) for key in _TIERS[group]])
-            gpu.tiers[group] = last
-        values: list[Any] = last[1]
+    def _read_all(self, gpu: _Gpu, reads: tuple[tuple[str, Callable[[], Any]], ...]) -> dict[str, Any]:
+        """Each read by its key, as _read makes them, in one loop (the reads every sample makes)."""
+        unsupported, values = gpu.unsupported, {}
+        for key, call in reads:
+            if key in unsupported:
+                values[key] = None
+                continue
+            try:
+                values[key] = call()
+            except self._vendor_errors as exc:
+                values[key] = self._failed(gpu, key, exc)
         return values
+
+    def _read_tiers(self, gpu: _Gpu, now: float, slow: bool) -> None:
+        """Read the plan's groups that are due (nvml_plan.due), and note until when none will be."""
+        plan = self._plan
+        fresh_from, fresh_until = -math.inf, math.inf
+        for group, period_s in (
+            ("remapped", plan.remapped_s),
+            ("ecc_aggregate", plan.ecc_aggregate_s),
+            ("pcie_gen", plan.pcie_gen_s),
+            ("pcie_width", plan.pcie_width_s),
+        ):
+            last = gpu.tiers.get(group)
+            if last is None or nvml_plan.due(last, now, period_s, slow):
+                gpu.tier_values.update(self._tier_values(group, self._read_all(gpu, gpu.tier_reads[group])))
+                gpu.tiers[group] = last = now
+            fresh_from, fresh_until = max(fresh_from, last), min(fresh_until, last + period_s)
+        gpu.tiers_fresh = (fresh_from, fresh_until)
+
+    @staticmethod
+    def _tier_values(group: str, read: dict[str, Any]) -> dict[str, Any]:
+        """Sample fields from a group's reads: row remapping's four outputs, each of the others as it is."""
+        if group != "remapped":
+            return read
+        # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
+        remapped = read["remapped"]
+        return dict(zip(_REMAPPED, (None,) * 4 if remapped is None else remapped, strict=True))
 
     def _pids(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> tuple[int, ...] | None:
         """The compute processes on the GPU; by the plan, listed only when their count changed (or it is due).
@@ -265,7 +298,7 @@ class NvmlBackend:
         the list is then read every sample, as before the plan.
         """
         plan = self._plan
-        listed = gpu.tiers.get("pids")
+        listed = gpu.listed
         if plan.pids_by_count and listed is not None and listed[1] is not None:
             if not nvml_plan.due(listed[0], now, plan.pids_list_s, slow):
                 count = self._read(gpu, "pids_count", gpu.reads["pids_count"])
@@ -274,7 +307,7 @@ class NvmlBackend:
                     return pids
         procs = self._read(gpu, "pids", self._nvml.nvmlDeviceGetComputeRunningProcesses, handle)
         found = None if procs is None else tuple(proc.pid for proc in procs)
-        gpu.tiers["pids"] = (now, found)
+        gpu.listed = (now, found)
         return found
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
@@ -586,7 +619,9 @@ class NvmlBackend:
             pcie_link_width_max=fact("pcie_width_max", nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
         )
         gpu.nvlinks = self._count_nvlinks(gpu)
-        gpu.reads = self._bind_reads(handle)
+        gpu.reads = reads = self._bind_reads(handle)
+        gpu.every = tuple((key, reads[key]) for key in _EVERY)
+        gpu.tier_reads = {group: tuple((key, reads[key]) for key in keys) for group, keys in _TIERS.items()}
         return gpu
 
     def _bind_reads(self, handle: Any) -> dict[str, Callable[[], Any]]:
@@ -598,20 +633,20 @@ class NvmlBackend:
         # read → (the C function, its arguments before the output, the output's type)
         calls: dict[str, tuple[str, tuple[Any, ...], Any]] = {
             "util": ("nvmlDeviceGetUtilizationRates", (), getattr(nvml, "c_nvmlUtilization_t", None)),
-            "memory_used": ("nvmlDeviceGetMemoryInfo", (), getattr(nvml, "c_nvmlMemory_t", None)),
+            "memory": ("nvmlDeviceGetMemoryInfo", (), getattr(nvml, "c_nvmlMemory_t", None)),
             "power": ("nvmlDeviceGetPowerUsage", (), uint),
             "pstate": ("nvmlDeviceGetPerformanceState", (), uint),
-            "sm_clock": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_SM,), uint),
-            "mem_clock": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_MEM,), uint),
+            "sm_clock_mhz": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_SM,), uint),
+            "mem_clock_mhz": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_MEM,), uint),
             # ref. nvml.h nvmlDeviceGetTemperature: deprecated for ...TemperatureV, which older drivers lack.
-            "temp": ("nvmlDeviceGetTemperature", (nvml.NVML_TEMPERATURE_GPU,), uint),
-            "reasons": ("nvmlDeviceGetCurrentClocksEventReasons", (), ull),
+            "temp_c": ("nvmlDeviceGetTemperature", (nvml.NVML_TEMPERATURE_GPU,), uint),
+            "clocks_event_reasons": ("nvmlDeviceGetCurrentClocksEventReasons", (), ull),
             "ecc_sbe_volatile": ("nvmlDeviceGetTotalEccErrors", (corrected, volatile), ull),
             "ecc_dbe_volatile": ("nvmlDeviceGetTotalEccErrors", (uncorrected, volatile), ull),
             "ecc_sbe_aggregate": ("nvmlDeviceGetTotalEccErrors", (corrected, aggregate), ull),
             "ecc_dbe_aggregate": ("nvmlDeviceGetTotalEccErrors", (uncorrected, aggregate), ull),
-            "pcie_gen": ("nvmlDeviceGetCurrPcieLinkGeneration", (), uint),
-            "pcie_width": ("nvmlDeviceGetCurrPcieLinkWidth", (), uint),
+            "pcie_link_gen": ("nvmlDeviceGetCurrPcieLinkGeneration", (), uint),
+            "pcie_link_width": ("nvmlDeviceGetCurrPcieLinkWidth", (), uint),
         }
         reads: dict[str, Callable[[], Any]] = {}
         for key, (name, args, out) in calls.items():
@@ -650,11 +685,15 @@ class NvmlBackend:
         try:
             return fn(*args)
         except self._vendor_errors as exc:
-            # NVMLLibraryMismatchError (no .value) is pynvml's FUNCTION_NOT_FOUND for unversioned calls.
-            if getattr(exc, "value", None) in self._unsupported_codes or not hasattr(exc, "value"):
-                self._mark_unsupported(gpu, key)
-                return None
-            raise
+            return self._failed(gpu, key, exc)
+
+    def _failed(self, gpu: _Gpu, key: str, exc: BaseException) -> None:
+        """A read of `key` that raised: None, remembered, if the GPU does not support it; else raised again."""
+        # NVMLLibraryMismatchError (no .value) is pynvml's FUNCTION_NOT_FOUND for unversioned calls.
+        if getattr(exc, "value", None) in self._unsupported_codes or not hasattr(exc, "value"):
+            self._mark_unsupported(gpu, key)
+            return None
+        raise exc
 
     def _mark_unsupported(self, gpu: _Gpu, key: str) -> None:
         gpu.unsupported.add(key)

@@ -50,7 +50,7 @@ BEFORE = ReadPlan(pcie_gen_s=0.0, ecc_aggregate_s=0.0, remapped_s=0.0, pids_by_c
 
 def due(last_t: float, now: float, period_s: float, slow: bool) -> bool:
     """Whether a group last read at `last_t` is read again at `now` (always on slow samples and when time went back)."""
-    return slow or period_s <= 0 or now - last_t >= period_s or now < last_t
+    return slow or not last_t <= now < last_t + period_s
 
 
 def process_count(nvml: Any, handle: Any) -> int:
