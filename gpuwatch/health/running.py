@@ -59,17 +59,22 @@ class _HeldWindow:
         self.tests = tuple(c.test for c in conditions)
         self.entries: deque[_HeldEntry] = deque()
         self._none = tuple(False for _ in conditions)
-        # When each condition last held: one that held on no kept sample answers at once (the usual case).
+        # When each condition last held, and any of them: one that held on no kept sample (the usual case)
+        # answers at once, and so does the whole window when none did.
         self._last_true = [-math.inf for _ in conditions]
-        self._zero = Held(0.0, 0, window_s)
+        self.latest_true = -math.inf
+        self.oldest_t = math.inf  # the oldest kept sample's time
+        self.zero = Held(0.0, 0, window_s)
 
     def add(self, sample: GpuSample) -> None:
         t, entries = sample.t, self.entries
-        flags = tuple(bool(test(sample)) for test in self.tests)
+        flags = tuple([bool(test(sample)) for test in self.tests])
+        if flags == self._none:
+            flags = self._none
         if not entries:
             seconds, counts = tuple(0.0 for _ in flags), tuple(int(f) for f in flags)
-        elif flags == self._none:  # the usual case: nothing held, the sums carry over unchanged
-            flags, (_, _, seconds, counts) = self._none, entries[-1]
+        elif flags is self._none:  # the usual case: nothing held, the sums carry over unchanged
+            _, _, seconds, counts = entries[-1]
         else:
             previous_t, _, seconds, counts = entries[-1]
             dt = t - previous_t
@@ -77,16 +82,18 @@ class _HeldWindow:
             counts = tuple(c + 1 if f else c for c, f in zip(counts, flags, strict=True))
         if flags is not self._none:
             self._last_true = [t if f else last for f, last in zip(flags, self._last_true, strict=True)]
+            self.latest_true = t
         entries.append((t, flags, seconds, counts))
         horizon = t - self.window_s
         while len(entries) > 1 and entries[1][0] < horizon:
             entries.popleft()
+        self.oldest_t = entries[0][0]
 
     def held(self, name: str, now: float, kept_from: float) -> Held:
         """As evidence.held: each sample vouches for the time since the one before it, clipped to the window."""
         k, entries = self.position[name], self.entries
         if not entries or self._last_true[k] < entries[0][0]:
-            return self._zero  # no kept sample shows it: what the sums below would give
+            return self.zero  # no kept sample shows it: what the sums below would give
         start = now - self.window_s
         first, n = _first_since(entries, start), len(entries)
         # The sample before the window counts only while the reference History would still keep it.
@@ -293,13 +300,17 @@ class _At:
         self._kept_from = last.t - state.keep_s if last is not None else float("inf")
 
     def held(self, name: str) -> Held:
-        return self._state._held[name].held(name, self._now, self._kept_from)
+        window = self._state._held[name]
+        if window.latest_true < window.oldest_t:  # no condition of its window held on a kept sample
+            return window.zero
+        return window.held(name, self._now, self._kept_from)
 
     def falls(self, name: str) -> int:
         return self._state._falls[name].falls(self._now)
 
     def growth(self, name: str) -> int:
-        return self._state._growth[name].growth(self._now, self._kept_from)
+        counter = self._state._growth[name]
+        return counter.growth(self._now, self._kept_from) if counter.rises else 0
 
     def events_since(self, window_s: float, kind: str) -> Sequence[GpuEvent]:
         events = self._state._events.get(kind)
