@@ -140,12 +140,12 @@ class Monitor:
 
     def judge_readings(self, readings: list[GpuSample | GpuError], duration_s: float = 0.0) -> Snapshot:
         """Record one round of readings (through the injection overlay), judge at their time, publish."""
-        now = max((r.t for r in readings), default=self.clock())
+        now = max([r.t for r in readings], default=self.clock())
         trainers = self._read_trainers(now)
         with self._lock:
             self._sample_duration_s = duration_s
             self._samples_total += 1
-            self._sample_errors_total += sum(isinstance(r, GpuError) for r in readings)
+            self._sample_errors_total += sum([isinstance(r, GpuError) for r in readings])
             self._trainers = trainers
             for reading in readings:
                 self._record(self._overlay(reading, now))
@@ -635,7 +635,7 @@ class Monitor:
                     drill_active=self._drill_until.get(index, 0.0) > now,
                     trainers=tuple(trainers_by_uuid.get(static.uuid, ())),
                     kernel_xids=tuple(self._kernel_xids[index]),
-                    xid_events=tuple(entry[0] for entry in self._xid_seen[index]),
+                    xid_events=tuple([entry[0] for entry in self._xid_seen[index]]),
                 )
             )
         return Snapshot(

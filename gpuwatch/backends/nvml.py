@@ -254,7 +254,7 @@ class NvmlBackend:
 
     def _read_all(self, gpu: _Gpu, reads: tuple[tuple[str, Callable[[], Any]], ...]) -> dict[str, Any]:
         """Each read by its key, as _read makes them, in one loop (the reads every sample makes)."""
-        unsupported, values = gpu.unsupported, {}
+        unsupported, values = gpu.unsupported, dict[str, Any]()
         for key, call in reads:
             if key in unsupported:
                 values[key] = None
@@ -262,7 +262,8 @@ class NvmlBackend:
             try:
                 values[key] = call()
             except self._vendor_errors as exc:
-                values[key] = self._failed(gpu, key, exc)
+                self._failed(gpu, key, exc)
+                values[key] = None
         return values
 
     def _read_tiers(self, gpu: _Gpu, now: float, slow: bool) -> None:
@@ -685,15 +686,15 @@ class NvmlBackend:
         try:
             return fn(*args)
         except self._vendor_errors as exc:
-            return self._failed(gpu, key, exc)
+            self._failed(gpu, key, exc)
+            return None
 
     def _failed(self, gpu: _Gpu, key: str, exc: BaseException) -> None:
-        """A read of `key` that raised: None, remembered, if the GPU does not support it; else raised again."""
+        """A read of `key` that raised: remembered if the GPU does not support it (the read is None), else raised."""
         # NVMLLibraryMismatchError (no .value) is pynvml's FUNCTION_NOT_FOUND for unversioned calls.
-        if getattr(exc, "value", None) in self._unsupported_codes or not hasattr(exc, "value"):
-            self._mark_unsupported(gpu, key)
-            return None
-        raise exc
+        if getattr(exc, "value", None) not in self._unsupported_codes and hasattr(exc, "value"):
+            raise exc
+        self._mark_unsupported(gpu, key)
 
     def _mark_unsupported(self, gpu: _Gpu, key: str) -> None:
         gpu.unsupported.add(key)

@@ -85,7 +85,9 @@ def bind_field_values(nvml: Any, handle: Any, field_ids: Sequence[int]) -> Calla
         code = fn(handle, count, pointer)
         if code:
             raise error(code)
-        return [(ret, None if ret else _value(kind, raw)) for _, _, _, _, kind, ret, raw in _FIELD_VALUE.iter_unpack(array)]
+        return [
+            (ret, None if ret else _value(kind, raw)) for _, _, _, _, kind, ret, raw in _FIELD_VALUE.iter_unpack(array)
+        ]
 
     return read
 
