@@ -1,0 +1,94 @@
+"""What one tick of the daemon costs on the NVML backend, in calls, not in time: NVML calls and Python calls per GPU.
+
+A tick on an H200 is the NVML sample plus the judging around it, all Python (docs/performance.md), so
+its cost is how many NVML calls the sample makes and how much Python runs around them. Both are
+counted here, exactly, on the NVML backend against the module-shaped fake, through a Monitor with its
+SQLite store and runtime dir as in the daemon: a change that adds an NVML call to every sample, or
+per-tick Python work (a rescan, a formatted string nobody reads, a wrapper per call), fails here on
+any machine however loaded, where a timed test could not tell 150 µs from 200. The Python count
+leaves out the fake's own frames: it is what gpuwatch and the library code it calls run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from gpuwatch.backends.nvml import NvmlBackend
+from gpuwatch.clock import ManualClock
+from gpuwatch.config import Config
+from gpuwatch.monitor import Monitor
+from gpuwatch.runtime import RuntimeDir
+from gpuwatch.store import Store
+from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+
+T0 = 1_800_000_000.0
+GPUS = 2
+TICKS = 21
+# Per GPU and tick, with no read-plan group due: utilisation, memory, power, P-state, two clocks,
+# temperature, clocks-event reasons, one field-value batch (HBM temperature, instantaneous power,
+# the driver's recovery action, the volatile ECC totals) and the process count.
+NVML_CALLS_PER_TICK = 10.0
+# Per GPU and tick on a healthy GPU: the sample's loop, the rules' constant-time answers, the state
+# machine, the Snapshot and the store's check: 212 here. 330 before the reads were bound once and the rules
+# answered a quiet window at once (measured the same way).
+PYTHON_CALLS_PER_TICK = 230.0
+
+
+def _healthy() -> FakeGpu:
+    """An H200 under load with nothing wrong: no ECC error, no remapped row, no process listed."""
+    return FakeGpu(pids=(), remapped=(0, 0, 0, 0), ecc=dict.fromkeys(FakeGpu().ecc, 0))
+
+
+def _monitor(tmp_path: Path, nvml: FakeNvml) -> tuple[Monitor, ManualClock]:
+    clock = ManualClock(T0)
+    config = Config(
+        backend="nvml", interval_s=1.0, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")
+    )
+    backend = NvmlBackend(config, nvml=nvml)
+    runtime = RuntimeDir(config.runtime_dir)
+    runtime.prepare()
+    monitor = Monitor(backend, backend.open(), config, store=Store(config.db_path), runtime=runtime, clock=clock)
+    for _ in range(10):  # past the first ticks, which read every group and write the first rows
+        clock.t += 1.0
+        monitor.tick()
+    return monitor, clock
+
+
+def _count(tmp_path: Path) -> tuple[float, float]:
+    """NVML calls and Python calls per GPU in the median tick of TICKS at 1 s (most read no read-plan group)."""
+    nvml = FakeNvml([_healthy() for _ in range(GPUS)])
+    monitor, clock = _monitor(tmp_path, nvml)
+    python = 0
+
+    def count(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal python
+        if event in ("call", "c_call") and "/tests/fakes/" not in frame.f_code.co_filename:
+            python += 1
+
+    ticks: list[tuple[float, float]] = []
+    for _ in range(TICKS):
+        clock.t += 1.0
+        nvml.calls.clear()
+        python = 0
+        sys.setprofile(count)
+        try:
+            monitor.tick()
+        finally:
+            sys.setprofile(None)
+        ticks.append((sum(nvml.calls.values()) / GPUS, python / GPUS))
+    nvml_calls = sorted(t[0] for t in ticks)[TICKS // 2]
+    python_calls = sorted(t[1] for t in ticks)[TICKS // 2]
+    return nvml_calls, python_calls
+
+
+def test_a_tick_makes_ten_nvml_calls_per_gpu(tmp_path: Path) -> None:
+    nvml_calls, _ = _count(tmp_path)
+    assert nvml_calls <= NVML_CALLS_PER_TICK, f"{nvml_calls:g} NVML calls per GPU and tick"
+
+
+def test_a_ticks_python_work_per_gpu_stays_within_its_budget(tmp_path: Path) -> None:
+    _, python_calls = _count(tmp_path)
+    assert python_calls <= PYTHON_CALLS_PER_TICK, f"{python_calls:g} Python calls per GPU and tick"
