@@ -46,8 +46,9 @@ _MAX_EVENTS_PER_WAIT = 64
 SAMPLE_FIELDS = (
     ("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"),
     ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw"),
-    ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "recovery_action"),
 )
+# The driver's recovery action, a field of its own: the read plan reads it (nvml_plan.py).
+RECOVERY_FIELD = "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"
 LINK_FIELDS = (
     ("NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS", "pcie_correctable_errors"),
     ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
@@ -69,6 +70,7 @@ _EVERY = (
     "ecc_dbe_volatile",
 )
 _TIERS = {
+    "recovery": ("recovery_action",),
     "remapped": ("remapped",),
     "ecc_aggregate": ("ecc_sbe_aggregate", "ecc_dbe_aggregate"),
     "pcie_gen": ("pcie_link_gen",),
@@ -132,6 +134,15 @@ class NvmlBackend:
         self._config = config
         self._nvml: Any = nvml
         self._plan = plan
+        groups = {
+            "recovery": plan.recovery_s,
+            "remapped": plan.remapped_s,
+            "ecc_aggregate": plan.ecc_aggregate_s,
+            "pcie_gen": plan.pcie_gen_s,
+            "pcie_width": plan.pcie_width_s,
+        }
+        # The read plan's groups and their periods (a recovery action read every sample is in the batch instead).
+        self._groups = tuple((group, s) for group, s in groups.items() if group != "recovery" or s > 0)
         self._vendor_errors: tuple[type[BaseException], ...] = ()
         self._unsupported_codes: frozenset[int] = frozenset()
         self._field_ids: tuple[tuple[int, str], ...] = ()
@@ -268,14 +279,8 @@ class NvmlBackend:
 
     def _read_tiers(self, gpu: _Gpu, now: float, slow: bool) -> None:
         """Read the plan's groups that are due (nvml_plan.due), and note until when none will be."""
-        plan = self._plan
         fresh_from, fresh_until = -math.inf, math.inf
-        for group, period_s in (
-            ("remapped", plan.remapped_s),
-            ("ecc_aggregate", plan.ecc_aggregate_s),
-            ("pcie_gen", plan.pcie_gen_s),
-            ("pcie_width", plan.pcie_width_s),
-        ):
+        for group, period_s in self._groups:
             last = gpu.tiers.get(group)
             if last is None or nvml_plan.due(last, now, period_s, slow):
                 gpu.tier_values.update(self._tier_values(group, self._read_all(gpu, gpu.tier_reads[group])))
@@ -365,6 +370,14 @@ class NvmlBackend:
             return self._read_field_values(gpu, gpu.handle, self._field_ids)
         results = self._read(gpu, "field_values", read)
         return {} if results is None else self._field_results(gpu, names, results)
+
+    def _field(self, handle: Any, field_id: int) -> int:
+        """One field through pynvml's wrapper (where no batch binds); its own NVML return other than success raises."""
+        nvml = self._nvml
+        (result,) = nvml.nvmlDeviceGetFieldValues(handle, [field_id])
+        if result.nvmlReturn != nvml.NVML_SUCCESS:
+            raise nvml.NVMLError(result.nvmlReturn)
+        return int(getattr(result.value, _VALUE_MEMBERS[result.valueType]))
 
     def _read_field_values(self, gpu: _Gpu, handle: Any, field_ids: tuple[tuple[int, str], ...]) -> dict[str, Any]:
         """Several fields in one nvmlDeviceGetFieldValues call through pynvml's wrapper (on slow samples: the
@@ -568,7 +581,10 @@ class NvmlBackend:
         self._vendor_errors = (nvml.NVMLError,) if mismatch is None else (nvml.NVMLError, mismatch)
         # FUNCTION_NOT_FOUND is a driver older than the binding: as final for this field as NOT_SUPPORTED.
         self._unsupported_codes = frozenset({nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND})
-        self._field_ids = tuple((getattr(nvml, c), name) for c, name in SAMPLE_FIELDS if hasattr(nvml, c))
+        # A plan that reads the recovery action every sample (BEFORE) reads it in the batch, as releases before it did.
+        every = self._plan.recovery_s <= 0
+        fields = (*SAMPLE_FIELDS, (RECOVERY_FIELD, "recovery_action")) if every else SAMPLE_FIELDS
+        self._field_ids = tuple((getattr(nvml, c), name) for c, name in fields if hasattr(nvml, c))
         self._slow_field_ids = tuple((getattr(nvml, c), name) for c, name in LINK_FIELDS if hasattr(nvml, c))
         self._event_kinds = (
             (nvml.nvmlEventTypeXidCriticalError, "xid"),
@@ -654,6 +670,12 @@ class NvmlBackend:
             wrapper = functools.partial(getattr(nvml, name), handle, *args)
             reads[key] = nvml_calls.bind(nvml, name, handle, *args, out=out) or wrapper
         reads["remapped"] = functools.partial(nvml.nvmlDeviceGetRemappedRows, handle)  # four outputs: the wrapper
+        recovery = getattr(nvml, RECOVERY_FIELD, None)
+        reads["recovery_action"] = (
+            _absent
+            if recovery is None
+            else nvml_calls.bind_field(nvml, handle, recovery) or functools.partial(self._field, handle, recovery)
+        )
         reads["pids_count"] = nvml_plan.bind_process_count(nvml, handle)
         return reads
 
@@ -713,6 +735,11 @@ class NvmlBackend:
             self._nvml.nvmlShutdown()
         except self._vendor_errors as exc:
             log.debug("nvmlShutdown failed: %s", exc)
+
+
+def _absent() -> None:
+    """A read the binding has no name for (an nvidia-ml-py older than the field): never supported."""
+    return None
 
 
 def _map_error(nvml: Any, exc: BaseException) -> GpuReadError:

@@ -92,6 +92,23 @@ def bind_field_values(nvml: Any, handle: Any, field_ids: Sequence[int]) -> Calla
     return read
 
 
+def bind_field(nvml: Any, handle: Any, field_id: int) -> Read | None:
+    """One field through nvmlDeviceGetFieldValues as a call returning its value; a field's own NVML return
+    other than success raises, as a call's would (NOT_SUPPORTED: the GPU lacks the field)."""
+    batch = bind_field_values(nvml, handle, [field_id])
+    if batch is None:
+        return None
+    error = nvml.NVMLError
+
+    def read() -> int | float | None:
+        ((code, value),) = batch()
+        if code:
+            raise error(code)
+        return value
+
+    return read
+
+
 def _value(kind: int, raw: int) -> int | float:
     """The nvmlValue_t union's member that `kind` names, from its 8 bytes read as an unsigned 64-bit integer."""
     if kind == _UINT:

@@ -11,6 +11,10 @@ figures:
 * ECC aggregate (lifetime) totals: the ECC rules count the larger growth of the volatile and the aggregate
   counter over `ecc_window_s` (an hour); the volatile ones are still read every sample and double-bit
   errors also arrive as events, so an aggregate at most 60 s old changes no verdict's time.
+* The driver's recovery action (NVML field 230): the driver logs XID 154 ("GPU recovery action
+  changed") when it sets one, and that XID is judged at once through the kernel log or NVML's event
+  set (an unhealthy finding, reset suggested); the field itself, which names the action, lags by at
+  most 5 s. It is the dearest per-sample read after the memory info: 10 µs of NVML on the H200.
 * Row remapping: a remap is pending only after an uncorrectable error, which the ECC counters and events
   report at once; the flags themselves may show up to 30 s later (the default sampling interval).
 * The process list: only the ranks' mapping, GPU tests and `gpuwatch_gpu_processes` use it, none of them
@@ -38,6 +42,7 @@ class ReadPlan:
 
     pcie_width_s: float = 5.0
     pcie_gen_s: float = 5.0
+    recovery_s: float = 5.0
     ecc_aggregate_s: float = 60.0
     remapped_s: float = 30.0
     pids_by_count: bool = True
@@ -45,7 +50,7 @@ class ReadPlan:
 
 
 DEFAULT = ReadPlan()
-BEFORE = ReadPlan(pcie_gen_s=0.0, ecc_aggregate_s=0.0, remapped_s=0.0, pids_by_count=False)
+BEFORE = ReadPlan(pcie_gen_s=0.0, recovery_s=0.0, ecc_aggregate_s=0.0, remapped_s=0.0, pids_by_count=False)
 
 
 def due(last_t: float, now: float, period_s: float, slow: bool) -> bool:
