@@ -22,6 +22,7 @@ import ctypes
 import functools
 import logging
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterator
@@ -32,6 +33,7 @@ from gpuwatch.backends import nvml_calls, nvml_plan
 from gpuwatch.backends.nvml_plan import ReadPlan
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendUnavailable, GpuReadError
+from gpuwatch.model import SAMPLE_FIELDS as SAMPLE_FIELD_NAMES
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 
 log = logging.getLogger("gpuwatch.backends.nvml")
@@ -77,6 +79,9 @@ _TIERS = {
     "pcie_width": ("pcie_link_width",),
 }
 _REMAPPED = ("remapped_cor", "remapped_unc", "remapped_pending", "remapped_failure")
+# Every sample field, None until read, and all of them in GpuSample's order.
+_NO_VALUES: dict[str, Any] = dict.fromkeys(SAMPLE_FIELD_NAMES)
+_IN_ORDER = operator.itemgetter(*SAMPLE_FIELD_NAMES)
 # nvml.events → the event kinds registered on a GPU (auto: see event_kinds).
 _EVENT_KINDS: dict[str, tuple[str, ...]] = {"all": ("xid", "ecc_dbe", "ecc_sbe"), "xid": ("xid",), "none": ()}
 
@@ -244,13 +249,13 @@ class NvmlBackend:
                 gpu.last_slow = {**self._read_slow(gpu, gpu.handle), **self._read_links(gpu, gpu.handle)}
         except self._vendor_errors as exc:
             raise _map_error(self._nvml, exc) from exc
-        util, memory, power_mw, pstate = got.pop("util"), got.pop("memory"), got.pop("power"), got.pop("pstate")
-        got.update(gpu.tier_values)
+        util, memory, power_mw, pstate = got["util"], got["memory"], got["power"], got["pstate"]
+        pstate = pstate if pstate is not None and pstate <= _MAX_PSTATE else None
         # The costly counters, link counters and link states are read on slow samples; every sample repeats
         # the last reading, so every scrape has each series (rate() over them works) and link rates and
         # states are judged over windows shorter than slow_interval_s.
-        got.update(gpu.last_slow)
-        return GpuSample(
+        values = {**_NO_VALUES, **got, **gpu.tier_values, **gpu.last_slow, "pstate": pstate}
+        values.update(
             t=now,
             index=gpu.index,
             uuid=gpu.static.uuid,
@@ -258,10 +263,9 @@ class NvmlBackend:
             util_gpu_pct=None if util is None else util.gpu,
             util_mem_pct=None if util is None else util.memory,
             memory_used_bytes=None if memory is None else memory.used,
-            pstate=pstate if pstate is not None and pstate <= _MAX_PSTATE else None,
             pids=() if pids is None else pids,
-            **got,
         )
+        return GpuSample(*_IN_ORDER(values))  # by position: a third cheaper than by keyword for its 36 fields
 
     def _read_all(self, gpu: _Gpu, reads: tuple[tuple[str, Callable[[], Any]], ...]) -> dict[str, Any]:
         """Each read by its key, as _read makes them, in one loop (the reads every sample makes)."""
