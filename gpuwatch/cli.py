@@ -6,6 +6,7 @@ Every gpuwatch error ends as one line on stderr and exit code 2, never a traceba
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import sys
 import time
@@ -16,13 +17,9 @@ from typing import Any, TypeVar
 import click
 
 from gpuwatch import __version__
-from gpuwatch.bench.cli import bench
 from gpuwatch.command_error import FiniteFloatRange, OneLineGroup, fail
 from gpuwatch.config import Config, load
-from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.launch import launch
-from gpuwatch.service.cli import service
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,7 +85,29 @@ def _rule_names() -> frozenset[str]:
     return known_names()
 
 
-@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+# Command groups `gpuwatch run` never runs, imported when first named: half a MiB of the daemon's RSS otherwise.
+LAZY_COMMANDS = {
+    "bench": ("gpuwatch.bench.cli", "bench"),
+    "drill": ("gpuwatch.drills.cli", "drill"),
+    "launch": ("gpuwatch.launch", "launch"),
+    "service": ("gpuwatch.service.cli", "service"),
+}
+
+
+class _Main(OneLineGroup):
+    """The top-level group, with LAZY_COMMANDS imported when named (or listed, for --help)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            module, name = LAZY_COMMANDS[cmd_name]
+            self.add_command(getattr(importlib.import_module(module), name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuwatch")
 def main() -> None:
     """gpuwatch: GPU health daemon for PyTorch training fleets."""
@@ -335,9 +354,3 @@ def release(index: int, reason: str, force: bool, validate: bool, config_path: s
     click.echo(g.message or f"GPU {g.index} released; state {g.state}")
     if validate and g.validation is not None:
         click.echo(f"validation {g.validation.outcome}: {g.validation.reason}")
-
-
-main.add_command(launch)
-main.add_command(drill)
-main.add_command(bench)
-main.add_command(service)
