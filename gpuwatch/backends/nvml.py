@@ -116,6 +116,7 @@ class _Gpu:
     tier_values: dict[str, Any] = field(default_factory=dict)  # the sample fields the groups read last
     tiers_fresh: tuple[float, float] = (math.inf, -math.inf)  # from and until when no group is due
     listed: tuple[float, tuple[int, ...] | None] | None = None  # when the process list was read, and what it held
+    counted_at: int | None = None  # the memory in use when the processes were last counted or listed
     # The bound per-sample field batch: how many reads were unsupported when it was bound, its fields, its call.
     fields: tuple[int, tuple[str, ...], Callable[[], Any] | None] = (-1, (), None)
     last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
@@ -244,12 +245,14 @@ class NvmlBackend:
             got.update(self._sample_fields(gpu))
             if slow or not gpu.tiers_fresh[0] <= now < gpu.tiers_fresh[1]:
                 self._read_tiers(gpu, now, slow)
-            pids = self._pids(gpu, gpu.handle, now, slow)
+            memory = got["memory"]  # the bound call's buffer: read at once
+            used = None if memory is None else int(memory.used)
+            pids = self._pids(gpu, used, now, slow)
             if slow:
                 gpu.last_slow = {**self._read_slow(gpu, gpu.handle), **self._read_links(gpu, gpu.handle)}
         except self._vendor_errors as exc:
             raise _map_error(self._nvml, exc) from exc
-        util, memory, power_mw, pstate = got["util"], got["memory"], got["power"], got["pstate"]
+        util, power_mw, pstate = got["util"], got["power"], got["pstate"]
         pstate = pstate if pstate is not None and pstate <= _MAX_PSTATE else None
         # The costly counters, link counters and link states are read on slow samples; every sample repeats
         # the last reading, so every scrape has each series (rate() over them works) and link rates and
@@ -262,7 +265,7 @@ class NvmlBackend:
             power_w=None if power_mw is None else power_mw / 1000.0,
             util_gpu_pct=None if util is None else util.gpu,
             util_mem_pct=None if util is None else util.memory,
-            memory_used_bytes=None if memory is None else memory.used,
+            memory_used_bytes=used,
             pids=() if pids is None else pids,
         )
         return GpuSample(*_IN_ORDER(values))  # by position: a third cheaper than by keyword for its 36 fields
@@ -301,8 +304,9 @@ class NvmlBackend:
         remapped = read["remapped"]
         return dict(zip(_REMAPPED, (None,) * 4 if remapped is None else remapped, strict=True))
 
-    def _pids(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> tuple[int, ...] | None:
-        """The compute processes on the GPU; by the plan, listed only when their count changed (or it is due).
+    def _pids(self, gpu: _Gpu, memory_used: int | None, now: float, slow: bool) -> tuple[int, ...] | None:
+        """The compute processes on the GPU; by the plan, counted only when the memory in use moved (a process
+        that starts or ends moves it: its CUDA context lives there), listed only when the count changed (or due).
 
         A count that cannot be read (a binding or driver without it) is remembered as unsupported, and
         the list is then read every sample, as before the plan.
@@ -311,13 +315,16 @@ class NvmlBackend:
         listed = gpu.listed
         if plan.pids_by_count and listed is not None and listed[1] is not None:
             if not nvml_plan.due(listed[0], now, plan.pids_list_s, slow):
-                count = self._read(gpu, "pids_count", gpu.reads["pids_count"])
-                if count == len(listed[1]):
-                    pids: tuple[int, ...] = listed[1]
+                pids: tuple[int, ...] = listed[1]
+                if memory_used is not None and memory_used == gpu.counted_at:
                     return pids
-        procs = self._read(gpu, "pids", self._nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+                count = self._read(gpu, "pids_count", gpu.reads["pids_count"])
+                gpu.counted_at = memory_used
+                if count == len(pids):
+                    return pids
+        procs = self._read(gpu, "pids", self._nvml.nvmlDeviceGetComputeRunningProcesses, gpu.handle)
         found = None if procs is None else tuple(proc.pid for proc in procs)
-        gpu.listed = (now, found)
+        gpu.listed, gpu.counted_at = (now, found), memory_used
         return found
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:

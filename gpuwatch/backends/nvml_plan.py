@@ -18,8 +18,10 @@ figures:
 * Row remapping: a remap is pending only after an uncorrectable error, which the ECC counters and events
   report at once; the flags themselves may show up to 30 s later (the default sampling interval).
 * The process list: only the ranks' mapping, GPU tests and `gpuwatch_gpu_processes` use it, none of them
-  a rule. The count (one call) is read every sample and the list (two calls while any process runs)
-  when the count changed, on slow samples and at least every PIDS_LIST_EVERY_S.
+  a rule. The count (one call, 9 µs of NVML on the H200) is read when the memory in use moved since the
+  last count (a process that starts or ends moves it: its CUDA context lives there), and the list (two
+  calls while any process runs) when the count changed, on slow samples and at least every
+  PIDS_LIST_EVERY_S.
 
 BEFORE is the plan of the releases before it existed, kept so that `gpuwatch bench --only interference`
 can measure a daemon with each plan in one run.
@@ -38,7 +40,8 @@ PIDS_LIST_EVERY_S = 30.0  # a process that replaced another between two samples 
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """Seconds between reads of each tiered group (0: every sample); `pids_by_count` reads the count first."""
+    """Seconds between reads of each tiered group (0: every sample); `pids_by_count` reads the count first, and
+    only when the memory in use moved."""
 
     pcie_width_s: float = 5.0
     pcie_gen_s: float = 5.0
