@@ -94,17 +94,33 @@ LAZY_COMMANDS = {
 }
 
 
+class _Commands(dict[str, click.Command]):
+    """A group's commands by name, LAZY_COMMANDS among them, each imported at its first lookup."""
+
+    def __missing__(self, name: str) -> click.Command:
+        if name not in LAZY_COMMANDS:
+            raise KeyError(name)
+        module, attr = LAZY_COMMANDS[name]
+        command: click.Command = getattr(importlib.import_module(module), attr)
+        self[name] = command
+        return command
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or name in LAZY_COMMANDS
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+
 class _Main(OneLineGroup):
     """The top-level group, with LAZY_COMMANDS imported when named (or listed, for --help)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = _Commands(self.commands)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
-
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
-            module, name = LAZY_COMMANDS[cmd_name]
-            self.add_command(getattr(importlib.import_module(module), name), cmd_name)
-        return super().get_command(ctx, cmd_name)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
