@@ -6,6 +6,7 @@ Every gpuwatch error ends as one line on stderr and exit code 2, never a traceba
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import sys
 import time
@@ -17,12 +18,8 @@ import click
 
 from gpuwatch import __version__
 from gpuwatch.base.command_error import FiniteFloatRange, OneLineGroup, fail
-from gpuwatch.bench.cli import bench
 from gpuwatch.config import Config, load
-from gpuwatch.drills.cli import drill
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.launcher.launch import launch
-from gpuwatch.service.cli import service
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,7 +85,45 @@ def _rule_names() -> frozenset[str]:
     return known_names()
 
 
-@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+# Command groups `gpuwatch run` never runs, imported when first named: half a MiB of the daemon's RSS otherwise.
+LAZY_COMMANDS = {
+    "bench": ("gpuwatch.bench.cli", "bench"),
+    "drill": ("gpuwatch.drills.cli", "drill"),
+    "launch": ("gpuwatch.launcher.launch", "launch"),
+    "service": ("gpuwatch.service.cli", "service"),
+}
+
+
+class _Commands(dict[str, click.Command]):
+    """A group's commands by name, LAZY_COMMANDS among them, each imported at its first lookup."""
+
+    def __missing__(self, name: str) -> click.Command:
+        if name not in LAZY_COMMANDS:
+            raise KeyError(name)
+        module, attr = LAZY_COMMANDS[name]
+        command: click.Command = getattr(importlib.import_module(module), attr)
+        self[name] = command
+        return command
+
+    def __contains__(self, name: object) -> bool:
+        return dict.__contains__(self, name) or name in LAZY_COMMANDS
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+
+class _Main(OneLineGroup):
+    """The top-level group, with LAZY_COMMANDS imported when named (or listed, for --help)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands = _Commands(self.commands)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuwatch")
 def main() -> None:
     """gpuwatch: GPU health daemon for PyTorch training fleets."""
@@ -335,9 +370,3 @@ def release(index: int, reason: str, force: bool, validate: bool, config_path: s
     click.echo(g.message or f"GPU {g.index} released; state {g.state}")
     if validate and g.validation is not None:
         click.echo(f"validation {g.validation.outcome}: {g.validation.reason}")
-
-
-main.add_command(launch)
-main.add_command(drill)
-main.add_command(bench)
-main.add_command(service)

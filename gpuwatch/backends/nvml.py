@@ -21,16 +21,19 @@ import contextlib
 import ctypes
 import functools
 import logging
+import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatch.backends import nvml_plan
+from gpuwatch.backends import nvml_calls, nvml_plan
 from gpuwatch.backends.nvml_plan import ReadPlan
 from gpuwatch.config import Config
 from gpuwatch.errors import BackendUnavailable, GpuReadError
+from gpuwatch.model import SAMPLE_FIELDS as SAMPLE_FIELD_NAMES
 from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 
 log = logging.getLogger("gpuwatch.backends.nvml")
@@ -45,13 +48,40 @@ _MAX_EVENTS_PER_WAIT = 64
 SAMPLE_FIELDS = (
     ("NVML_FI_DEV_MEMORY_TEMP", "mem_temp_c"),
     ("NVML_FI_DEV_POWER_INSTANT", "power_instant_mw"),
-    ("NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "recovery_action"),
 )
+# The driver's recovery action, a field of its own: the read plan reads it (nvml_plan.py).
+RECOVERY_FIELD = "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"
 LINK_FIELDS = (
     ("NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS", "pcie_correctable_errors"),
     ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_errors"),
     ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors"),
 )
+# The read plan's groups (nvml_plan.py) → the reads each makes when due, and the sample fields they fill.
+# The reads every sample makes, by key: a sample field's name, or util, memory, power and pstate, which
+# sample() converts.
+_EVERY = (
+    "util",
+    "memory",
+    "power",
+    "pstate",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "temp_c",
+    "clocks_event_reasons",
+    "ecc_sbe_volatile",
+    "ecc_dbe_volatile",
+)
+_TIERS = {
+    "recovery": ("recovery_action",),
+    "remapped": ("remapped",),
+    "ecc_aggregate": ("ecc_sbe_aggregate", "ecc_dbe_aggregate"),
+    "pcie_gen": ("pcie_link_gen",),
+    "pcie_width": ("pcie_link_width",),
+}
+_REMAPPED = ("remapped_cor", "remapped_unc", "remapped_pending", "remapped_failure")
+# Every sample field, None until read, and all of them in GpuSample's order.
+_NO_VALUES: dict[str, Any] = dict.fromkeys(SAMPLE_FIELD_NAMES)
+_IN_ORDER = operator.itemgetter(*SAMPLE_FIELD_NAMES)
 # nvml.events → the event kinds registered on a GPU (auto: see event_kinds).
 _EVENT_KINDS: dict[str, tuple[str, ...]] = {"all": ("xid", "ecc_dbe", "ecc_sbe"), "xid": ("xid",), "none": ()}
 
@@ -79,7 +109,16 @@ class _Gpu:
     error: GpuReadError | None = None
     unsupported: set[str] = field(default_factory=set)
     nvlinks: int = 0  # NVLinks found at open (0: a PCIe-only card, nothing NVLink is read)
-    tiers: dict[str, tuple[float, Any]] = field(default_factory=dict)  # read-plan group → (time read, value)
+    reads: dict[str, Callable[[], Any]] = field(default_factory=dict)  # each read → its call (_bind_reads)
+    every: tuple[tuple[str, Callable[[], Any]], ...] = ()  # the reads every sample makes, by key
+    tier_reads: dict[str, tuple[tuple[str, Callable[[], Any]], ...]] = field(default_factory=dict)  # read plan's
+    tiers: dict[str, float] = field(default_factory=dict)  # read-plan group → when it was last read
+    tier_values: dict[str, Any] = field(default_factory=dict)  # the sample fields the groups read last
+    tiers_fresh: tuple[float, float] = (math.inf, -math.inf)  # from and until when no group is due
+    listed: tuple[float, tuple[int, ...] | None] | None = None  # when the process list was read, and what it held
+    counted_at: int | None = None  # the memory in use when the processes were last counted or listed
+    # The bound per-sample field batch: how many reads were unsupported when it was bound, its fields, its call.
+    fields: tuple[int, tuple[str, ...], Callable[[], Any] | None] = (-1, (), None)
     last_slow: dict[str, Any] = field(default_factory=dict)  # what the last slow sample read, repeated until the next
 
 
@@ -101,6 +140,15 @@ class NvmlBackend:
         self._config = config
         self._nvml: Any = nvml
         self._plan = plan
+        groups = {
+            "recovery": plan.recovery_s,
+            "remapped": plan.remapped_s,
+            "ecc_aggregate": plan.ecc_aggregate_s,
+            "pcie_gen": plan.pcie_gen_s,
+            "pcie_width": plan.pcie_width_s,
+        }
+        # The read plan's groups and their periods (a recovery action read every sample is in the batch instead).
+        self._groups = tuple((group, s) for group, s in groups.items() if group != "recovery" or s > 0)
         self._vendor_errors: tuple[type[BaseException], ...] = ()
         self._unsupported_codes: frozenset[int] = frozenset()
         self._field_ids: tuple[tuple[int, str], ...] = ()
@@ -192,103 +240,91 @@ class NvmlBackend:
             GpuReadError: this GPU failed (kind gpu_lost, reset_required or unknown).
         """
         gpu = self._gpu(index)
-        nvml = self._nvml
-        plan = self._plan
-        with self._mapped():
-            handle = gpu.handle
-            read = functools.partial(self._read, gpu)
-            tier = functools.partial(self._tiered, gpu, now=now, slow=slow)
-            util = read("util", nvml.nvmlDeviceGetUtilizationRates, handle)
-            memory = read("memory_used", nvml.nvmlDeviceGetMemoryInfo, handle)
-            power_mw = read("power", nvml.nvmlDeviceGetPowerUsage, handle)
-            pstate = read("pstate", nvml.nvmlDeviceGetPerformanceState, handle)
-            remapped = tier(
-                "remapped", plan.remapped_s, lambda: read("remapped", nvml.nvmlDeviceGetRemappedRows, handle)
-            )
-            pids = self._pids(gpu, handle, now, slow)
-            corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
-            volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
-            ecc = nvml.nvmlDeviceGetTotalEccErrors
-            sbe_aggregate, dbe_aggregate = tier(
-                "ecc_aggregate",
-                plan.ecc_aggregate_s,
-                lambda: (
-                    read("ecc_sbe_aggregate", ecc, handle, corrected, aggregate),
-                    read("ecc_dbe_aggregate", ecc, handle, uncorrected, aggregate),
-                ),
-            )
-            values: dict[str, Any] = {
-                "sm_clock_mhz": read("sm_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
-                "mem_clock_mhz": read("mem_clock", nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM),
-                # ref. nvml.h nvmlDeviceGetTemperature: deprecated for ...TemperatureV, which older drivers lack.
-                "temp_c": read("temp", nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
-                "clocks_event_reasons": read("reasons", nvml.nvmlDeviceGetCurrentClocksEventReasons, handle),
-                "ecc_sbe_volatile": read("ecc_sbe_volatile", ecc, handle, corrected, volatile),
-                "ecc_dbe_volatile": read("ecc_dbe_volatile", ecc, handle, uncorrected, volatile),
-                "ecc_sbe_aggregate": sbe_aggregate,
-                "ecc_dbe_aggregate": dbe_aggregate,
-                "pcie_link_gen": tier(
-                    "pcie_gen",
-                    plan.pcie_gen_s,
-                    lambda: read("pcie_gen", nvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
-                ),
-                "pcie_link_width": tier(
-                    "pcie_width",
-                    plan.pcie_width_s,
-                    lambda: read("pcie_width", nvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
-                ),
-                **self._read_field_values(gpu, handle, self._field_ids),
-            }
+        try:
+            got = self._read_all(gpu, gpu.every)
+            got.update(self._sample_fields(gpu))
+            if slow or not gpu.tiers_fresh[0] <= now < gpu.tiers_fresh[1]:
+                self._read_tiers(gpu, now, slow)
+            memory = got["memory"]  # the bound call's buffer: read at once
+            used = None if memory is None else int(memory.used)
+            pids = self._pids(gpu, used, now, slow)
             if slow:
-                gpu.last_slow = {**self._read_slow(gpu, handle), **self._read_links(gpu, handle)}
-            # The costly counters, link counters and link states are read on slow samples; every sample repeats
-            # the last reading, so every scrape has each series (rate() over them works) and link rates and
-            # states are judged over windows shorter than slow_interval_s.
-            values.update(gpu.last_slow)
-        if remapped is not None:
-            # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
-            cor, unc, pending, failure = remapped
-            values.update(remapped_cor=cor, remapped_unc=unc, remapped_pending=pending, remapped_failure=failure)
-        return GpuSample(
+                gpu.last_slow = {**self._read_slow(gpu, gpu.handle), **self._read_links(gpu, gpu.handle)}
+        except self._vendor_errors as exc:
+            raise _map_error(self._nvml, exc) from exc
+        util, power_mw, pstate = got["util"], got["power"], got["pstate"]
+        pstate = pstate if pstate is not None and pstate <= _MAX_PSTATE else None
+        # The costly counters, link counters and link states are read on slow samples; every sample repeats
+        # the last reading, so every scrape has each series (rate() over them works) and link rates and
+        # states are judged over windows shorter than slow_interval_s.
+        values = {**_NO_VALUES, **got, **gpu.tier_values, **gpu.last_slow, "pstate": pstate}
+        values.update(
             t=now,
             index=gpu.index,
             uuid=gpu.static.uuid,
             power_w=None if power_mw is None else power_mw / 1000.0,
             util_gpu_pct=None if util is None else util.gpu,
             util_mem_pct=None if util is None else util.memory,
-            memory_used_bytes=None if memory is None else memory.used,
-            pstate=pstate if pstate is not None and pstate <= _MAX_PSTATE else None,
+            memory_used_bytes=used,
             pids=() if pids is None else pids,
-            **values,
         )
+        return GpuSample(*_IN_ORDER(values))  # by position: a third cheaper than by keyword for its 36 fields
+
+    def _read_all(self, gpu: _Gpu, reads: tuple[tuple[str, Callable[[], Any]], ...]) -> dict[str, Any]:
+        """Each read by its key, as _read makes them, in one loop (the reads every sample makes)."""
+        unsupported, values = gpu.unsupported, dict[str, Any]()
+        for key, call in reads:
+            if key in unsupported:
+                values[key] = None
+                continue
+            try:
+                values[key] = call()
+            except self._vendor_errors as exc:
+                self._failed(gpu, key, exc)
+                values[key] = None
+        return values
+
+    def _read_tiers(self, gpu: _Gpu, now: float, slow: bool) -> None:
+        """Read the plan's groups that are due (nvml_plan.due), and note until when none will be."""
+        fresh_from, fresh_until = -math.inf, math.inf
+        for group, period_s in self._groups:
+            last = gpu.tiers.get(group)
+            if last is None or nvml_plan.due(last, now, period_s, slow):
+                gpu.tier_values.update(self._tier_values(group, self._read_all(gpu, gpu.tier_reads[group])))
+                gpu.tiers[group] = last = now
+            fresh_from, fresh_until = max(fresh_from, last), min(fresh_until, last + period_s)
+        gpu.tiers_fresh = (fresh_from, fresh_until)
 
     @staticmethod
-    def _tiered(gpu: _Gpu, group: str, period_s: float, read: Callable[[], Any], *, now: float, slow: bool) -> Any:
-        """`read()` when the plan says `group` is due, else the value it gave last time (repeated)."""
-        last = gpu.tiers.get(group)
-        if last is None or nvml_plan.due(last[0], now, period_s, slow):
-            value = read()
-            gpu.tiers[group] = (now, value)
-            return value
-        return last[1]
+    def _tier_values(group: str, read: dict[str, Any]) -> dict[str, Any]:
+        """Sample fields from a group's reads: row remapping's four outputs, each of the others as it is."""
+        if group != "remapped":
+            return read
+        # ref. nvml.h nvmlDeviceGetRemappedRows: (corrRows, uncRows, isPending, failureOccurred).
+        remapped = read["remapped"]
+        return dict(zip(_REMAPPED, (None,) * 4 if remapped is None else remapped, strict=True))
 
-    def _pids(self, gpu: _Gpu, handle: Any, now: float, slow: bool) -> tuple[int, ...] | None:
-        """The compute processes on the GPU; by the plan, listed only when their count changed (or it is due).
+    def _pids(self, gpu: _Gpu, memory_used: int | None, now: float, slow: bool) -> tuple[int, ...] | None:
+        """The compute processes on the GPU; by the plan, counted only when the memory in use moved (a process
+        that starts or ends moves it: its CUDA context lives there), listed only when the count changed (or due).
 
         A count that cannot be read (a binding or driver without it) is remembered as unsupported, and
         the list is then read every sample, as before the plan.
         """
         plan = self._plan
-        listed = gpu.tiers.get("pids")
+        listed = gpu.listed
         if plan.pids_by_count and listed is not None and listed[1] is not None:
             if not nvml_plan.due(listed[0], now, plan.pids_list_s, slow):
-                count = self._read(gpu, "pids_count", nvml_plan.process_count, self._nvml, handle)
-                if count == len(listed[1]):
-                    pids: tuple[int, ...] = listed[1]
+                pids: tuple[int, ...] = listed[1]
+                if memory_used is not None and memory_used == gpu.counted_at:
                     return pids
-        procs = self._read(gpu, "pids", self._nvml.nvmlDeviceGetComputeRunningProcesses, handle)
+                count = self._read(gpu, "pids_count", gpu.reads["pids_count"])
+                gpu.counted_at = memory_used
+                if count == len(pids):
+                    return pids
+        procs = self._read(gpu, "pids", self._nvml.nvmlDeviceGetComputeRunningProcesses, gpu.handle)
         found = None if procs is None else tuple(proc.pid for proc in procs)
-        gpu.tiers["pids"] = (now, found)
+        gpu.listed, gpu.counted_at = (now, found), memory_used
         return found
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
@@ -332,9 +368,31 @@ class NvmlBackend:
             return None
         return int(info.state), int(info.status)
 
+    def _sample_fields(self, gpu: _Gpu) -> dict[str, Any]:
+        """The per-sample field values through the batch bound for them (bound again once a field turns out
+        unsupported), or pynvml's wrapper where none binds."""
+        unsupported, names, read = gpu.fields
+        if unsupported != len(gpu.unsupported):
+            wanted = [(field_id, name) for field_id, name in self._field_ids if name not in gpu.unsupported]
+            names = tuple(name for _, name in wanted)
+            read = nvml_calls.bind_field_values(self._nvml, gpu.handle, [f for f, _ in wanted]) if wanted else None
+            gpu.fields = (len(gpu.unsupported), names, read)
+        if read is None:
+            return self._read_field_values(gpu, gpu.handle, self._field_ids)
+        results = self._read(gpu, "field_values", read)
+        return {} if results is None else self._field_results(gpu, names, results)
+
+    def _field(self, handle: Any, field_id: int) -> int:
+        """One field through pynvml's wrapper (where no batch binds); its own NVML return other than success raises."""
+        nvml = self._nvml
+        (result,) = nvml.nvmlDeviceGetFieldValues(handle, [field_id])
+        if result.nvmlReturn != nvml.NVML_SUCCESS:
+            raise nvml.NVMLError(result.nvmlReturn)
+        return int(getattr(result.value, _VALUE_MEMBERS[result.valueType]))
+
     def _read_field_values(self, gpu: _Gpu, handle: Any, field_ids: tuple[tuple[int, str], ...]) -> dict[str, Any]:
-        """Several fields in one nvmlDeviceGetFieldValues call (per sample: HBM temperature, instantaneous
-        power and the driver's recovery action; on slow samples: the link error counters).
+        """Several fields in one nvmlDeviceGetFieldValues call through pynvml's wrapper (on slow samples: the
+        link error counters; every sample where the batch cannot be bound).
 
         One or two fields cost 5–8 µs, so this is the cheapest path for them; a field the GPU
         lacks is cached as unsupported like any other (ref. nvmlFieldValue_t.nvmlReturn).
@@ -346,11 +404,19 @@ class NvmlBackend:
         results = self._read(gpu, "field_values", nvml.nvmlDeviceGetFieldValues, handle, [f for f, _ in wanted])
         if results is None:
             return {}
+        decoded = [
+            (r.nvmlReturn, getattr(r.value, _VALUE_MEMBERS[r.valueType]) if r.nvmlReturn == nvml.NVML_SUCCESS else None)
+            for r in results
+        ]
+        return self._field_results(gpu, tuple(name for _, name in wanted), decoded)
+
+    def _field_results(self, gpu: _Gpu, names: tuple[str, ...], results: nvml_calls.FieldResults) -> dict[str, Any]:
+        """Each field's value by name; a field the GPU lacks is marked unsupported, a lost GPU raises."""
+        nvml = self._nvml
         values: dict[str, Any] = {}
-        for (_, name), result in zip(wanted, results, strict=True):
-            code = result.nvmlReturn
+        for name, (code, value) in zip(names, results, strict=True):
             if code == nvml.NVML_SUCCESS:
-                values[name] = int(getattr(result.value, _VALUE_MEMBERS[result.valueType]))
+                values[name] = int(value)  # type: ignore[arg-type]  # a success always carries a value
             elif code in self._unsupported_codes:
                 self._mark_unsupported(gpu, name)
             elif code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
@@ -526,7 +592,10 @@ class NvmlBackend:
         self._vendor_errors = (nvml.NVMLError,) if mismatch is None else (nvml.NVMLError, mismatch)
         # FUNCTION_NOT_FOUND is a driver older than the binding: as final for this field as NOT_SUPPORTED.
         self._unsupported_codes = frozenset({nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND})
-        self._field_ids = tuple((getattr(nvml, c), name) for c, name in SAMPLE_FIELDS if hasattr(nvml, c))
+        # A plan that reads the recovery action every sample (BEFORE) reads it in the batch, as releases before it did.
+        every = self._plan.recovery_s <= 0
+        fields = (*SAMPLE_FIELDS, (RECOVERY_FIELD, "recovery_action")) if every else SAMPLE_FIELDS
+        self._field_ids = tuple((getattr(nvml, c), name) for c, name in fields if hasattr(nvml, c))
         self._slow_field_ids = tuple((getattr(nvml, c), name) for c, name in LINK_FIELDS if hasattr(nvml, c))
         self._event_kinds = (
             (nvml.nvmlEventTypeXidCriticalError, "xid"),
@@ -578,7 +647,48 @@ class NvmlBackend:
             pcie_link_width_max=fact("pcie_width_max", nvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
         )
         gpu.nvlinks = self._count_nvlinks(gpu)
+        gpu.reads = reads = self._bind_reads(handle)
+        gpu.every = tuple((key, reads[key]) for key in _EVERY)
+        gpu.tier_reads = {group: tuple((key, reads[key]) for key in keys) for group, keys in _TIERS.items()}
         return gpu
+
+    def _bind_reads(self, handle: Any) -> dict[str, Callable[[], Any]]:
+        """Each per-sample and read-plan call of one GPU, bound once (nvml_calls.py), else pynvml's wrapper."""
+        nvml = self._nvml
+        corrected, uncorrected = nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        volatile, aggregate = nvml.NVML_VOLATILE_ECC, nvml.NVML_AGGREGATE_ECC
+        ull, uint = ctypes.c_ulonglong, ctypes.c_uint
+        # read → (the C function, its arguments before the output, the output's type)
+        calls: dict[str, tuple[str, tuple[Any, ...], Any]] = {
+            "util": ("nvmlDeviceGetUtilizationRates", (), getattr(nvml, "c_nvmlUtilization_t", None)),
+            "memory": ("nvmlDeviceGetMemoryInfo", (), getattr(nvml, "c_nvmlMemory_t", None)),
+            "power": ("nvmlDeviceGetPowerUsage", (), uint),
+            "pstate": ("nvmlDeviceGetPerformanceState", (), uint),
+            "sm_clock_mhz": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_SM,), uint),
+            "mem_clock_mhz": ("nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_MEM,), uint),
+            # ref. nvml.h nvmlDeviceGetTemperature: deprecated for ...TemperatureV, which older drivers lack.
+            "temp_c": ("nvmlDeviceGetTemperature", (nvml.NVML_TEMPERATURE_GPU,), uint),
+            "clocks_event_reasons": ("nvmlDeviceGetCurrentClocksEventReasons", (), ull),
+            "ecc_sbe_volatile": ("nvmlDeviceGetTotalEccErrors", (corrected, volatile), ull),
+            "ecc_dbe_volatile": ("nvmlDeviceGetTotalEccErrors", (uncorrected, volatile), ull),
+            "ecc_sbe_aggregate": ("nvmlDeviceGetTotalEccErrors", (corrected, aggregate), ull),
+            "ecc_dbe_aggregate": ("nvmlDeviceGetTotalEccErrors", (uncorrected, aggregate), ull),
+            "pcie_link_gen": ("nvmlDeviceGetCurrPcieLinkGeneration", (), uint),
+            "pcie_link_width": ("nvmlDeviceGetCurrPcieLinkWidth", (), uint),
+        }
+        reads: dict[str, Callable[[], Any]] = {}
+        for key, (name, args, out) in calls.items():
+            wrapper = functools.partial(getattr(nvml, name), handle, *args)
+            reads[key] = nvml_calls.bind(nvml, name, handle, *args, out=out) or wrapper
+        reads["remapped"] = functools.partial(nvml.nvmlDeviceGetRemappedRows, handle)  # four outputs: the wrapper
+        recovery = getattr(nvml, RECOVERY_FIELD, None)
+        reads["recovery_action"] = (
+            _absent
+            if recovery is None
+            else nvml_calls.bind_field(nvml, handle, recovery) or functools.partial(self._field, handle, recovery)
+        )
+        reads["pids_count"] = nvml_plan.bind_process_count(nvml, handle)
+        return reads
 
     def _count_nvlinks(self, gpu: _Gpu) -> int:
         """How many NVLinks the GPU has: links answer in order until the first that is not there."""
@@ -609,11 +719,15 @@ class NvmlBackend:
         try:
             return fn(*args)
         except self._vendor_errors as exc:
-            # NVMLLibraryMismatchError (no .value) is pynvml's FUNCTION_NOT_FOUND for unversioned calls.
-            if getattr(exc, "value", None) in self._unsupported_codes or not hasattr(exc, "value"):
-                self._mark_unsupported(gpu, key)
-                return None
-            raise
+            self._failed(gpu, key, exc)
+            return None
+
+    def _failed(self, gpu: _Gpu, key: str, exc: BaseException) -> None:
+        """A read of `key` that raised: remembered if the GPU does not support it (the read is None), else raised."""
+        # NVMLLibraryMismatchError (no .value) is pynvml's FUNCTION_NOT_FOUND for unversioned calls.
+        if getattr(exc, "value", None) not in self._unsupported_codes and hasattr(exc, "value"):
+            raise exc
+        self._mark_unsupported(gpu, key)
 
     def _mark_unsupported(self, gpu: _Gpu, key: str) -> None:
         gpu.unsupported.add(key)
@@ -632,6 +746,11 @@ class NvmlBackend:
             self._nvml.nvmlShutdown()
         except self._vendor_errors as exc:
             log.debug("nvmlShutdown failed: %s", exc)
+
+
+def _absent() -> None:
+    """A read the binding has no name for (an nvidia-ml-py older than the field): never supported."""
+    return None
 
 
 def _map_error(nvml: Any, exc: BaseException) -> GpuReadError:

@@ -11,11 +11,17 @@ figures:
 * ECC aggregate (lifetime) totals: the ECC rules count the larger growth of the volatile and the aggregate
   counter over `ecc_window_s` (an hour); the volatile ones are still read every sample and double-bit
   errors also arrive as events, so an aggregate at most 60 s old changes no verdict's time.
+* The driver's recovery action (NVML field 230): the driver logs XID 154 ("GPU recovery action
+  changed") when it sets one, and that XID is judged at once through the kernel log or NVML's event
+  set (an unhealthy finding, reset suggested); the field itself, which names the action, lags by at
+  most 5 s. It is the dearest per-sample read after the memory info: 10 µs of NVML on the H200.
 * Row remapping: a remap is pending only after an uncorrectable error, which the ECC counters and events
   report at once; the flags themselves may show up to 30 s later (the default sampling interval).
 * The process list: only the ranks' mapping, GPU tests and `gpuwatch_gpu_processes` use it, none of them
-  a rule. The count (one call) is read every sample and the list (two calls while any process runs)
-  when the count changed, on slow samples and at least every PIDS_LIST_EVERY_S.
+  a rule. The count (one call, 9 µs of NVML on the H200) is read when the memory in use moved since the
+  last count (a process that starts or ends moves it: its CUDA context lives there), and the list (two
+  calls while any process runs) when the count changed, on slow samples and at least every
+  PIDS_LIST_EVERY_S.
 
 BEFORE is the plan of the releases before it existed, kept so that `gpuwatch bench --only interference`
 can measure a daemon with each plan in one run.
@@ -24,6 +30,8 @@ can measure a daemon with each plan in one run.
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +40,12 @@ PIDS_LIST_EVERY_S = 30.0  # a process that replaced another between two samples 
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """Seconds between reads of each tiered group (0: every sample); `pids_by_count` reads the count first."""
+    """Seconds between reads of each tiered group (0: every sample); `pids_by_count` reads the count first, and
+    only when the memory in use moved."""
 
     pcie_width_s: float = 5.0
     pcie_gen_s: float = 5.0
+    recovery_s: float = 5.0
     ecc_aggregate_s: float = 60.0
     remapped_s: float = 30.0
     pids_by_count: bool = True
@@ -43,12 +53,12 @@ class ReadPlan:
 
 
 DEFAULT = ReadPlan()
-BEFORE = ReadPlan(pcie_gen_s=0.0, ecc_aggregate_s=0.0, remapped_s=0.0, pids_by_count=False)
+BEFORE = ReadPlan(pcie_gen_s=0.0, recovery_s=0.0, ecc_aggregate_s=0.0, remapped_s=0.0, pids_by_count=False)
 
 
 def due(last_t: float, now: float, period_s: float, slow: bool) -> bool:
     """Whether a group last read at `last_t` is read again at `now` (always on slow samples and when time went back)."""
-    return slow or period_s <= 0 or now - last_t >= period_s or now < last_t
+    return slow or not last_t <= now < last_t + period_s
 
 
 def process_count(nvml: Any, handle: Any) -> int:
@@ -64,9 +74,29 @@ def process_count(nvml: Any, handle: Any) -> int:
     lookup = getattr(nvml, "_nvmlGetFunctionPointer", None)
     if lookup is None:
         raise nvml.NVMLError(nvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-    fn = lookup("nvmlDeviceGetComputeRunningProcesses_v3")
     count = ctypes.c_uint(0)
-    code = fn(handle, ctypes.byref(count), None)
+    return _count(nvml, lookup("nvmlDeviceGetComputeRunningProcesses_v3")(handle, ctypes.byref(count), None), count)
+
+
+def bind_process_count(nvml: Any, handle: Any) -> Callable[[], int]:
+    """process_count of one GPU with the C function and its buffer found once (the sampler calls it every sample);
+    process_count itself where the binding's table lacks the function, raising as it does."""
+    try:
+        lookup = nvml._nvmlGetFunctionPointer
+        fn = lookup("nvmlDeviceGetComputeRunningProcesses_v3")
+    except (AttributeError, nvml.NVMLError):
+        return functools.partial(process_count, nvml, handle)
+    count = ctypes.c_uint(0)
+    pointer = ctypes.byref(count)
+
+    def read() -> int:
+        count.value = 0  # no buffer: NVML answers with the count
+        return _count(nvml, fn(handle, pointer, None), count)
+
+    return read
+
+
+def _count(nvml: Any, code: int, count: ctypes.c_uint) -> int:
     if code == nvml.NVML_SUCCESS:
         return 0
     if code == nvml.NVML_ERROR_INSUFFICIENT_SIZE:

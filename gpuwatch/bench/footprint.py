@@ -10,9 +10,11 @@ Where the RSS goes, three ways. Each import set below is loaded alone in a fresh
 RSS read: the floor the mission's packages set (FastAPI, uvicorn, APScheduler, prometheus-client, and
 pynvml for NVML) before gpuwatch holds a single sample. The import ladder loads what `gpuwatch run`
 imports in one interpreter, part after part, so each step's RSS is what that part adds on top of the
-ones before (the steps sum to the whole). And the running daemon's RSS, and the peer's, is split by
-what is mapped (/proc/PID/smaps): Python's objects (anonymous memory and the heap), libpython, NVML's
-library, OpenSSL, SQLite, the other shared libraries and extension modules.
+ones before (the steps sum to the whole), then initialises NVML on the nvml backend; the peer's
+ladder does the same with what nvitop-exporter imports, so the two floors read side by side. And the
+running daemon's RSS, and the peer's, is split by what is mapped (/proc/PID/smaps): Python's objects
+(anonymous memory and the heap), libpython, NVML's library, OpenSSL, SQLite, the other shared
+libraries and extension modules.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ IMPORT_SETS: dict[str, tuple[str, ...]] = {
     "mission packages but fastapi": ("prometheus_client", "pynvml", "apscheduler.schedulers.background", "uvicorn"),
     "gpuwatch run's imports": ("gpuwatch.cli", "gpuwatch.daemon"),
 }
-# (label, modules): imported in this order in one interpreter; each step's RSS is on top of the ones before
+# (label, modules): imported in this order in one interpreter; each step's RSS is on top of the ones before.
+# NVML_INIT as a step initialises NVML instead (the nvml backend only): libnvidia-ml and the driver's mappings.
+NVML_INIT = "@nvmlInit"
 IMPORT_LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("python alone", ()),
     ("stdlib: hashlib (OpenSSL's libcrypto)", ("hashlib",)),
@@ -63,20 +67,29 @@ IMPORT_LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("stdlib: logging.config, multiprocessing", ("logging.config", "multiprocessing")),
     ("prometheus_client", ("prometheus_client",)),
     ("psutil", ("psutil",)),
-    ("click and rich (the CLI)", ("click", "rich.console", "rich.table")),
+    ("click (the CLI)", ("click",)),
     ("uvicorn and httptools", ("uvicorn", "uvicorn.protocols.http.httptools_impl")),
     ("apscheduler", ("apscheduler.schedulers.background",)),
+    ("gpuwatch: the trainer package (the config imports its contract)", ("gpuwatch.trainer",)),
     ("gpuwatch: config, model, rules, monitor", ("gpuwatch.config", "gpuwatch.node.monitor", "gpuwatch.backends.sim")),
-    ("gpuwatch: trainer side, reports, remediation", ("gpuwatch.trainer", "gpuwatch.remediation.service")),
+    ("gpuwatch: reports, remediation", ("gpuwatch.remediation.service",)),
     ("gpuwatch: drills", ("gpuwatch.drills.service",)),
     ("gpuwatch: the rest of `gpuwatch run`", ("gpuwatch.cli", "gpuwatch.daemon")),
     ("pynvml", ("pynvml",)),
 )
+# The peer's, the same way: what it imports, then NVML.
+PEER_LADDER: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("python alone", ()),
+    ("nvitop-exporter's imports (nvitop, psutil, prometheus_client, pynvml)", ("nvitop_exporter",)),
+)
+NVML_STEP = ("NVML initialised (nvmlInit: libnvidia-ml, the driver's mappings)", (NVML_INIT,))
 _LADDER_PROBE = (
     "import sys\n"
     "def rss(): return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS:'))\n"
     "for step in sys.argv[1:]:\n"
-    "    for name in filter(None, step.split(',')): __import__(name)\n"
+    "    for name in filter(None, step.split(',')):\n"
+    "        if name == '@nvmlInit': import pynvml; pynvml.nvmlInit()\n"
+    "        else: __import__(name)\n"
     "    print(rss(), flush=True)"
 )
 _MAPPING_PARTS = (  # (part, a pattern of the mapped file's path); the first that matches takes the mapping
@@ -120,18 +133,23 @@ def run(ctx: Context) -> Section:
     section.figures["import_rss_mb"] = imports = import_rss()
     for label, rss in imports.items():
         section.rows.append(Row(f"RSS after importing {label}", rss, "MiB"))
-    section.figures["import_ladder_mb"] = ladder = import_ladder()
+    nvml = (NVML_STEP,) if ctx.backend == "nvml" else ()
+    section.figures["import_ladder_mb"] = ladder = import_ladder((*IMPORT_LADDER, *nvml))
     for label, added in ladder.items():
         section.rows.append(Row(f"`gpuwatch run`'s imports, step by step: + {label}", added, "MiB"))
+    if peer_status == "ok":
+        section.figures["peer_ladder_mb"] = peer_ladder = import_ladder((*PEER_LADDER, *nvml))
+        for label, added in peer_ladder.items():
+            section.rows.append(Row(f"nvitop-exporter, step by step: + {label}", added, "MiB"))
     for name in ("gpuwatch_1s", "nvitop_exporter_1s"):
         for part, mib in figures.get(name, {}).get("rss_parts_mb", {}).items():
             section.rows.append(Row(f"{name} RSS: {part}", mib, "MiB"))
     return section
 
 
-def import_ladder() -> dict[str, float | None]:
-    """MiB each step of IMPORT_LADDER adds to one interpreter's RSS (the first: python alone); {} when it fails."""
-    steps = [",".join(modules) for _, modules in IMPORT_LADDER]
+def import_ladder(ladder: tuple[tuple[str, tuple[str, ...]], ...] = IMPORT_LADDER) -> dict[str, float | None]:
+    """MiB each step of `ladder` adds to one interpreter's RSS (the first: python alone); {} when it fails."""
+    steps = [",".join(modules) for _, modules in ladder]
     probe = subprocess.run(
         [sys.executable, "-c", _LADDER_PROBE, *steps],
         capture_output=True,
@@ -141,10 +159,10 @@ def import_ladder() -> dict[str, float | None]:
         env=child_env(),
     )
     values = [int(line) / 1024 for line in probe.stdout.split()]
-    if probe.returncode != 0 or len(values) != len(IMPORT_LADDER):
+    if probe.returncode != 0 or len(values) != len(ladder):
         return {}
     added = [values[0], *(b - a for a, b in zip(values, values[1:], strict=False))]
-    return {label: mib for (label, _), mib in zip(IMPORT_LADDER, added, strict=True)}
+    return {label: mib for (label, _), mib in zip(ladder, added, strict=True)}
 
 
 def rss_parts(pid: int) -> dict[str, float]:

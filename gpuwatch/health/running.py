@@ -24,9 +24,11 @@ as it did the History: the state is a fold of readings (`add`), nothing of it is
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import sys
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from gpuwatch.health.evidence import Condition, Held, ReadErrors
@@ -57,27 +59,41 @@ class _HeldWindow:
         self.tests = tuple(c.test for c in conditions)
         self.entries: deque[_HeldEntry] = deque()
         self._none = tuple(False for _ in conditions)
+        # When each condition last held, and any of them: one that held on no kept sample (the usual case)
+        # answers at once, and so does the whole window when none did.
+        self._last_true = [-math.inf for _ in conditions]
+        self.latest_true = -math.inf
+        self.oldest_t = math.inf  # the oldest kept sample's time
+        self.zero = Held(0.0, 0, window_s)
 
     def add(self, sample: GpuSample) -> None:
         t, entries = sample.t, self.entries
-        flags = tuple(bool(test(sample)) for test in self.tests)
+        flags = tuple([bool(test(sample)) for test in self.tests])
+        if flags == self._none:
+            flags = self._none
         if not entries:
             seconds, counts = tuple(0.0 for _ in flags), tuple(int(f) for f in flags)
-        elif flags == self._none:  # the usual case: nothing held, the sums carry over unchanged
-            flags, (_, _, seconds, counts) = self._none, entries[-1]
+        elif flags is self._none:  # the usual case: nothing held, the sums carry over unchanged
+            _, _, seconds, counts = entries[-1]
         else:
             previous_t, _, seconds, counts = entries[-1]
             dt = t - previous_t
             seconds = tuple(s + dt if f else s for s, f in zip(seconds, flags, strict=True))
             counts = tuple(c + 1 if f else c for c, f in zip(counts, flags, strict=True))
+        if flags is not self._none:
+            self._last_true = [t if f else last for f, last in zip(flags, self._last_true, strict=True)]
+            self.latest_true = t
         entries.append((t, flags, seconds, counts))
         horizon = t - self.window_s
         while len(entries) > 1 and entries[1][0] < horizon:
             entries.popleft()
+        self.oldest_t = entries[0][0]
 
     def held(self, name: str, now: float, kept_from: float) -> Held:
         """As evidence.held: each sample vouches for the time since the one before it, clipped to the window."""
         k, entries = self.position[name], self.entries
+        if not entries or self._last_true[k] < entries[0][0]:
+            return self.zero  # no kept sample shows it: what the sums below would give
         start = now - self.window_s
         first, n = _first_since(entries, start), len(entries)
         # The sample before the window counts only while the reference History would still keep it.
@@ -126,19 +142,22 @@ class _Growth:
     def __init__(self, condition: Condition) -> None:
         self.field = condition.name
         self.window_s = condition.window_s
-        self.previous: tuple[float, int | None] | None = None
+        self.previous: int | None = None
         self.rises: deque[tuple[float, float, int, int]] = deque()  # (t, t of the sample before, rise, sum so far)
         self.total = 0
 
-    def add(self, sample: GpuSample) -> None:
-        value: int | None = getattr(sample, self.field)
-        if self.previous is not None:
-            previous_t, previous = self.previous
-            if value is not None and previous is not None and value > previous:
-                self.total += value - previous
-                self.rises.append((sample.t, previous_t, value - previous, self.total))
-        self.previous = (sample.t, value)
-        horizon = sample.t - self.window_s
+    def add(self, t: float, previous_t: float | None, value: int | None) -> None:
+        """The counter's value at a sample taken at `t`; `previous_t`: the sample before it (None: the first)."""
+        previous = self.previous
+        if previous_t is not None and value is not None and previous is not None and value > previous:
+            self.total += value - previous
+            self.rises.append((t, previous_t, value - previous, self.total))
+        self.previous = value
+        self.forget(t)
+
+    def forget(self, t: float) -> None:
+        """Drop the rises older than the window before `t`."""
+        horizon = t - self.window_s
         while self.rises and self.rises[0][0] < horizon:
             self.rises.popleft()
 
@@ -178,6 +197,12 @@ class RunningState:
         self._held = {name: w for w in self._held_windows for name in w.position}
         self._falls = {c.name: _FallsWindow(c) for c in conditions if c.kind == "falls"}
         self._growth = {c.name: _Growth(c) for c in conditions if c.kind == "growth"}
+        # Every counter read at once: a sample where none moved (the usual case) only ages the rises.
+        names = tuple(self._growth)
+        self._counters: Callable[[GpuSample], tuple[Any, ...]] = (
+            (lambda s: (getattr(s, names[0]),)) if len(names) == 1 else operator.attrgetter(*names)
+        )
+        self._counter_values: tuple[Any, ...] | None = None
         self._events: dict[str, deque[GpuEvent]] = {}  # kind → its events, oldest first
         self._errors: deque[GpuError] = deque(maxlen=MAX_ERRORS)  # since the last good sample
         self._error_counts: Counter[str] = Counter()
@@ -197,13 +222,22 @@ class RunningState:
             self._add_error(reading)
 
     def _add_sample(self, sample: GpuSample) -> None:
+        previous_t = None if self.last is None else self.last.t
         self.last = sample
         for held in self._held_windows:
             held.add(sample)
         for falls in self._falls.values():
             falls.add(sample)
-        for growth in self._growth.values():
-            growth.add(sample)
+        if self._growth:
+            values = self._counters(sample)
+            if values != self._counter_values:
+                for growth, value in zip(self._growth.values(), values, strict=True):
+                    growth.add(sample.t, previous_t, value)
+                self._counter_values = values
+            else:
+                for growth in self._growth.values():
+                    if growth.rises:
+                        growth.forget(sample.t)
         errors = self._errors
         while errors and errors[0].t <= sample.t:  # judged only when newer than the last good sample
             self._forget_oldest_error()
@@ -266,13 +300,17 @@ class _At:
         self._kept_from = last.t - state.keep_s if last is not None else float("inf")
 
     def held(self, name: str) -> Held:
-        return self._state._held[name].held(name, self._now, self._kept_from)
+        window = self._state._held[name]
+        if window.latest_true < window.oldest_t:  # no condition of its window held on a kept sample
+            return window.zero
+        return window.held(name, self._now, self._kept_from)
 
     def falls(self, name: str) -> int:
         return self._state._falls[name].falls(self._now)
 
     def growth(self, name: str) -> int:
-        return self._state._growth[name].growth(self._now, self._kept_from)
+        counter = self._state._growth[name]
+        return counter.growth(self._now, self._kept_from) if counter.rises else 0
 
     def events_since(self, window_s: float, kind: str) -> Sequence[GpuEvent]:
         events = self._state._events.get(kind)

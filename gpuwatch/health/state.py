@@ -108,6 +108,8 @@ def step(
         decisions += changed
         node, acted = _act(node, gpu, found, now, policy, gate, gpu.index in validate)
         decisions += acted
+    if not node.auto_quarantines and not node.breaker_tripped:  # the usual tick: the breaker has nothing to forget
+        return node, decisions
     recent = _recent(node, now, policy)
     tripped = len(recent) >= breaker_limit(len(node.gpus), policy)
     if recent == node.auto_quarantines and tripped == node.breaker_tripped:
@@ -234,11 +236,13 @@ def _act(
 
 
 def _quarantine_reason(gpu: GpuState, found: Sequence[Finding], now: float, policy: PolicyConfig) -> str | None:
+    if not _is_bad(gpu.state):  # the usual tick: nothing to word
+        return None
     bad = "; ".join(f"{f.rule}: {f.reason}" for f in found if _is_bad(f.severity.health)) or "recovering"
     if gpu.state is Health.UNHEALTHY and policy.quarantine_on_unhealthy:
         return f"unhealthy: {bad}"
     lasted = now - gpu.bad_since if gpu.bad_since is not None else 0.0
-    if _is_bad(gpu.state) and lasted >= policy.quarantine_degraded_after_s:
+    if lasted >= policy.quarantine_degraded_after_s:
         return f"{gpu.state.value} for {lasted:.0f} s: {bad}"
     return None
 

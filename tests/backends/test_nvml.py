@@ -131,12 +131,12 @@ def test_fast_path_makes_no_slow_call(nvml: FakeNvml, backend: NvmlBackend) -> N
         backend.sample(1, float(t))
     assert not {name: nvml.calls[name] for name in SLOW_CALLS if nvml.calls[name]}
     # per sample: 8 single-field calls, 2 clocks, 2 volatile ECC totals and 1 field-values call; the read
-    # plan's groups (PCIe link, ECC aggregates, row remapping, process list) once per GPU in these 5 s,
-    # and the process count on every later sample
-    assert sum(nvml.calls.values()) == 10 * 11 + 2 * 6 + 8
+    # plan's groups (PCIe link, recovery action, ECC aggregates, row remapping, process list) once per GPU
+    # in these 5 s; no process count, as the memory in use did not move
+    assert sum(nvml.calls.values()) == 10 * 11 + 2 * 7
     assert nvml.calls["nvmlDeviceGetTotalEccErrors"] == 10 * 2 + 2 * 2
-    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 2 and nvml.calls[PROCESS_COUNT] == 8
-    assert nvml.calls["nvmlDeviceGetFieldValues"] == 10
+    assert nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 2 and nvml.calls[PROCESS_COUNT] == 0
+    assert nvml.calls["nvmlDeviceGetFieldValues"] == 10 + 2
     nvml.calls.clear()
     backend.sample(0, 9.0, slow=True)
     assert [nvml.calls[name] for name in SLOW_CALLS] == [1, 2, 1, 0]
@@ -159,21 +159,25 @@ def test_plan_before_reads_every_group_every_sample(nvml: FakeNvml) -> None:
 
 
 def test_process_list_is_read_only_when_the_count_changes(nvml: FakeNvml, backend: NvmlBackend) -> None:
-    """No job changed: one count call a sample; a job appears or ends: the list is read at that sample."""
-    lists = "nvmlDeviceGetComputeRunningProcesses"
+    """No job changed: no call while the memory in use stands, one count call when it moves; a job appears
+    or ends (its CUDA context moves the memory in use): the list is read at that sample."""
+    lists, gpu = "nvmlDeviceGetComputeRunningProcesses", nvml.gpus[0]
     nvml.calls.clear()
     assert backend.sample(0, 100.0).pids == (4242, 4243)
     assert [backend.sample(0, t).pids for t in (101.0, 102.0)] == [(4242, 4243)] * 2
-    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (1, 2)
-    nvml.gpus[0].pids = (4242, 4243, 5150)  # a job starts on GPU 0
-    assert backend.sample(0, 103.0).pids == (4242, 4243, 5150)
-    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (2, 3)
-    nvml.gpus[0].pids = ()  # every process ends
-    assert backend.sample(0, 104.0).pids == ()
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (1, 0)
+    gpu.memory_used += 1 << 30  # a rank allocates: counted, the same two processes
+    assert backend.sample(0, 103.0).pids == (4242, 4243)
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (1, 1)
+    gpu.pids, gpu.memory_used = (4242, 4243, 5150), gpu.memory_used + (500 << 20)  # a job starts on GPU 0
+    assert backend.sample(0, 104.0).pids == (4242, 4243, 5150)
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (2, 2)
+    gpu.pids, gpu.memory_used = (), 0  # every process ends
+    assert backend.sample(0, 105.0).pids == ()
     assert nvml.calls[lists] == 3
-    nvml.gpus[0].pids = (6000,)  # from none to one
-    assert backend.sample(0, 105.0).pids == (6000,)
-    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (4, 5)
+    gpu.pids, gpu.memory_used = (6000,), 500 << 20  # from none to one
+    assert backend.sample(0, 106.0).pids == (6000,)
+    assert (nvml.calls[lists], nvml.calls[PROCESS_COUNT]) == (4, 4)
 
 
 def test_process_list_is_refreshed_when_due_and_on_slow_samples(nvml: FakeNvml, backend: NvmlBackend) -> None:
@@ -187,11 +191,12 @@ def test_process_list_is_refreshed_when_due_and_on_slow_samples(nvml: FakeNvml, 
 
 
 def test_process_count_missing_falls_back_to_the_list(nvml: FakeNvml) -> None:
-    """A driver without the count: it is asked once, then the list is read every sample as before the plan."""
+    """A driver without the count: it is asked once, then the list is read whenever the memory in use moves."""
     nvml.gpus[0].errors[PROCESS_COUNT] = fake.NVML_ERROR_FUNCTION_NOT_FOUND
     backend = NvmlBackend(Config(), nvml=nvml)
     backend.open()
     for t in range(4):
+        nvml.gpus[0].memory_used += 1 << 20
         assert backend.sample(0, float(t)).pids == (4242, 4243)
     assert nvml.calls[PROCESS_COUNT] == 1 and nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == 4
 
@@ -421,12 +426,29 @@ def test_release_and_reacquire(nvml: FakeNvml, backend: NvmlBackend) -> None:
     assert [e.xid for e in backend.wait_events(0) if isinstance(e, GpuEvent)] == [13]
 
 
-def test_recovery_action_and_pcie_link_every_sample(nvml: FakeNvml, backend: NvmlBackend) -> None:
-    nvml.gpus[0].fields[fake.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] = (fake.NVML_VALUE_TYPE_UNSIGNED_INT, 2)
+def test_recovery_action_is_read_every_5_s_and_on_slow_samples(nvml: FakeNvml, backend: NvmlBackend) -> None:
+    """The driver logs XID 154 when it sets a recovery action, judged at once; the field naming it lags by ≤ 5 s."""
+    recovery, uint = fake.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, fake.NVML_VALUE_TYPE_UNSIGNED_INT
     nvml.gpus[0].pcie_link = (4, 8)
     s = backend.sample(0, 1.0)
-    assert (s.recovery_action, s.pcie_link_gen, s.pcie_link_width) == (2, 4, 8)
+    assert (s.recovery_action, s.pcie_link_gen, s.pcie_link_width) == (0, 4, 8)
+    nvml.gpus[0].fields[recovery] = (uint, 2)
+    assert backend.sample(0, 5.9).recovery_action == 0
+    assert backend.sample(0, 6.0).recovery_action == 2
+    nvml.gpus[0].fields[recovery] = (uint, 0)
+    assert backend.sample(0, 7.0, slow=True).recovery_action == 0
     assert backend.sample(1, 1.0).recovery_action == 0
+
+
+def test_recovery_action_a_gpu_lacks_is_none_and_not_read_again() -> None:
+    gpu = FakeGpu(unsupported={f"field:{fake.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION}"})
+    nvml = FakeNvml([gpu])
+    backend = NvmlBackend(Config(), nvml=nvml)
+    backend.open()
+    assert backend.sample(0, 1.0).recovery_action is None
+    calls = nvml.calls["nvmlDeviceGetFieldValues"]
+    assert backend.sample(0, 7.0, slow=True).recovery_action is None
+    assert nvml.calls["nvmlDeviceGetFieldValues"] == calls + 2  # the sample's batch and the links', no recovery read
 
 
 def test_links_read_on_slow_samples_and_repeated_on_fast_ones() -> None:

@@ -10,6 +10,7 @@ names against the installed pynvml, so the fake cannot drift from the real bindi
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -178,11 +179,50 @@ class c_nvmlGpuFabricInfo_t(ctypes.Structure):  # noqa: N801 (pynvml's name)
     _fields_ = [("status", ctypes.c_uint), ("state", ctypes.c_uint8)]
 
 
+# The structures the bound calls fill (gpuwatch/backends/nvml_calls.py), laid out as pynvml's (test_nvml.py checks).
+class c_nvmlUtilization_t(ctypes.Structure):  # noqa: N801 (pynvml's name)
+    _fields_ = [("gpu", ctypes.c_uint), ("memory", ctypes.c_uint)]
+
+
+class c_nvmlMemory_t(ctypes.Structure):  # noqa: N801 (pynvml's name)
+    _fields_ = [("total", ctypes.c_ulong), ("free", ctypes.c_ulong), ("used", ctypes.c_ulong)]
+
+
+class c_nvmlValue_t(ctypes.Union):  # noqa: N801 (pynvml's name)
+    _fields_ = [
+        ("dVal", ctypes.c_double),
+        ("uiVal", ctypes.c_uint),
+        ("ulVal", ctypes.c_ulong),
+        ("ullVal", ctypes.c_ulong),
+        ("sllVal", ctypes.c_long),
+        ("siVal", ctypes.c_int),
+        ("usVal", ctypes.c_ushort),
+    ]
+
+
+class c_nvmlFieldValue_t(ctypes.Structure):  # noqa: N801 (pynvml's name)
+    _fields_ = [
+        ("fieldId", ctypes.c_uint),
+        ("scopeId", ctypes.c_uint),
+        ("timestamp", ctypes.c_long),
+        ("latencyUsec", ctypes.c_long),
+        ("valueType", ctypes.c_uint),
+        ("nvmlReturn", ctypes.c_uint),
+        ("value", c_nvmlValue_t),
+    ]
+
+
+_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
+
+
 class FakeNvml:
     """The fake module. Tests configure `gpus`, `init_error`, `wait_error` and queue events."""
 
     NVMLError = NVMLError
     c_nvmlGpuFabricInfo_t = c_nvmlGpuFabricInfo_t
+    c_nvmlUtilization_t = c_nvmlUtilization_t
+    c_nvmlMemory_t = c_nvmlMemory_t
+    c_nvmlFieldValue_t = c_nvmlFieldValue_t
 
     def __init__(self, gpus: list[FakeGpu] | None = None) -> None:
         self.gpus = two_gpus() if gpus is None else gpus
@@ -193,6 +233,9 @@ class FakeNvml:
         self.event_sets: list[FakeEventSet] = []
         self.waits: list[int] = []
         self._events: deque[tuple[int, int, int]] = deque()
+        # pynvml's table of C functions answers for the calls a sample binds (False: a binding or driver
+        # without them, where every read goes through the wrappers); the process count answers either way.
+        self.c_table = True
 
     def __getattr__(self, name: str) -> Any:
         """Module constants (NVML_*, nvmlEventType*) are read as attributes, as on pynvml."""
@@ -301,10 +344,43 @@ class FakeNvml:
         return [SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in gpu.pids]
 
     def _nvmlGetFunctionPointer(self, name: str) -> Any:
-        """pynvml's table of C functions; only the process count (the list's first call) is looked up there."""
-        if name != "nvmlDeviceGetComputeRunningProcesses_v3":
+        """pynvml's table of C functions: each answers as the C function would (a return code, the output
+        written through the pointer passed last), counted under its wrapper's name."""
+        if name == "nvmlDeviceGetComputeRunningProcesses_v3":
+            return self._process_count
+        if not self.c_table or not name.startswith("nvmlDevice") or not hasattr(self, name):
             raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
-        return self._process_count
+        if name == "nvmlDeviceGetFieldValues":
+            return self._c_field_values
+        return functools.partial(self._c_call, getattr(self, name))
+
+    @staticmethod
+    def _c_call(wrapper: Any, handle: FakeHandle, *args: Any) -> int:
+        *inputs, out = args
+        try:
+            result = wrapper(handle, *inputs)
+        except NVMLError as exc:
+            return exc.value
+        target = out._obj  # ctypes.byref(...) of the caller's buffer
+        if isinstance(target, ctypes.Structure):
+            for name, _ in target._fields_:
+                setattr(target, name, getattr(result, name))
+        else:
+            target.value = result
+        return NVML_SUCCESS
+
+    def _c_field_values(self, handle: FakeHandle, count: int, values: Any) -> int:
+        array = values._obj
+        try:
+            results = self.nvmlDeviceGetFieldValues(handle, [array[i].fieldId for i in range(count)])
+        except NVMLError as exc:
+            return exc.value
+        for slot, result in zip(array, results, strict=True):
+            slot.nvmlReturn, slot.valueType = result.nvmlReturn, result.valueType
+            if result.nvmlReturn == NVML_SUCCESS:
+                member = _VALUE_MEMBERS[result.valueType]
+                setattr(slot.value, member, getattr(result.value, member))
+        return NVML_SUCCESS
 
     def _process_count(self, handle: FakeHandle, count: Any, infos: None) -> int:
         """The C call with no buffer: SUCCESS when no process runs, else INSUFFICIENT_SIZE and the count."""

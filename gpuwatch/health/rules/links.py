@@ -99,7 +99,7 @@ def _rate(
     evidence: Evidence, cfg: RulesConfig, rule: str, counters: tuple[str, ...], per_hour: float, what: str
 ) -> list[Finding]:
     window = cfg.link_error_window_s
-    total = sum(evidence.growth(counter) for counter in counters)
+    total = sum([evidence.growth(counter) for counter in counters])
     if total <= per_hour * window / 3600.0:  # over the whole window: a daemon that just started needs the full count
         return []
     reason = f"{total} {what} in the last {window:g} s (limit {per_hour:g} per hour)"

@@ -44,6 +44,8 @@ def judge(evidence: Evidence, cfg: RulesConfig) -> list[Finding]:
     history = evidence.head
     window = cfg.xid_window_s
     events = evidence.events_since(window, "xid")
+    if not events:  # the usual tick
+        return []
     judged = [(e, e.xid, lookup(e.xid)) for e in events if e.xid is not None]
     critical = [j for j in judged if j[2].severity is Severity.UNHEALTHY]
     other = [j for j in judged if j[2].severity is not Severity.UNHEALTHY]
