@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from gpuwatch.bench.daemon_process import DaemonProcess
+from tests.hardware.hang_drill import spare_warm
 from tests.inplace.jobs import InPlaceRun, by_pid, launch_sharded, sim_node
 
 pytestmark = pytest.mark.slow
@@ -27,31 +28,12 @@ NEXT_STEP_S = 3.0
 STEPS = 300
 
 
-def _spare_warm() -> bool:
-    """A spare of this machine has imported torch and said so (it closed its ready pipe)."""
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            if b"gpuwatch.spares.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            environ = dict(
-                item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
-            )
-            if b"GPUWATCH_SPARE_NOW" in environ:
-                continue  # a rank started under the spare's runner, not a spare
-            fd = environ[b"GPUWATCH_SPARE_READY_FD"].decode()
-            if not os.path.exists(f"/proc/{pid}/fd/{fd}"):
-                return True
-        except (OSError, KeyError):
-            continue
-    return False
-
-
 def _kill_when_warm(run: InPlaceRun, ranks: int, rank: int) -> tuple[int, float]:
     """Past step 30 on every rank with a warm spare, SIGKILL `rank` after a step K - 1 past a snapshot; its pid
     and the time of the kill."""
     run.wait_for(f"{ranks} rank(s) past step 30", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= 30}) == ranks)
     deadline = time.monotonic() + 90
-    while not _spare_warm():
+    while not spare_warm():
         assert time.monotonic() < deadline, "no spare got warm in 90 s"
         time.sleep(0.1)
     victim = next(ln["pid"] for ln in run.steps() if ln["rank"] == rank)
