@@ -128,3 +128,28 @@ def test_a_one_rank_job_killed_is_taken_over_by_a_spare_from_its_host_snapshot(t
         f"\none rank, SIGKILL: next step {took_over['t'] - killed:.2f} s after the kill, redone {redone};"
         f" incident: path {incident['path']}, {incident['time_to_resume_s']} s, {incident['steps_lost']} redone"
     )
+
+
+def test_a_replacement_lost_before_its_own_first_snapshot_is_replaced_from_the_same_snapshot(tmp_path: Path) -> None:
+    """A second fault inside the first K steps after a recovery: the restored rank has not committed a snapshot
+    of its own yet, so the next replacement must find the one it restored from, not start the job afresh."""
+    every = 20  # a long first window after the restore (20 steps of 0.05 s) so the second kill lands inside it
+    with sim_node(tmp_path / "node", gpus=1) as node:
+        run = launch_sharded(node, tmp_path, STEPS, "--spares", "2", every=every, step_sleep=0.05)
+        run.wait_for("one rank past step 30", lambda ls: any(ln["step"] >= 30 for ln in ls))
+        deadline = time.monotonic() + 90
+        while not spare_warm():
+            assert time.monotonic() < deadline, "no spare got warm in 90 s"
+            time.sleep(0.1)
+        first = run.steps()[-1]["pid"]
+        os.kill(first, signal.SIGKILL)
+        run.wait_for("the replacement's first step", lambda ls: any(ln["pid"] != first for ln in ls), 60)
+        second = next(ln for ln in run.steps() if ln["pid"] != first)
+        os.kill(second["pid"], signal.SIGKILL)
+        own = [ln for ln in run.steps() if ln["pid"] == second["pid"]]
+        run.wait_for("a third process's first step", lambda ls: len({ln["pid"] for ln in ls}) == 3, 60)
+        third = next(ln for ln in run.steps() if ln["pid"] not in (first, second["pid"]))
+        run.stop()
+    assert all(ln["committed"] is None for ln in own), own  # the second kill came before its own first commit
+    assert second["change"]["source"] == "memory" and third["change"]["source"] == "memory", (second, third)
+    assert third["step"] == second["step"], (second["step"], third["step"])  # the same snapshot, nothing lost
