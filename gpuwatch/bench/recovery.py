@@ -312,6 +312,7 @@ def _timed_snapshots(ctx: Context, gib: float, device: Any, step_s: float) -> di
         "pinned": stats["pinned"],
         "staging_bytes": stats["staging_bytes"],
         "own_cost_s": stats["mean_cost_s"],
+        "own_host_s": stats["mean_host_s"],
         "setup_s": stats["setup_s"],
         "rescue_s": rescue_s,
         "device": stats["device"],
@@ -509,6 +510,7 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
             Row(f"{label}: the loop's wall time, snapshots every=auto / none", walls),
             target(f"{label}: what snapshots cost the loop (auto)", cost_pct, "%", SNAPSHOT_SHARE * 100),
             Row(f"{label}: snapshot cadence K (auto)", snap["every"], "steps"),
+            Row(f"{label}: a snapshot's cost to the loop / of it on the training thread", _pair_ms(snap)),
             Row(f"{label}: snapshot drain (boundary → commit)", snap["drain_s"], "s"),
             target(f"{label}: rescue written from host memory", snap["rescue_s"], "s", RESCUE_WINDOW_S),
         ]
@@ -539,6 +541,11 @@ def _every(result: dict[str, Any]) -> str:
 
 def _pair(a: float | None, b: float | None) -> str:
     return " / ".join("-" if v is None else f"{v:.2f}" for v in (a, b)) + " GiB/s"
+
+
+def _pair_ms(snap: dict[str, Any]) -> str:
+    """A snapshot's mean cost to the loop, and of it the training thread's own time, in ms."""
+    return " / ".join("-" if v is None else f"{1e3 * v:.2f}" for v in (snap["own_cost_s"], snap["own_host_s"])) + " ms"
 
 
 def _pct(value: float | None, floor: float | None) -> float | None:

@@ -87,6 +87,7 @@ class CopyJob:
         self.drain_s = 0.0  # from the boundary until the last byte was in the host slot
         self.started = time.perf_counter()
         self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
+        self.host_s = 0.0  # the training thread's time inside HostSnapshot.step for this snapshot
         self._done_event: Any = None
         self._sources: list[torch.Tensor] = []
         self._in_flight: collections.deque[Any] = collections.deque()  # drain copies queued (their events)

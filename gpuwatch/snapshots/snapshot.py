@@ -175,6 +175,7 @@ class HostSnapshot:
         self._last_t: float | None = None
         self._plain: deque[float] = deque(maxlen=_INTERVALS)  # step intervals with no snapshot in flight
         self._costs: deque[float] = deque(maxlen=_COSTS)  # each snapshot's excess over the plain steps
+        self._hosts: deque[float] = deque(maxlen=_COSTS)  # of that, each one's time inside step (its host_s)
         self._drains: deque[float] = deque(maxlen=_COSTS)  # boundary to commit, per snapshot
         self._cuda: int | None = None
         self._aliased: int | None = None  # the own slot the restored state is a mapping of
@@ -188,6 +189,7 @@ class HostSnapshot:
         self.setup_s = 0.0
         self.last_copy_s: float | None = None
         self.last_cost_s: float | None = None
+        self.last_host_s: float | None = None
         self.auto_basis: tuple[float, float] | None = None  # with "auto": (cost_s, step_s) it chose K from
         self.mode: str | None = None  # how a snapshot leaves the GPU (prepare.py); None until prepared
 
@@ -301,6 +303,11 @@ class HostSnapshot:
         if not self.enabled:
             return
         now = time.perf_counter()
+        self._on_step(step, now)
+        if self._job is not None:  # this call's time lands in the next interval, the job's: host_s says how much
+            self._job.host_s += time.perf_counter() - now
+
+    def _on_step(self, step: int, now: float) -> None:
         interval = now - self._last_t if self._last_t is not None else None
         self._last_t = now
         if self._base is None:
@@ -515,7 +522,9 @@ class HostSnapshot:
             plain = statistics.median(self._plain)
             cost = sum(interval - plain for interval in job.intervals)
             self.last_cost_s = cost
+            self.last_host_s = job.host_s
             self._costs.append(cost)
+            self._hosts.append(job.host_s)
             if self._auto:
                 self._choose_every(plain)
 
@@ -743,6 +752,9 @@ class HostSnapshot:
         cost_s is what the last snapshot cost the loop: the step intervals it was in flight for, less
         as many plain steps (step_s, their median); cost_share is the mean of that over K plain steps.
         drain_s: from a snapshot's boundary to its commit (its bytes in the host slot, checksummed).
+        host_s is the part of cost_s the training thread spent inside `step` for that snapshot (the
+        boundary and the drain's portions); the rest is the GPU's (the copies' competition with the steps).
+        mean_cost_s and mean_host_s: the same over the last snapshots (what "auto" reads).
         """
         staging = self._prepared.staging if self._prepared is not None else None
         staged = 0 if staging is None else int(staging.numel())
@@ -767,6 +779,8 @@ class HostSnapshot:
             "copy_s": self.last_copy_s,
             "drain_s": statistics.median(self._drains) if self._drains else None,
             "cost_s": self.last_cost_s,
+            "host_s": self.last_host_s,
+            "mean_host_s": statistics.fmean(self._hosts) if self._hosts else None,
             "mean_cost_s": mean_cost,
             "step_s": step_s,
             "cost_share": cost_share,

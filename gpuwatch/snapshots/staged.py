@@ -168,6 +168,7 @@ class StagedJob:
         self.started = time.perf_counter()
         self.worker_s = self.copy_s = self.drain_s = 0.0
         self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
+        self.host_s = 0.0  # the training thread's time inside HostSnapshot.step for this snapshot
         flat = layout.flat
         self._chunk = chunk_size_for(flat.size)
         self._chunks = tensorfile.chunk_ranges(flat.data_off, flat.size, self._chunk)

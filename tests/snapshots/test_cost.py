@@ -109,3 +109,22 @@ def test_a_relaunch_sets_its_slots_up_off_the_step_and_never_writes_over_the_res
     assert sorted(p.name for p in job.iterdir()) == ["rank-00000.slot0", "rank-00000.slot1"]
     final = _snapshot(tmp_path, params, every=2).restore()
     assert final is not None and final.step == again.committed_step
+
+
+def test_the_cost_says_how_much_of_it_the_training_thread_paid(tmp_path: Path, slow_slots: None) -> None:
+    """host_s is the time inside snap.step (here a slow state callback at each boundary); the rest of the cost
+    is what only the step's own time shows (here the slower steps in flight)."""
+    boundary_s = 0.02
+    params = [torch.zeros(1 << 20) for _ in range(2)]
+
+    def slow_state() -> dict[str, list[torch.Tensor]]:
+        time.sleep(boundary_s)
+        return {"params": params}
+
+    snap = HostSnapshot(slow_state, every=4, job_id="cost", root=str(tmp_path))
+    _loop(80, snap, params)
+    stats = snap.stats()
+    snap.close(remove=True)
+    assert stats["snapshots"] >= 5, stats
+    assert boundary_s <= stats["mean_host_s"] < stats["mean_cost_s"], stats
+    assert stats["mean_cost_s"] - stats["mean_host_s"] >= SLOWER_IN_FLIGHT_S * 0.5, stats
