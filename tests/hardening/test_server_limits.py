@@ -104,7 +104,10 @@ def test_more_idle_connections_than_fds_leave_metrics_answering(daemon: DaemonPr
             sock.close()
     print(f"idle flood {len(flood)} > fd limit {FD_LIMIT}: scrape {before * 1000:.1f} ms before, "
           f"max {max(latencies) * 1000:.1f} ms during; {cpu:.2f} CPU-s")  # fmt: skip
-    assert max(latencies) < 1.0, "before the cap: scrapes timed out (3 s)"
+    # Before the cap, scrapes never answered (the 3 s timeout). A flood larger than the listen backlog (kept
+    # small on purpose, httpserver.ACCEPT_BURST) may still drop the scrape's SYN while the daemon is closing
+    # the burst, and the client's kernel resends it 1 s later: one retransmit, never a hang.
+    assert max(latencies) < 1.5, "before the cap: scrapes timed out (3 s)"
     assert cpu < 3.0, "no accept() spin"
     log = (daemon.state_dir.parent / "daemon.log").read_text()
     assert "Traceback" not in log and "cannot accept" not in log, log
