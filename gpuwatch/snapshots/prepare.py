@@ -24,7 +24,6 @@ larger of 2 GiB and 5 % of the GPU), so it does not take what the job's next ste
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import sys
@@ -106,10 +105,9 @@ class Preparation:
                         os.unlink(name, dir_fd=dir_fd)
                     result.renames[k] = name
                 result.slots[k] = Slot(dir_fd, name)
-            with concurrent.futures.ThreadPoolExecutor(len(SLOTS)) as pool:  # both page walks at once
-                sizing = [pool.submit(slot.ensure, self.nbytes, pin=False) for slot in result.slots.values()]
-                for done in sizing:
-                    done.result()
+            paced = self._thread.ident is not None  # on its own thread: in pieces, the training thread between
+            for slot in result.slots.values():
+                slot.ensure(self.nbytes, pin=False, paced=paced)
             if self.cuda is not None:  # after the page walks: registering during one stalled the job's CUDA calls
                 for slot in result.slots.values():
                     slot.pin()

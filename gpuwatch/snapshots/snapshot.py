@@ -187,6 +187,10 @@ class HostSnapshot:
         self.committed_step: int | None = None
         self.state_bytes = 0
         self.setup_s = 0.0
+        self.ready_step: int | None = None  # the step at which the slots were ready (snapshots start from there)
+        self.ready_s: float | None = None  # seconds from the first step() to then, all off the training thread
+        self._first_t: float | None = None
+        self._step_now: int | None = None
         self.last_copy_s: float | None = None
         self.last_cost_s: float | None = None
         self.last_host_s: float | None = None
@@ -309,6 +313,9 @@ class HostSnapshot:
 
     def _on_step(self, step: int, now: float) -> None:
         interval = now - self._last_t if self._last_t is not None else None
+        self._step_now = step
+        if self._first_t is None:
+            self._first_t = now
         self._last_t = now
         if self._base is None:
             self._resumed(step - 1)
@@ -415,6 +422,8 @@ class HostSnapshot:
         self._slots = dict(prepared.slots)
         self._renames = dict(prepared.renames)
         self.setup_s += prepared.seconds
+        self.ready_step = self._step_now
+        self.ready_s = time.perf_counter() - self._first_t if self._first_t is not None else prepared.seconds
         self.mode = prepared.mode
         if prepared.mode == "staged" and prepared.pinned and self._cuda is not None:
             self._stager = Stager(prepared.staging, self._cuda)
@@ -773,6 +782,8 @@ class HostSnapshot:
             "state_bytes": self.state_bytes,
             "host_bytes": 2 * self.state_bytes,
             "setup_s": self.setup_s,
+            "ready_step": self.ready_step,
+            "ready_s": self.ready_s,
             "mode": self.mode,
             "pinned": bool(self._prepared and self._prepared.pinned),
             "staging_bytes": staged,

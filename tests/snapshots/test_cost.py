@@ -27,10 +27,10 @@ def slow_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     """Slot set-up as slow as on the H200 (per GiB there); every state is set up off the training thread."""
     ensure = Slot.ensure
 
-    def slow(self: Slot, payload_len: int, *, pin: bool) -> float:
+    def slow(self: Slot, payload_len: int, *, pin: bool, paced: bool = False) -> float:
         if self.map is None:
             time.sleep(SETUP_S)
-        return ensure(self, payload_len, pin=pin)
+        return ensure(self, payload_len, pin=pin, paced=paced)
 
     monkeypatch.setattr(Slot, "ensure", slow)
     monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)
@@ -98,7 +98,7 @@ def test_a_relaunch_sets_its_slots_up_off_the_step_and_never_writes_over_the_res
     assert restored is not None and restored.step == 40
     for mine, theirs in zip(again_params, restored.state["params"], strict=True):
         mine.copy_(theirs)
-    times = _loop(60, again, again_params, first=41)  # both slots rewritten: the mapped one is a new file
+    times = _loop(100, again, again_params, first=41)  # both slots rewritten: the mapped one is a new file
     stats = again.stats()
     again.close(remove=False)
 
@@ -122,7 +122,7 @@ def test_the_cost_says_how_much_of_it_the_training_thread_paid(tmp_path: Path, s
         return {"params": params}
 
     snap = HostSnapshot(slow_state, every=4, job_id="cost", root=str(tmp_path))
-    _loop(80, snap, params)
+    _loop(120, snap, params)
     stats = snap.stats()
     snap.close(remove=True)
     assert stats["snapshots"] >= 5, stats
