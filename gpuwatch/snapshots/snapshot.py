@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
-import statistics
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ from gpuwatch.snapshots.layout import (
     snapshot_root,
     user_dir_name,
 )
+from gpuwatch.snapshots.looptime import LoopTime
 from gpuwatch.snapshots.prepare import Preparation, Prepared
 from gpuwatch.snapshots.restore import (
     Candidate,
@@ -81,8 +81,6 @@ log = logging.getLogger("gpuwatch.snapshots")
 
 AUTO_WARMUP_STEPS = 3
 """With every="auto": step intervals measured before the first snapshot (its cost is judged against them)."""
-_INTERVALS = 50
-_COSTS = 8
 
 
 @dataclass(frozen=True)
@@ -172,11 +170,7 @@ class HostSnapshot:
         self._seq = self._max_seq() + 1
         self._base: int | None = None  # the step this process resumed from (None: not told yet)
         self._last_snap_step: int | None = None
-        self._last_t: float | None = None
-        self._plain: deque[float] = deque(maxlen=_INTERVALS)  # step intervals with no snapshot in flight
-        self._costs: deque[float] = deque(maxlen=_COSTS)  # each snapshot's excess over the plain steps
-        self._hosts: deque[float] = deque(maxlen=_COSTS)  # of that, each one's time inside step (its host_s)
-        self._drains: deque[float] = deque(maxlen=_COSTS)  # boundary to commit, per snapshot
+        self._time = LoopTime()  # the loop's step intervals: what snapshots cost its wall time
         self._cuda: int | None = None
         self._aliased: int | None = None  # the own slot the restored state is a mapping of
         self._disk_lock = threading.Lock()
@@ -312,23 +306,19 @@ class HostSnapshot:
             self._job.host_s += time.perf_counter() - now
 
     def _on_step(self, step: int, now: float) -> None:
-        interval = now - self._last_t if self._last_t is not None else None
+        interval = self._time.tick(now)
         self._step_now = step
         if self._first_t is None:
             self._first_t = now
-        self._last_t = now
         if self._base is None:
             self._resumed(step - 1)
         if not self.ready():
-            if interval is not None:
-                self._plain.append(interval)
-            return
+            return  # the set-up's steps are neither plain nor a snapshot's (looptime.py)
         job = self._job
-        if interval is not None:
+        if interval is not None and self.ready_step != step:
+            self._time.record(interval, in_flight=job is not None)
             if job is not None:
                 job.intervals.append(interval)
-            else:
-                self._plain.append(interval)
         if job is not None and job.committed.is_set():
             self._finish(job)
         elif isinstance(job, StagedJob):
@@ -344,7 +334,7 @@ class HostSnapshot:
     def _drain_budget(self) -> int:
         """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time."""
         assert self._stager is not None
-        return self._stager.budget(statistics.median(self._plain) if self._plain else None)
+        return self._stager.budget(self._time.median_plain_step())
 
     def wait(self) -> None:
         """Wait until the snapshot in flight (if any) is committed."""
@@ -437,7 +427,7 @@ class HostSnapshot:
 
     def _due(self, step: int) -> bool:
         if self._every is None:
-            return self._job is None and len(self._plain) >= AUTO_WARMUP_STEPS
+            return self._job is None and self._time.plain_steps >= AUTO_WARMUP_STEPS
         last = self._last_snap_step if self._last_snap_step is not None else 0
         return step - last >= self._every
 
@@ -526,29 +516,35 @@ class HostSnapshot:
         self.snapshots += 1
         self.committed_step = job.step
         self.last_copy_s = job.copy_s
-        self._drains.append(job.worker_s)
-        if self._plain and job.intervals:
-            plain = statistics.median(self._plain)
-            cost = sum(interval - plain for interval in job.intervals)
-            self.last_cost_s = cost
-            self.last_host_s = job.host_s
-            self._costs.append(cost)
-            self._hosts.append(job.host_s)
+        cost = self._time.snapshot_done(job.intervals, job.host_s, job.worker_s)
+        if cost is not None:
+            self.last_cost_s, self.last_host_s = cost, job.host_s
             if self._auto:
-                self._choose_every(plain)
+                self._choose_every()
 
-    def _choose_every(self, step_s: float) -> None:
-        """ "auto": the K that keeps the mean stall snapshots cost the loop under the share, given the drain's floor."""
-        cost_s = max(0.0, statistics.fmean(self._costs))
-        drain_s = statistics.median(self._drains)
-        every = choose_every(cost_s, step_s, share=self.share, max_every=self.max_every, background_s=drain_s)
+    def _choose_every(self) -> None:
+        """ "auto": the K that keeps what snapshots cost the loop's wall time under the share (looptime.py)."""
+        step_s, cost_s = self._time.plain_step(), self._time.mean_cost()
+        assert step_s is not None and cost_s is not None
+        drain_s = self._time.median_drain() or 0.0
+        every = choose_every(max(0.0, cost_s), step_s, share=self.share, max_every=self.max_every,
+                             background_s=drain_s)  # fmt: skip
+        measured = self._time.wall_share()
+        if (
+            self._every
+            and measured is not None
+            and measured > self.share
+            and self._time.since_restart >= 3 * self._every
+        ):
+            every = max(every, min(self.max_every, math.ceil(self._every * measured / self.share)))
         self.auto_basis = (cost_s, step_s)
         if every != self._every:
             log.info(
                 "host snapshot of %s costs the loop %.4f s per snapshot (%d measured) of a %.4f s step, drains in "
                 "%.3f s: every %d step(s) keeps it under %g %%",
-                _size(self.state_bytes), cost_s, len(self._costs), step_s, drain_s, every, self.share * 100,
+                _size(self.state_bytes), cost_s, len(self._time.costs), step_s, drain_s, every, self.share * 100,
             )  # fmt: skip
+            self._time.restart_window()
         self._every = every
 
     def _target_slot(self) -> int:
@@ -756,22 +752,21 @@ class HostSnapshot:
         self.close(remove=finished)
 
     def stats(self) -> dict[str, Any]:
-        """What the snapshots cost and hold, for logs and the bench.
+        """What the snapshots cost and hold, for logs and the bench (looptime.py says how the costs are measured).
 
-        cost_s is what the last snapshot cost the loop: the step intervals it was in flight for, less
-        as many plain steps (step_s, their median); cost_share is the mean of that over K plain steps.
-        drain_s: from a snapshot's boundary to its commit (its bytes in the host slot, checksummed).
-        host_s is the part of cost_s the training thread spent inside `step` for that snapshot (the
-        boundary and the drain's portions); the rest is the GPU's (the copies' competition with the steps).
-        mean_cost_s and mean_host_s: the same over the last snapshots (what "auto" reads).
+        cost_share is what snapshots cost the loop's wall time: the mean step interval over the recent
+        steps since snapshots run (at the current K) against the mean plain step (step_s), less one.
+        cost_s is what the last snapshot added to the loop: the step intervals it was in flight for,
+        less as many plain steps; mean_cost_s the same over the last snapshots ("auto" chooses K from
+        it, then raises K while cost_share is over its share). drain_s: from a snapshot's boundary to
+        its commit. host_s is the part of cost_s the training thread spent inside `step` for that
+        snapshot (the boundary and the drain's portions); the rest is the GPU's (the copies'
+        competition with the steps). ready_step and ready_s: when the slots were set up (off the
+        training thread); snapshots start there.
         """
         staging = self._prepared.staging if self._prepared is not None else None
         staged = 0 if staging is None else int(staging.numel())
-        mean_cost = statistics.fmean(self._costs) if self._costs else None
-        step_s = statistics.median(self._plain) if self._plain else None
-        cost_share = None
-        if mean_cost is not None and step_s and self._every:
-            cost_share = max(0.0, mean_cost) / (self._every * step_s)
+        mean_cost = self._time.mean_cost()
         return {
             "enabled": self.enabled,
             "disabled_reason": self.disabled_reason,
@@ -788,13 +783,13 @@ class HostSnapshot:
             "pinned": bool(self._prepared and self._prepared.pinned),
             "staging_bytes": staged,
             "copy_s": self.last_copy_s,
-            "drain_s": statistics.median(self._drains) if self._drains else None,
+            "drain_s": self._time.median_drain(),
             "cost_s": self.last_cost_s,
             "host_s": self.last_host_s,
-            "mean_host_s": statistics.fmean(self._hosts) if self._hosts else None,
+            "mean_host_s": self._time.mean_host(),
             "mean_cost_s": mean_cost,
-            "step_s": step_s,
-            "cost_share": cost_share,
+            "step_s": self._time.plain_step(),
+            "cost_share": self._time.wall_share(),
             "device": "cpu" if self._cuda is None else f"cuda:{self._cuda}",
             "auto_basis": self.auto_basis,
         }

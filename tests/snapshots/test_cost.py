@@ -8,6 +8,7 @@ step sleeps longer while one is). Steps are sleeps, so a loaded 2-core machine t
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -128,3 +129,38 @@ def test_the_cost_says_how_much_of_it_the_training_thread_paid(tmp_path: Path, s
     assert stats["snapshots"] >= 5, stats
     assert boundary_s <= stats["mean_host_s"] < stats["mean_cost_s"], stats
     assert stats["mean_cost_s"] - stats["mean_host_s"] >= SLOWER_IN_FLIGHT_S * 0.5, stats
+
+
+def test_auto_reports_the_cost_the_loop_s_wall_time_shows(tmp_path: Path, slow_slots: None) -> None:
+    """cost_share is the loop's wall time with snapshots against without, also when plain steps vary (here one step
+    in 8 is a long one, a log line or an evaluation, the same ones in each run): "auto" keeps that figure, not a
+    model of it, under its share."""
+    share, steps, long_s = 0.05, 300, 0.04
+
+    def loop(n: int, snap: HostSnapshot | None, params: list[torch.Tensor], first: int) -> float:
+        started = time.perf_counter()
+        long = random.Random(0)
+        for step in range(first, first + n):
+            in_flight = snap is not None and snap._job is not None
+            extra = long_s if long.random() < 1 / 8 else 0.0
+            time.sleep(STEP_S + (SLOWER_IN_FLIGHT_S if in_flight else 0.0) + extra)
+            params[0][step % params[0].numel()] = step
+            if snap is not None:
+                snap.step(step)
+        return time.perf_counter() - started
+
+    params = [torch.zeros(1 << 20) for _ in range(2)]
+    before = loop(steps, None, params, 1)
+    snap = _snapshot(tmp_path, params, every="auto", share=share)
+    step = 1
+    while snap.stats()["snapshots"] < 2 and step < 2000:  # set up, then the first snapshots choose K
+        loop(1, snap, params, step)
+        step += 1
+    with_snapshots = loop(steps, snap, params, step)
+    stats = snap.stats()
+    snap.close(remove=True)
+    after = loop(steps, None, params, 1)  # the machine's load drifts: the runs without go either side
+    overhead = 2 * with_snapshots / (before + after) - 1
+    assert stats["cost_share"] is not None, stats
+    assert abs(stats["cost_share"] - overhead) <= 0.03, f"reported {stats['cost_share']:.2%}, wall {overhead:.2%}"
+    assert overhead <= share + 0.03, f"{overhead:.2%} over the loop without snapshots; promised {share:.0%}"
