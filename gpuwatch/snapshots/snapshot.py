@@ -116,9 +116,12 @@ class HostSnapshot:
         max_every: with every="auto", the largest K it picks.
         staging: on a GPU, stage the copy in GPU memory (as much of the state as fits) so the optimizer
             waits only for a device-to-device copy (prepare.py); False: copy device-to-host directly.
+        gpu_budget: the most GPU memory (bytes) staging may take; None: what is free after the first
+            step, less a headroom; 0: none (as staging=False). stats()["gpu_bytes"] says what it took.
 
     Raises:
-        ValueError: every is neither a positive integer nor "auto", or there is no job id.
+        ValueError: every is neither a positive integer nor "auto", there is no job id, or gpu_budget is
+            not a number of bytes.
     """
 
     def __init__(
@@ -135,9 +138,15 @@ class HostSnapshot:
         share: float = TARGET_SHARE,
         max_every: int = MAX_EVERY,
         staging: bool = True,
+        gpu_budget: int | None = None,
     ) -> None:
+        if gpu_budget is not None and (
+            isinstance(gpu_budget, bool) or not isinstance(gpu_budget, int) or gpu_budget < 0
+        ):
+            raise ValueError(f"gpu_budget must be a number of bytes (0 or more) or None, not {gpu_budget!r}")
         self._state_fn = state
         self._staging_wanted = staging
+        self.gpu_budget = gpu_budget
         self._every = parse_every(every)
         self._auto = self._every is None
         self.share, self.max_every = share, max_every
@@ -396,7 +405,7 @@ class HostSnapshot:
         replace = {self._aliased} if self._aliased is not None else set()
         self._cuda, self.state_bytes = cuda, flat.size
         self._preparation = Preparation(self._dir_fd, self.rank, flat.size, cuda, staging=self._staging_wanted,
-                                        replace=replace)  # fmt: skip
+                                        replace=replace, budget=self.gpu_budget)  # fmt: skip
 
     def _adopt(self, prepared: Prepared) -> None:
         """Take the prepared slots over, or turn snapshots off (one line) when they could not be made."""
@@ -517,10 +526,36 @@ class HostSnapshot:
         self.committed_step = job.step
         self.last_copy_s = job.copy_s
         cost = self._time.snapshot_done(job.intervals, job.host_s, job.worker_s)
+        every = self._every
         if cost is not None:
             self.last_cost_s, self.last_host_s = cost, job.host_s
             if self._auto:
                 self._choose_every()
+        if self.snapshots == 1 or every != self._every:
+            log.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """One line: the mode, the GPU memory it takes, the cadence and the steps a death may lose."""
+        bound = self.loss_bound()
+        drain = "" if bound is None or not self._every else f" + {bound - self._every} of drain"
+        every = "K not chosen yet" if not self._every else f"every {self._every} step(s)"
+        lose = "?" if bound is None else str(bound)
+        return (f"host snapshots of {_size(self.state_bytes)}: mode {self.mode}, {_size(self.gpu_bytes())} of GPU "
+                f"memory, {every}; a death with no survivor loses at most {lose} steps ({self._every or '?'}"
+                f"{drain})")  # fmt: skip
+
+    def loss_bound(self) -> int | None:
+        """Steps a death with no survivor loses at most: K, plus the steps a snapshot's drain spans (the one in
+        flight is not committed yet). None until a snapshot was measured."""
+        step_s, drain_s = self._time.plain_step(), self._time.median_drain()
+        if not self._every or not step_s or drain_s is None:
+            return None
+        return self._every + math.ceil(drain_s / step_s)
+
+    def gpu_bytes(self) -> int:
+        """The GPU memory the snapshots hold between snapshots (the staging buffer)."""
+        staging = self._prepared.staging if self._prepared is not None else None
+        return 0 if staging is None else int(staging.numel())
 
     def _choose_every(self) -> None:
         """ "auto": the K that keeps what snapshots cost the loop's wall time under the share (looptime.py)."""
@@ -782,6 +817,9 @@ class HostSnapshot:
             "mode": self.mode,
             "pinned": bool(self._prepared and self._prepared.pinned),
             "staging_bytes": staged,
+            "gpu_bytes": self.gpu_bytes(),
+            "gpu_budget": self.gpu_budget,
+            "loss_bound_steps": self.loss_bound(),
             "copy_s": self.last_copy_s,
             "drain_s": self._time.median_drain(),
             "cost_s": self.last_cost_s,
