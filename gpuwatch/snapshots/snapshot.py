@@ -537,12 +537,10 @@ class HostSnapshot:
     def describe(self) -> str:
         """One line: the mode, the GPU memory it takes, the cadence and the steps a death may lose."""
         bound = self.loss_bound()
-        drain = "" if bound is None or not self._every else f" + {bound - self._every} of drain"
-        every = "K not chosen yet" if not self._every else f"every {self._every} step(s)"
-        lose = "?" if bound is None else str(bound)
+        every = f"every {self._every} step(s)" if self._every else "K not chosen yet"
+        lose = "?" if bound is None or not self._every else f"{bound} ({self._every} + {bound - self._every} of drain)"
         return (f"host snapshots of {_size(self.state_bytes)}: mode {self.mode}, {_size(self.gpu_bytes())} of GPU "
-                f"memory, {every}; a death with no survivor loses at most {lose} steps ({self._every or '?'}"
-                f"{drain})")  # fmt: skip
+                f"memory, {every}; a death with no survivor loses at most {lose} steps")  # fmt: skip
 
     def loss_bound(self) -> int | None:
         """Steps a death with no survivor loses at most: K, plus the steps a snapshot's drain spans (the one in
