@@ -2,13 +2,14 @@
 
 `HostSnapshot.step` is called once a step, so the time between two calls is one step as the loop
 lived it. Each interval is either plain (no snapshot in flight) or paid for by a snapshot (one was
-in flight: its copies competed with the step, its boundary and drain ran inside it). Means, not
-medians: the wall time is a sum, and the slow plain steps a loop has anyway (a collection, a log
-line) are in both kinds alike.
+in flight: its copies competed with the step, its boundary and drain ran inside it).
 
-* a snapshot's cost: its intervals less as many plain steps (what it added to the wall time);
+* a snapshot's cost: its intervals less as many typical (median) plain steps; robust to a stray slow
+  step, it is what `every="auto"` first chooses K from;
 * the wall-time share: over the recent steps since snapshots run, their mean interval against the
-  plain mean, less one. That is the figure `every="auto"` keeps under its share and `stats()` reports.
+  mean of the plain ones among them, less one. Means: the wall time is a sum, and the slow plain
+  steps a loop has anyway (a collection, a log line) are in both kinds alike. That is the figure
+  `stats()` reports as cost_share, and "auto" raises K while it is over its share.
 
 Steps while the slots are set up are neither (the set-up's own work is off the step, but not free):
 the plain mean is measured once snapshots can run.
@@ -70,15 +71,16 @@ class LoopTime:
         """The mean plain step over the window (None until one was seen)."""
         return self._plain_sum / self._plain_n if self._plain_n else None
 
-    def median_plain_step(self) -> float | None:
-        """The typical plain step of the last ones (what a drain portion is sized against)."""
-        recent = [interval for interval, in_flight in list(self.window)[-64:] if not in_flight]
-        return statistics.median(recent) if recent else None
+    def median_plain_step(self, recent: int | None = None) -> float | None:
+        """The typical plain step (of the last `recent` steps: what a drain portion is sized against)."""
+        steps = list(self.window)[-recent:] if recent else self.window
+        plain = [interval for interval, in_flight in steps if not in_flight]
+        return statistics.median(plain) if plain else None
 
     def snapshot_done(self, intervals: list[float], host_s: float, drain_s: float) -> float | None:
         """Account a committed snapshot's intervals; what it cost the loop (None without a plain step yet)."""
         self.drains.append(drain_s)
-        plain = self.plain_step()
+        plain = self.median_plain_step()
         if plain is None or not intervals:
             return None
         cost = sum(intervals) - plain * len(intervals)

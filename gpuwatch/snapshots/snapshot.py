@@ -174,6 +174,7 @@ class HostSnapshot:
         self._stager: Stager | None = None  # the staged mode's buffer, stream and drain thread
         self._layout: Layout | None = None  # the state's layout, reused while its tensors are the same ones
         self._preparation: Preparation | None = None
+        self._replace_all = False  # the next preparation makes new files for both slots (the state outgrew them)
         self._prepared: Prepared | None = None
         self._renames: dict[int, str] = {}
         self._seq = self._max_seq() + 1
@@ -343,7 +344,7 @@ class HostSnapshot:
     def _drain_budget(self) -> int:
         """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time."""
         assert self._stager is not None
-        return self._stager.budget(self._time.median_plain_step())
+        return self._stager.budget(self._time.median_plain_step(recent=64))
 
     def wait(self) -> None:
         """Wait until the snapshot in flight (if any) is committed."""
@@ -402,7 +403,8 @@ class HostSnapshot:
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
-        replace = {self._aliased} if self._aliased is not None else set()
+        replace = set(SLOTS) if self._replace_all else {self._aliased} if self._aliased is not None else set()
+        self._replace_all = False
         self._cuda, self.state_bytes = cuda, flat.size
         self._preparation = Preparation(self._dir_fd, self.rank, flat.size, cuda, staging=self._staging_wanted,
                                         replace=replace, budget=self.gpu_budget)  # fmt: skip
@@ -453,6 +455,9 @@ class HostSnapshot:
                     self._disable("the state holds values a flat tensor file cannot (custom objects, sparse tensors)")
                     return
                 flat, cuda = planned, _cuda_device(planned)
+            if cuda != self._cuda or any(slot.payload_capacity < flat.size for slot in self._slots.values()):
+                self._set_up_again(flat.size)
+                return
             slot = self._target(flat.size, cuda)
             job: CopyJob | StagedJob
             if staged is not None and self._stager is not None and slot.pinned:
@@ -472,6 +477,19 @@ class HostSnapshot:
         self._job = job
         if not self._optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
+
+    def _set_up_again(self, nbytes: int) -> None:
+        """The state outgrew the slots (or moved): new ones are set up off the training thread, under temp names
+        so that the committed snapshots stay loadable meanwhile; snapshots resume once they are ready."""
+        log.info("host snapshot state is now %s: setting its slots up again, off the training thread", _size(nbytes))
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._prepared is not None:
+            self._prepared.staging = None  # the GPU memory goes back before the new buffer is taken
+        self._prepared, self._preparation, self._layout = None, None, None
+        self._replace_all = True
+        self.ready()
 
     def _staged_layout(self, state: Any) -> tuple[Layout, Any] | None:
         """In the staged mode: the state's layout (reused while its tensors are the same ones) and, when reused,
@@ -557,7 +575,7 @@ class HostSnapshot:
 
     def _choose_every(self) -> None:
         """ "auto": the K that keeps what snapshots cost the loop's wall time under the share (looptime.py)."""
-        step_s, cost_s = self._time.plain_step(), self._time.mean_cost()
+        step_s, cost_s = self._time.median_plain_step(), self._time.mean_cost()
         assert step_s is not None and cost_s is not None
         drain_s = self._time.median_drain() or 0.0
         every = choose_every(max(0.0, cost_s), step_s, share=self.share, max_every=self.max_every,
@@ -570,7 +588,7 @@ class HostSnapshot:
             and self._time.since_restart >= 3 * self._every
         ):
             every = max(every, min(self.max_every, math.ceil(self._every * measured / self.share)))
-        self.auto_basis = (cost_s, step_s)
+        self.auto_basis = (max(0.0, cost_s), step_s)
         if every != self._every:
             log.info(
                 "host snapshot of %s costs the loop %.4f s per snapshot (%d measured) of a %.4f s step, drains in "
@@ -790,8 +808,8 @@ class HostSnapshot:
         cost_share is what snapshots cost the loop's wall time: the mean step interval over the recent
         steps since snapshots run (at the current K) against the mean plain step (step_s), less one.
         cost_s is what the last snapshot added to the loop: the step intervals it was in flight for,
-        less as many plain steps; mean_cost_s the same over the last snapshots ("auto" chooses K from
-        it, then raises K while cost_share is over its share). drain_s: from a snapshot's boundary to
+        less as many typical (median) plain steps; mean_cost_s the same over the last snapshots ("auto"
+        chooses K from it, then raises K while cost_share is over its share). drain_s: from a snapshot's boundary to
         its commit. host_s is the part of cost_s the training thread spent inside `step` for that
         snapshot (the boundary and the drain's portions); the rest is the GPU's (the copies'
         competition with the steps). ready_step and ready_s: when the slots were set up (off the

@@ -164,3 +164,38 @@ def test_auto_reports_the_cost_the_loop_s_wall_time_shows(tmp_path: Path, slow_s
     assert stats["cost_share"] is not None, stats
     assert abs(stats["cost_share"] - overhead) <= 0.03, f"reported {stats['cost_share']:.2%}, wall {overhead:.2%}"
     assert overhead <= share + 0.03, f"{overhead:.2%} over the loop without snapshots; promised {share:.0%}"
+
+
+def test_a_state_that_outgrows_its_slots_gets_new_ones_off_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state that grows after snapshots started (a buffer added, an optimizer's state made late) is set up again
+    on the preparation's thread, the committed snapshot staying loadable meanwhile; no step waits for it."""
+    ensure = Slot.ensure
+
+    def slow(self: Slot, payload_len: int, *, pin: bool, paced: bool = False) -> float:
+        if payload_len > self.payload_capacity:  # sizing work, as slow as on the H200
+            time.sleep(SETUP_S)
+        return ensure(self, payload_len, pin=pin, paced=paced)
+
+    monkeypatch.setattr(Slot, "ensure", slow)
+    monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)
+    params = [torch.zeros(1 << 20) for _ in range(2)]
+    snap = _snapshot(tmp_path, params, every=2)
+    _loop(100, snap, params)
+    snap.wait()
+    grown_at = snap.committed_step
+    assert grown_at is not None and snap.snapshots >= 5
+    params.append(torch.ones(1 << 21))  # the state grows by 8 MiB
+    before = _snapshot(tmp_path, params, every=2).restore()  # another process's view, meanwhile
+    times = _loop(120, snap, params, first=101)
+    snap.wait()
+    stats = snap.stats()
+    snap.close(remove=False)
+
+    assert before is not None and before.step == grown_at  # the committed snapshot stayed loadable
+    assert max(times) < SETUP_S * 0.8, f"a step stalled {max(times):.3f} s at {times.index(max(times))}, {stats}"
+    assert stats["ready_step"] > 101 and stats["committed_step"] > stats["ready_step"], stats
+    restored = _snapshot(tmp_path, params, every=2).restore()
+    assert restored is not None and restored.step == stats["committed_step"]
+    assert len(restored.state["params"]) == 3 and torch.equal(restored.state["params"][2], params[2])
