@@ -17,6 +17,7 @@ the plain mean is measured once snapshots can run.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 
@@ -73,7 +74,7 @@ class LoopTime:
 
     def median_plain_step(self, recent: int | None = None) -> float | None:
         """The typical plain step (of the last `recent` steps: what a drain portion is sized against)."""
-        steps = list(self.window)[-recent:] if recent else self.window
+        steps = itertools.islice(reversed(self.window), recent) if recent else self.window  # once a step: no copy
         plain = [interval for interval, in_flight in steps if not in_flight]
         return statistics.median(plain) if plain else None
 
