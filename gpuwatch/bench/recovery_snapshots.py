@@ -261,6 +261,7 @@ def _switch(snap: Any, every: int | str) -> None:
     snap._every = None if every == "auto" else int(every)
     snap._auto = every == "auto"
     snap._time = LoopTime()
+    snap._wall_floor = 0
     snap._last_snap_step = None
 
 

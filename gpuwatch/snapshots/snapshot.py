@@ -181,6 +181,7 @@ class HostSnapshot:
         self._base: int | None = None  # the step this process resumed from (None: not told yet)
         self._last_snap_step: int | None = None
         self._time = LoopTime()  # the loop's step intervals: what snapshots cost its wall time
+        self._wall_floor = 0  # with "auto": the least K the measured wall-time share allows
         self._cuda: int | None = None
         self._aliased: int | None = None  # the own slot the restored state is a mapping of
         self._disk_lock = threading.Lock()
@@ -587,7 +588,8 @@ class HostSnapshot:
             and measured > self.share
             and self._time.since_restart >= 3 * self._every
         ):
-            every = max(every, min(self.max_every, math.ceil(self._every * measured / self.share)))
+            self._wall_floor = min(self.max_every, math.ceil(self._every * measured / self.share))
+        every = max(every, self._wall_floor)  # a K the wall time showed too short is not chosen again
         self.auto_basis = (max(0.0, cost_s), step_s)
         if every != self._every:
             log.info(
@@ -808,11 +810,11 @@ class HostSnapshot:
         cost_share is what snapshots cost the loop's wall time: the mean step interval over the recent
         steps since snapshots run (at the current K) against the mean plain step (step_s), less one.
         cost_s is what the last snapshot added to the loop: the step intervals it was in flight for,
-        less as many typical (median) plain steps; mean_cost_s the same over the last snapshots ("auto"
-        chooses K from it, then raises K while cost_share is over its share). drain_s: from a snapshot's boundary to
-        its commit. host_s is the part of cost_s the training thread spent inside `step` for that
-        snapshot (the boundary and the drain's portions); the rest is the GPU's (the copies'
-        competition with the steps). ready_step and ready_s: when the slots were set up (off the
+        less as many typical (median) plain steps; mean_cost_s the same over the last snapshots
+        ("auto" chooses K from it, then raises K while cost_share is over its share). drain_s: from a
+        snapshot's boundary to its commit. host_s is the part of cost_s the training thread spent
+        inside `step` for that snapshot (the boundary and the drain's portions); the rest is the
+        GPU's (the copies' competition with the steps). ready_step and ready_s: when the slots were set up (off the
         training thread); snapshots start there.
         """
         staging = self._prepared.staging if self._prepared is not None else None
