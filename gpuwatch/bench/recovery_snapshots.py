@@ -126,6 +126,7 @@ def nearly_full(loop: Loop, steps: int, job_id: str, every: int = 8) -> tuple[Ru
 
     ballast = None
     if loop.device.type == "cuda":
+        _empty_cache(loop.device)  # an earlier staging buffer cached by torch's allocator is free memory too
         free, _total = torch.cuda.mem_get_info(loop.device)
         keep = loop.state_bytes // 2  # less than the state: staging cannot hold it all
         if free > keep:
