@@ -58,9 +58,10 @@ def test_a_client_without_the_secret_is_refused_and_reads_nothing(server: StoreS
     with pytest.raises(StoreAuthError):
         JobStore("127.0.0.1", server.port, b"0" * 64, TIMEOUT)
     raw = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    raw.sendall(b"GWIS2" + os.urandom(32))  # a client's hello: the server proves itself first
     greeting = raw.recv(100)
-    raw.sendall(b"\x00" * 64)  # a wrong proof
-    assert len(greeting) == 37 and raw.recv(100) == b""  # a greeting and a nonce, then closed
+    raw.sendall(b"\x00" * 32)  # a wrong proof
+    assert len(greeting) == 69 and raw.recv(100) == b""  # its nonce and its proof, then closed
 
 
 def test_a_server_that_cannot_prove_the_secret_is_told_nothing() -> None:
