@@ -14,7 +14,9 @@ hosting launcher (`StoreServer.data`, itself a torch Store), and a wire of its o
   proves that it holds the job's secret, and only then does the client prove it too. A process that
   squats the endpoint's port learns nothing it could test a guessed secret against offline;
 * a connection that has not proved itself within HANDSHAKE_S of its accept is closed, and at most
-  MAX_PENDING wait at once, so strangers cannot tie up the launcher.
+  MAX_PENDING handshakes run at once: beyond that the store stops accepting until one ends (the
+  others wait in the kernel's backlog, in order, rather than being turned away), so strangers cannot
+  tie up the launcher and a thousand ranks starting at once are not refused.
 
 One thread serves every connection (a selectors loop): a rank's long poll (WATCH: "tell me when
 `gen` is no longer what I know") costs nothing while nothing changes, and a change is one reply to
@@ -50,7 +52,7 @@ from gpuwatch.inplace.peers import socket_owner
 log = logging.getLogger("gpuwatch.inplace.store")
 
 HANDSHAKE_S = 5.0  # from accept to a proved client, in all
-MAX_PENDING = 32
+MAX_PENDING = 256
 MAX_FRAME = 64 << 20  # the store carries membership records and addresses, never the state
 _MAGIC = b"GWIS2"
 _NONCE = 32
@@ -236,7 +238,8 @@ class StoreServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._conns: set[_Conn] = set()
         self._pending = 0
-        self._accept_again = 0.0
+        self._accept_again = 0.0  # accepting paused after an error: again from then
+        self._accepting = True
         self._waiters: dict[str, _KeyWaiters] = {}
         self._deadlines: list[tuple[float, int, Any]] = []  # (when, seq, _Waiter or _Conn): a heap
         self._seq = itertools.count()
@@ -284,7 +287,7 @@ class StoreServer:
             wait = min(wait, max(0.0, self._accept_again - now))
         if self._accept_again and now >= self._accept_again:
             self._accept_again = 0.0
-            self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+            self._resume_accepting()
         for key, mask in self._selector.select(wait):
             what = key.data
             if what == "accept":
@@ -318,11 +321,11 @@ class StoreServer:
             except OSError as exc:  # out of descriptors (or memory): pause accepting, never stop
                 self._say(f"the job's store cannot accept a connection: {exc}")
                 self._accept_again = time.monotonic() + _ACCEPT_PAUSE_S
-                self._selector.unregister(self._listener)
+                self._pause_accepting()
                 return
-            if self._pending >= MAX_PENDING or not self._own_user(sock):
+            if not self._own_user(sock):
                 self.refused += 1
-                sock.close()  # another user's, or too many strangers at once: they get nothing here
+                sock.close()  # another user's: it gets nothing here
                 continue
             sock.setblocking(False)
             conn = _Conn(sock, time.monotonic() + HANDSHAKE_S)
@@ -330,6 +333,23 @@ class StoreServer:
             self._conns.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
             heapq.heappush(self._deadlines, (conn.deadline, next(self._seq), conn))
+            if self._pending >= MAX_PENDING:
+                self._pause_accepting()  # the next wait in the backlog until a handshake ends
+                return
+
+    def _pause_accepting(self) -> None:
+        if self._accepting:
+            self._accepting = False
+            self._selector.unregister(self._listener)
+
+    def _resume_accepting(self) -> None:
+        if not self._accepting and not self._accept_again and self._pending < MAX_PENDING:
+            self._accepting = True
+            self._selector.register(self._listener, selectors.EVENT_READ, "accept")
+
+    def _handshake_ended(self) -> None:
+        self._pending -= 1
+        self._resume_accepting()
 
     def _own_user(self, sock: socket.socket) -> bool:
         """False for a connection the kernel says another user's process made (from this node)."""
@@ -341,7 +361,7 @@ class StoreServer:
             return
         conn.closed = True
         if conn.stage < 2:
-            self._pending -= 1
+            self._handshake_ended()
         if conn.waiting is not None:
             self._finish(conn.waiting)
         self._conns.discard(conn)
@@ -381,7 +401,7 @@ class StoreServer:
             if not hmac.compare_digest(proof, _mac(self._secret, b"client", conn.nonce, conn.theirs)):
                 raise ValueError("a wrong proof")
             conn.stage = 2
-            self._pending -= 1
+            self._handshake_ended()
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._send(conn, _ACCEPTED)
 

@@ -44,10 +44,15 @@ def greeting(sock):
         got = sock.recv(100)
     except socket.timeout:
         return "nothing"
+    except OSError:  # reset: closed with her hello unread
+        return "closed"
     return got.hex() if got else "closed"
 if what == "read":  # connect, say hello as a client does, read what the store says
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"GWIS2" + os.urandom(32))
+    try:
+        sock.sendall(b"GWIS2" + os.urandom(32))
+    except OSError:
+        pass
     print(json.dumps({"answer": greeting(sock)}), flush=True)
 elif what == "hold":  # hold 40 handshakes open, a byte every second each
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
@@ -68,16 +73,16 @@ elif what == "squat":  # listen, greet each client as the store did, keep what i
         while True:
             conn, _ = listener.accept()
             nonce = os.urandom(32)
-            conn.sendall(b"GWIS1" + nonce)
-            conn.settimeout(1.5)
             said = b""
             try:
+                conn.sendall(b"GWIS1" + nonce)
+                conn.settimeout(1.5)
                 while len(said) < 200:
                     chunk = conn.recv(200)
                     if not chunk:
                         break
                     said += chunk
-            except socket.timeout:
+            except OSError:  # a timeout, or the client closed at once
                 pass
             heard.append([nonce.hex(), said.hex()])
             conn.close()
@@ -102,7 +107,11 @@ def server() -> Iterator[StoreServer]:
 
 def as_mallory(uid: int, what: str, port: int = 0) -> subprocess.Popen[str]:
     attack = subprocess.Popen(
-        [sys.executable, "-c", AS_MALLORY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", AS_MALLORY],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert attack.stdin is not None
     attack.stdin.write(json.dumps([uid, what, port]) + "\n")
@@ -113,7 +122,7 @@ def as_mallory(uid: int, what: str, port: int = 0) -> subprocess.Popen[str]:
 def said(attack: subprocess.Popen[str]) -> dict[str, object]:
     assert attack.stdout is not None
     line = attack.stdout.readline()
-    assert line, "mallory's process said nothing"
+    assert line, f"mallory's process said nothing: {attack.stderr.read() if attack.stderr else ''}"
     return dict(json.loads(line))
 
 
