@@ -44,6 +44,9 @@ def run(ctx: Context) -> Section:
             results.append(figures)
             section.rows.extend(_rows(figures))
     section.figures["ranks"] = results
+    from gpuwatch.bench import scale_fleet
+
+    section.figures["nodes"] = scale_fleet.run(ctx, section)
     return section
 
 
@@ -78,7 +81,8 @@ def measure_ranks(ranks: int, mode: str, code: str, *, quick: bool = False) -> d
 
             job = Job(port, secret, mode)
             form_s = 60.0 if quick else 240.0
-            figures = asyncio.run(simulate(job, ranks, stats, form_s=form_s, idle_s=2.0 if quick else 5.0))
+            timing = {"form_s": form_s, "idle_s": 2.0 if quick else 5.0, "change_s": 30.0 if quick else 120.0}
+            figures = asyncio.run(simulate(job, ranks, stats, **timing))
             figures["code"] = "before" if mode == "poll" else "after"
             figures["store_rss_mb"] = rss_mb(host.pid)
             return figures
@@ -110,6 +114,7 @@ def _rows(f: dict[str, Any]) -> list[Row]:
         Row(f"{label}: requests while idle", f.get("idle_requests_per_s"), "/s"),
         Row(f"{label}: a request's round trip p50 / p99", _pair(f, "request"), "ms"),
         Row(f"{label}: a rank killed → every survivor saw it / met", _pair(f, "kill", "seen_s", "met_s"), "s"),
+        Row(f"{label}: a rank killed: the store's CPU for the change", f.get("kill_store_cpu_s"), "s"),
         Row(f"{label}: a join → every member saw it / met", _pair(f, "join", "seen_s", "met_s"), "s"),
     ]
 

@@ -292,14 +292,18 @@ async def simulate(
     tasks[victim].cancel()
     clients[victim].close()
     survivors = members[:-1]
+    cpu0, _ = host_stats()
     killed = time.monotonic()
     await launcher.append({"kind": "gone", "member": victim, "code": -9, "node": int(victim[1:].split(".")[0])})
     figures["kill_seen_s"], figures["kill_met_s"] = await _change(job, survivors, 2, killed, change_s)
+    figures["kill_store_cpu_s"] = round(host_stats()[0] - cpu0, 3)  # what the change cost the store itself
 
     joiner = f"n0.g{PER_NODE}.{ranks}"
+    cpu0, _ = host_stats()
     joined = time.monotonic()
     await start(joiner)
     figures["join_seen_s"], figures["join_met_s"] = await _change(job, [*survivors, joiner], 3, joined, change_s)
+    figures["join_store_cpu_s"] = round(host_stats()[0] - cpu0, 3)
     for task in tasks.values():
         task.cancel()
     for client in [*clients.values(), launcher, probe]:
