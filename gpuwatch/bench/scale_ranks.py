@@ -50,8 +50,16 @@ class Job:
     seen: dict[str, dict[int, float]] = field(default_factory=dict)
     met: dict[str, dict[int, float]] = field(default_factory=dict)
     records: dict[int, tuple[Generation, frozenset[str]]] = field(default_factory=dict)
+    counts: dict[tuple[str, int], int] = field(default_factory=dict)  # ("seen" or "met", generation) -> ranks
     parsed: dict[bytes, Generation] = field(default_factory=dict)
     rtts: list[float] = field(default_factory=list)
+
+    def mark(self, table: str, member: str, number: int) -> None:
+        """`member` saw (or met in) generation `number` now: kept, and counted (the run's checks are O(1))."""
+        where = self.seen if table == "seen" else self.met
+        if number not in where.setdefault(member, {}):
+            where[member][number] = time.monotonic()
+            self.counts[table, number] = self.counts.get((table, number), 0) + 1
 
     def keep(self, generation: Generation) -> None:
         """A generation and its member set, made once for all the simulated ranks (not once each)."""
@@ -126,14 +134,13 @@ async def connect(job: Job, old_wire: bool, tries: int = 400) -> Client:
 
 async def push_rank(job: Job, client: Client, member: str) -> None:
     """Long-poll the generations; meet in each that has this member; end when one drops it."""
-    known, seen = b"", job.seen.setdefault(member, {})
-    met = job.met.setdefault(member, {})
+    known, met = b"", job.met.setdefault(member, {})
     while True:
         gen, delta, _ = await client.watch([(GEN, NE, known), (DELTA, READ, b""), (DONE, NE, b"")], LONG_POLL_MS)
         if gen is None:
             continue
         known, number = encoded(gen), int(gen)
-        seen[number] = time.monotonic()
+        job.mark("seen", member, number)
         while True:
             if number not in job.records:
                 made = _from_delta(job, number, delta) or Generation.from_json(await client.get(f"gen/{number}"))
@@ -144,11 +151,11 @@ async def push_rank(job: Job, client: Client, member: str) -> None:
                     return  # dropped
                 break  # not taken in yet: wait for the next
             if await _meet(client, number, len(generation.members)):
-                met[number] = time.monotonic()
+                job.mark("met", member, number)
                 break
             newest = int(await client.get(GEN))
             number, delta, known = newest, None, encoded(str(newest).encode())
-            seen[number] = time.monotonic()
+            job.mark("seen", member, number)
 
 
 def _from_delta(job: Job, number: int, delta: bytes | None) -> Generation | None:
@@ -178,8 +185,7 @@ async def _meet(client: Client, number: int, members: int) -> bool:
 
 async def poll_rank(job: Job, client: Client, member: str) -> None:
     """Poll `gen` every 20 ms; at a change read the record, set a ready key and check every member's."""
-    latest, seen = 0, job.seen.setdefault(member, {})
-    met = job.met.setdefault(member, {})
+    latest, met = 0, job.met.setdefault(member, {})
     while True:
         await asyncio.sleep(POLL_S)
         started = time.monotonic()
@@ -188,7 +194,7 @@ async def poll_rank(job: Job, client: Client, member: str) -> None:
         if number <= latest:
             continue
         latest = number
-        seen[number] = time.monotonic()
+        job.mark("seen", member, number)
         while True:
             raw = await client.get(f"gen/{number}")  # every rank reads the whole record
             if number not in job.records:
@@ -205,10 +211,10 @@ async def poll_rank(job: Job, client: Client, member: str) -> None:
                     break
                 await asyncio.sleep(MEET_POLL_S)
             if newest <= number:
-                met[number] = time.monotonic()
+                job.mark("met", member, number)
                 break
             number = latest = newest
-            seen[number] = time.monotonic()
+            job.mark("seen", member, number)
 
 
 async def _latest(client: Client) -> int:
@@ -261,7 +267,7 @@ async def simulate(
 
     figures: dict[str, Any] = {"ranks": ranks, "mode": job.mode}
     formed = await _until(
-        lambda: all(1 in job.met.get(m, {}) for m in members),
+        lambda: job.counts.get(("met", 1), 0) >= len(members),
         form_s,
         asyncio.gather(*(start(m) for m in members)),
     )
@@ -314,10 +320,10 @@ async def simulate(
 async def _change(job: Job, who: list[str], number: int, since: float, limit_s: float) -> tuple[float | None, ...]:
     """Seconds until every one of `who` has seen generation `number`, and until all met in it."""
     out: list[float | None] = []
-    for table in (job.seen, job.met):
+    for name, table in (("seen", job.seen), ("met", job.met)):
 
-        def everyone(t: dict[str, dict[int, float]] = table) -> bool:
-            return all(number in t.get(m, {}) for m in who)
+        def everyone(key: tuple[str, int] = (name, number)) -> bool:
+            return job.counts.get(key, 0) >= len(who)
 
         done = await _until(everyone, limit_s)
         out.append(round(max(table[m][number] for m in who) - since, 3) if done else None)
