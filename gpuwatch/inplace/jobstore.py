@@ -482,7 +482,7 @@ class StoreServer:
             value = values.get(key)
             if cond == NE and encoded(value) != arg:
                 return True
-            if cond == GE and value is not None and int(value) >= int(arg):
+            if cond == GE and value is not None and _is_count(value) and int(value) >= int(arg):
                 return True
         return False
 
@@ -556,7 +556,7 @@ class StoreServer:
                     woken.extend(slot.exists)
                 now = encoded(value)
                 woken.extend(w for known, group in slot.differs.items() if known != now for w in group)
-                if value is not None and slot.reaches:
+                if value is not None and slot.reaches and _is_count(value):
                     count = int(value)
                     while slot.reaches and (slot.reaches[0][2].done or slot.reaches[0][0] <= count):
                         woken.append(heapq.heappop(slot.reaches)[2])
@@ -605,6 +605,11 @@ class StoreServer:
                 with self.data.lock:
                     self._finish(what)
                     self._answer(what, True)
+
+
+def _is_count(value: bytes) -> bool:
+    """A counter's value (what ADD writes); a GE watch on anything else never holds."""
+    return value.lstrip(b"-").isdigit()
 
 
 def _parse(body: bytes) -> tuple[int, list[bytes]]:
