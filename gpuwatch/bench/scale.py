@@ -74,10 +74,10 @@ def measure_ranks(ranks: int, mode: str, code: str, *, quick: bool = False) -> d
 
             def stats() -> tuple[float, int]:
                 assert host.stdin is not None and host.stdout is not None
+                cpu = cpu_seconds(host.pid)  # first: a saturated store answers the line below late
                 host.stdin.write("stats\n")
                 host.stdin.flush()
-                served = int(host.stdout.readline().split()[1])
-                return cpu_seconds(host.pid), served
+                return cpu, int(host.stdout.readline().split()[1])
 
             job = Job(port, secret, mode)
             form_s = 60.0 if quick else 240.0

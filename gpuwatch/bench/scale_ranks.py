@@ -274,8 +274,8 @@ async def simulate(
     figures["form_s"] = round(time.monotonic() - started, 3) if formed else None
 
     await asyncio.sleep(1.0)
-    cpu0, served0 = host_stats()
     requests0, t0 = job.requests, time.monotonic()
+    cpu0, served0 = host_stats()  # its CPU is read at once, at t0
     job.rtts.clear()
     probe = await connect(job, old)
     probes = []
@@ -284,10 +284,10 @@ async def simulate(
         await probe.get(GEN)
         probes.append(time.monotonic() - begun)
         await asyncio.sleep(0.05)
-    window = time.monotonic() - t0
+    window, requests1 = time.monotonic() - t0, job.requests
     cpu1, served1 = host_stats()
     figures["idle_store_cpu_pct"] = round(100 * (cpu1 - cpu0) / window, 1)
-    figures["idle_requests_per_s"] = round((job.requests - requests0 - len(probes)) / window, 1)
+    figures["idle_requests_per_s"] = round((requests1 - requests0 - len(probes)) / window, 1)
     figures["idle_served_per_s"] = round((served1 - served0) / window, 1) if served0 >= 0 else None
     figures["request_p50_ms"], figures["request_p99_ms"] = _p50_p99(probes)
     figures["poll_p50_ms"], figures["poll_p99_ms"] = _p50_p99(job.rtts) if job.rtts else (None, None)

@@ -129,6 +129,7 @@ class LocalStore(dist.Store):
         super().__init__()
         self.values: dict[str, bytes] = {}
         self.lock = threading.Condition()
+        self._waiting = 0  # the launcher's own threads in wait(): only then is a change notified
         self._changed = changed  # told every key that changed, with the lock held
         self._wait_default = datetime.timedelta(seconds=300)
 
@@ -138,7 +139,8 @@ class LocalStore(dist.Store):
             self._after(key)
 
     def _after(self, key: str) -> None:
-        self.lock.notify_all()
+        if self._waiting:
+            self.lock.notify_all()
         self._changed(key)
 
     def set(self, key: str, value: Any) -> None:
@@ -163,7 +165,12 @@ class LocalStore(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         wait_s = (timeout or self._wait_default).total_seconds()
         with self.lock:
-            if not self.lock.wait_for(lambda: all(k in self.values for k in keys), wait_s):
+            self._waiting += 1
+            try:
+                found = self.lock.wait_for(lambda: all(k in self.values for k in keys), wait_s)
+            finally:
+                self._waiting -= 1
+            if not found:
                 raise dist.DistStoreError(f"the job's store: timed out waiting for {keys}")
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
