@@ -55,6 +55,7 @@ from gpuwatch.inplace.protocol import (
     append_event,
     job_prefix,
 )
+from gpuwatch.inplace.relay import RELAY_ENV
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, read_secret
 from gpuwatch.inplace.sockets import shut_down, socket_inodes
 from gpuwatch.inplace.transfer import DEFAULT_CHUNK_BYTES, Stateful, send_state
@@ -177,7 +178,8 @@ class InPlaceJob:
             link.recovery = RECOVERY_IN_PLACE
         self._closed = threading.Event()
         watch, ask = self._connections[1], self._connections[0]
-        self._membership = Membership(watch, ask, f"{prefix}/", on_new=self._abort_if_peer_gone)
+        relay = os.environ.get(RELAY_ENV)  # the node's launcher relays the generations
+        self._membership = Membership(watch, ask, f"{prefix}/", on_new=self._abort_if_peer_gone, relay=relay)
         self._watcher = threading.Thread(target=self._watch, name="gpuwatch-inplace-watch", daemon=True)
         self._watcher.start()
         started = time.monotonic()

@@ -8,6 +8,9 @@ members' meeting before a generation's process group forms is one counter (`read
 member adds 1 and waits, in one request, until it reaches the member count or a newer generation
 comes.
 
+Under a launcher that relays the generations to its node's ranks (gpuwatch.inplace.relay), the
+thread reads the node's file instead, and the store holds one long poll per node, not per rank.
+
 The rest of the rank (gpuwatch.inplace.job) reads `latest`, `done` and `generation(n)`, and waits
 with `wait_newer` and `meet`; `on_new` is told each newer generation on the watcher's thread (the
 NCCL abort when a peer is gone).
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 from gpuwatch.inplace.jobstore import GE, NE, READ, JobStore, encoded
 from gpuwatch.inplace.protocol import DELTA, DONE, GEN, Generation, from_delta
+from gpuwatch.inplace.relay import RELAY_POLL_S, file_key, read_relay
 
 log = logging.getLogger("gpuwatch.inplace")
 
@@ -39,12 +43,18 @@ class Membership:
         ask: the rank's connection for everything else (one request at a time, on the caller's thread).
         prefix: the job's key prefix (protocol.job_prefix), with its trailing "/".
         on_new: told the newer generation's number and record on the watcher's thread.
+        relay: the node's membership file (its launcher's NodeRelay), read instead of a long poll.
     """
 
     def __init__(
-        self, watch: JobStore, ask: JobStore, prefix: str, on_new: Callable[[Generation], None] | None = None
+        self,
+        watch: JobStore,
+        ask: JobStore,
+        prefix: str,
+        on_new: Callable[[Generation], None] | None = None,
+        relay: str | None = None,
     ) -> None:
-        self._watch, self._ask, self._prefix, self._on_new = watch, ask, prefix, on_new
+        self._watch, self._ask, self._prefix, self._on_new, self._relay = watch, ask, prefix, on_new, relay
         self._changed = threading.Condition()
         self._latest = 0
         self._done = False
@@ -121,6 +131,9 @@ class Membership:
         return self._prefix + name
 
     def _run(self) -> None:
+        if self._relay:
+            self._follow(self._relay)
+            return
         known_gen, known_done = b"", b""
         while not self._closed:
             try:
@@ -136,6 +149,18 @@ class Membership:
                 continue
             known_gen, known_done = encoded(gen), encoded(done)
             self._learn(int(gen) if gen is not None else 0, delta, done is not None)
+
+    def _follow(self, relay: str) -> None:
+        """The node's file, looked at every RELAY_POLL_S (a stat) and read when its launcher replaced it."""
+        seen = None
+        while not self._closed:
+            key = file_key(relay)
+            if key is not None and key != seen:
+                seen = key
+                got = read_relay(relay)
+                if got is not None:
+                    self._learn(*got)
+            time.sleep(RELAY_POLL_S)
 
     def _learn(self, number: int, delta: bytes | None, done: bool) -> None:
         """A newer generation (its delta when it came along) or the job's end: keep it, wake the waiters."""
