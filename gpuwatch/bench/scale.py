@@ -37,7 +37,7 @@ def run(ctx: Context) -> Section:
     section = Section("scale")
     results: list[dict[str, Any]] = []
     for ranks in sizes:
-        runs = [("push", str(_ROOT))] + ([("poll", before)] if before else [])
+        runs = [("push", str(_ROOT)), ("relay", str(_ROOT))] + ([("poll", before)] if before else [])
         for mode, code in runs:
             progress(f"scale: {ranks} simulated ranks, {mode} ({code})")
             figures = measure_ranks(ranks, mode, code, quick=ctx.quick)

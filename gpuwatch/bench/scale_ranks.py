@@ -6,6 +6,8 @@ simulated node, each on one connection, doing what a rank does with the job's me
 
 * `push` (gpuwatch.inplace.membership): a long poll on `gen` that the store answers at a change with
   the generation's delta; the members' meeting is one counter (`ready/<g>`) waited on in one request;
+* `relay` (gpuwatch.inplace.relay): the same, but one long poll per node, its launcher's, handing
+  each generation to the node's ranks;
 * `poll` (what job.py's watcher did before): a `check` and a `get` of `gen` every 20 ms, the whole
   record read at each change, and a `ready/<g>/<member>` key per member checked every 5 ms.
 
@@ -51,6 +53,7 @@ class Job:
     met: dict[str, dict[int, float]] = field(default_factory=dict)
     records: dict[int, tuple[Generation, frozenset[str]]] = field(default_factory=dict)
     counts: dict[tuple[str, int], int] = field(default_factory=dict)  # ("seen" or "met", generation) -> ranks
+    relayed: dict[str, asyncio.Queue[tuple[bytes | None, bytes | None]]] = field(default_factory=dict)
     parsed: dict[bytes, Generation] = field(default_factory=dict)
     rtts: list[float] = field(default_factory=list)
 
@@ -133,10 +136,15 @@ async def connect(job: Job, old_wire: bool, tries: int = 400) -> Client:
 
 
 async def push_rank(job: Job, client: Client, member: str) -> None:
-    """Long-poll the generations; meet in each that has this member; end when one drops it."""
+    """Long-poll the generations (or take them from the node's relay); meet in each that has this member;
+    end when one drops it."""
     known, met = b"", job.met.setdefault(member, {})
+    relayed = job.relayed.get(member)
     while True:
-        gen, delta, _ = await client.watch([(GEN, NE, known), (DELTA, READ, b""), (DONE, NE, b"")], LONG_POLL_MS)
+        if relayed is not None:
+            gen, delta = await relayed.get()
+        else:
+            gen, delta, _ = await client.watch([(GEN, NE, known), (DELTA, READ, b""), (DONE, NE, b"")], LONG_POLL_MS)
         if gen is None:
             continue
         known, number = encoded(gen), int(gen)
@@ -169,6 +177,16 @@ def _from_delta(job: Job, number: int, delta: bytes | None) -> Generation | None
         if made is not None:
             job.parsed[delta] = made
     return made if made is not None and made.number == number else None
+
+
+async def _relay(client: Client, ranks: list[asyncio.Queue[tuple[bytes | None, bytes | None]]]) -> None:
+    """The node's launcher (gpuwatch.inplace.relay): one long poll, each answer handed to the node's ranks."""
+    known = b""
+    while True:
+        gen, delta, _ = await client.watch([(GEN, NE, known), (DELTA, READ, b""), (DONE, NE, b"")], LONG_POLL_MS)
+        known = encoded(gen)
+        for queue in ranks:
+            queue.put_nowait((gen, delta))
 
 
 async def _meet(client: Client, number: int, members: int) -> bool:
@@ -248,6 +266,7 @@ async def simulate(
     raise_descriptor_limit()
     old = job.mode == "poll"
     rank = poll_rank if old else push_rank
+    relays: dict[int, list[asyncio.Queue[tuple[bytes | None, bytes | None]]]] = {}
     nodes = (ranks + PER_NODE - 1) // PER_NODE
     launcher = await connect(job, old)
     for node in range(nodes):
@@ -262,6 +281,13 @@ async def simulate(
         async with gate:
             client = await connect(job, old)
         clients[member] = client
+        node = int(member[1:].split(".")[0])
+        if job.mode == "relay":
+            if node not in relays:
+                relays[node] = []
+                tasks[f"relay{node}"] = asyncio.ensure_future(_relay(await connect(job, old), relays[node]))
+            job.relayed[member] = asyncio.Queue()
+            relays[node].append(job.relayed[member])
         await client.append({"kind": "join", "member": member, "node": int(member[1:].split(".")[0])})
         tasks[member] = asyncio.ensure_future(rank(job, client, member))
 
