@@ -33,7 +33,7 @@ from gpuwatch.bench.report import Row, Section
 NODES = (1000, 10000)
 QUICK_NODES = (100,)
 GPUS = 8
-PER_TARGET = 1000  # nodes a scrape target serves
+PER_TARGET = 250  # nodes a scrape target serves (a scrape of about 1.5 MB)
 SCRAPE_S = 15
 STATES = ("healthy", "degraded", "unhealthy")
 OLD_DRAINED = "count(max_over_time(gpuwatch_slurm_drained[3600s]) == 1) or vector(0)"  # the query every node made
@@ -153,7 +153,7 @@ def measure_nodes(binary: str, nodes: int, rules: Path, drained: str | None) -> 
         url = f"http://127.0.0.1:{port}"
         try:
             client = Prometheus(url, 10.0)
-            _wait(lambda: client.scalar("count(gpuwatch_gpu_info)") >= nodes * GPUS, 180)
+            _wait(lambda: client.scalar("count(gpuwatch_gpu_info)") >= nodes * GPUS, 420)
             time.sleep(SCRAPE_S)  # an evaluation after every series is in
             _wait(lambda: _evaluated(url), 120)
             groups = _groups(url)
