@@ -176,7 +176,11 @@ def measure_nodes(binary: str, nodes: int, rules: Path, drained: str | None) -> 
             }
         finally:
             process.terminate()
-            process.wait(timeout=30)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a large head takes long to close: its figures are taken
+                process.kill()
+                process.wait()
             log.close()
             exporter.server.shutdown()
 
