@@ -153,7 +153,7 @@ def measure_nodes(binary: str, nodes: int, rules: Path, drained: str | None) -> 
         url = f"http://127.0.0.1:{port}"
         try:
             client = Prometheus(url, 10.0)
-            _wait(lambda: client.scalar("count(gpuwatch_gpu_info)") >= nodes * GPUS, 420)
+            _wait(lambda: client.scalar("count(gpuwatch_gpu_info)") >= nodes * GPUS, 600)
             time.sleep(SCRAPE_S)  # an evaluation after every series is in
             _wait(lambda: _evaluated(url), 120)
             groups = _groups(url)
