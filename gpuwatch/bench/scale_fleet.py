@@ -203,9 +203,13 @@ def _rules(url: str) -> list[dict[str, Any]]:
 
 def _groups(url: str) -> dict[str, float]:
     """Each group's evaluation time, the larger of two readings one evaluation apart."""
-    first = {g["name"]: float(g["evaluationTime"]) for g in _rules(url)}
+
+    def named(groups: list[dict[str, Any]]) -> dict[str, float]:  # two files may name a group alike
+        return {f"{Path(g['file']).stem}:{g['name']}": float(g["evaluationTime"]) for g in groups}
+
+    first = named(_rules(url))
     time.sleep(SCRAPE_S)
-    second = {g["name"]: float(g["evaluationTime"]) for g in _rules(url)}
+    second = named(_rules(url))
     times = {name: round(max(first.get(name, 0.0), second.get(name, 0.0)), 4) for name in second}
     return {name: spent for name, spent in times.items() if spent > 0}  # a group not run yet says nothing
 
