@@ -220,7 +220,7 @@ class FleetConfig:
     max_drained_nodes: int = 5  # refuse a Slurm drain when this many nodes were drained by gpuwatch in the window
     window_s: float = 3600.0
     timeout_s: float = 2.0
-    cache_s: float = 5.0  # one answer serves the decisions of this many seconds
+    cache_s: float = 15.0  # one answer serves the decisions of this many seconds (the rules are evaluated as often)
     on_unreachable: str = "open"  # open: the node breaker alone decides | closed: refuse
 
 

@@ -26,7 +26,17 @@ from gpuwatch import __version__
 from gpuwatch.base.command_error import FiniteFloatRange, OneLineCommand, fail
 
 # In the order they run: the long footprint and the trainer jobs come last.
-SECTIONS = ("sampling", "trainer", "serving", "detection", "footprint", "remediation", "interference", "recovery")
+SECTIONS = (
+    "sampling",
+    "trainer",
+    "serving",
+    "detection",
+    "footprint",
+    "remediation",
+    "interference",
+    "recovery",
+    "scale",
+)
 DEFAULT_SIM_GPUS = 8
 TABLE_WIDTH = 150  # when stdout is not a terminal (a file, CI): rich would wrap at 80
 

@@ -5,14 +5,19 @@ condemning cards on 40 nodes at once; Prometheus, which scrapes every node, can.
 
 * the share of the fleet's GPUs that are quarantined: the recording rule
   `fleet:gpuwatch_gpus_quarantined:ratio` (dashboards/prometheus/gpuwatch-recording.yml);
-* how many nodes gpuwatch drained in Slurm within `fleet.window_s`.
+* how many nodes gpuwatch drained in Slurm within `fleet.window_s`: the recording rule
+  `fleet:gpuwatch_slurm_drained_nodes:count1h` for the default hour (computed once for the fleet,
+  not once per node that asks: over every node's hour of samples it is the costly one), the query
+  itself for any other window.
 
 Beyond `fleet.max_quarantined_share` an automatic quarantine is refused; beyond
 `fleet.max_drained_nodes` a drain is. Prometheus unreachable: `on_unreachable = "open"` lets the
 node breaker alone decide (and says so), `"closed"` refuses.
 
-Every node asks the same Prometheus, so a bad one must not stall any of them. The share is read
-every `cache_s` seconds by a thread of its own (FleetBreaker.start) and a quarantine is judged on
+Every node asks the same Prometheus, so a bad one must not stall any of them, and the fleet's
+asks must not become its load: the share is read every `cache_s` seconds, stretched by up to
+JITTER at random each time (nodes started together drift apart instead of asking in step), by a
+thread of its own (FleetBreaker.start) and a quarantine is judged on
 the last reading, never waited for: an XID is judged on the event thread, other faults on the
 sampling thread. The drained count (a costlier query, needed only for the rare drain) is asked
 when a drain is judged, on the drainer's own thread, which may wait. Each ask takes at most
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 import threading
 import time
 import urllib.parse
@@ -42,14 +48,19 @@ from gpuwatch.errors import GpuwatchError
 log = logging.getLogger("gpuwatch.fleet")
 
 QUARANTINED_SHARE = "fleet:gpuwatch_gpus_quarantined:ratio"
+DRAINED_NODES_1H = "fleet:gpuwatch_slurm_drained_nodes:count1h"
 MIN_PERIOD_S = 1.0  # the share is read no more often, whatever cache_s says (0 is allowed)
+JITTER = 0.25  # each period is cache_s times 1 to 1 + JITTER
 UNREACHABLE_RETRY_S = 5.0  # after a failure, the share is read again no sooner
 MAX_ANSWER_BYTES = 1 << 20  # an instant query of one sample is a few hundred bytes
 MAX_JSON_DEPTH = 16  # {"data": {"result": [{"value": [t, v]}]}} is 5
 
 
 def drained_nodes_query(window_s: float) -> str:
-    """Nodes whose gpuwatch_slurm_drained was 1 at any time within the window (0 when none)."""
+    """Nodes whose gpuwatch_slurm_drained was 1 at any time within the window (0 when none): the recording
+    rule for the default hour, the query itself for another window."""
+    if int(window_s) == 3600:
+        return DRAINED_NODES_1H
     return f"count(max_over_time(gpuwatch_slurm_drained[{int(window_s)}s]) == 1) or vector(0)"
 
 
@@ -207,15 +218,16 @@ class FleetBreaker:
 
     @property
     def period_s(self) -> float:
-        """How often the share is read; after a failure, no more often than UNREACHABLE_RETRY_S."""
+        """How long until the share is read again: cache_s stretched at random by up to JITTER; after a
+        failure, no sooner than UNREACHABLE_RETRY_S."""
         floor = UNREACHABLE_RETRY_S if self._share[0].error else MIN_PERIOD_S
-        return max(self.config.cache_s, floor)
+        return max(self.config.cache_s, floor) * (1.0 + JITTER * random.random())
 
     def view(self) -> FleetView:
         """The last reading of the share, at once; one the thread stopped renewing counts as unreachable."""
         view, read = self._share
         age = self.clock() - read
-        stale_after = 3 * max(self.config.cache_s, UNREACHABLE_RETRY_S) + self.config.timeout_s
+        stale_after = 3 * (1 + JITTER) * max(self.config.cache_s, UNREACHABLE_RETRY_S) + self.config.timeout_s
         if age > stale_after and not view.error:
             return FleetView(error=f"no answer from Prometheus for {age:.0f} s")
         return view

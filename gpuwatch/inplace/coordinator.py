@@ -36,11 +36,14 @@ class Coordinator:
     expected_nodes: int = 1
     current: Generation | None = None
     nodes: dict[int, int] = field(default_factory=dict)  # launcher's node index -> workers it started
-    up: list[str] = field(default_factory=list)  # joined, in order of arrival
+    up: dict[str, None] = field(default_factory=dict)  # joined, in order of arrival (a dict: O(1) lookups)
     leaving: set[str] = field(default_factory=set)
     gone: set[str] = field(default_factory=set)
     finished: set[str] = field(default_factory=set)
     failed: dict[int, set[str]] = field(default_factory=dict)
+    _dirty: bool = field(default=True, repr=False)  # an event counted since the last next_generation
+    _set_of: int = field(default=0, repr=False)
+    _set: frozenset[str] = field(default=frozenset(), repr=False)
 
     def apply(self, events: Iterable[Any]) -> list[str]:
         """Fold events (as protocol.append_event wrote them) into the view; why each bad one was skipped."""
@@ -51,18 +54,19 @@ class Coordinator:
                 skipped.append(why)
                 continue
             kind, member = event["kind"], str(event.get("member", ""))
+            self._dirty = True
             if kind == NODE:
                 self.nodes[int(event["node"])] = int(event["workers"])
             elif kind == JOIN:
                 if member not in self.up and member not in self.gone:
-                    self.up.append(member)
+                    self.up[member] = None
             elif kind == LEAVE:
                 self.leaving.add(member)
             elif kind == GONE:  # a finish counts from a member that joined; any other exit is gone
                 finished = event["code"] == 0 and member in self.up
                 (self.finished if finished else self.gone).add(member)
                 if member in self.up and not finished:
-                    self.up.remove(member)
+                    del self.up[member]
             elif kind == FAILED:
                 self.failed.setdefault(int(event["gen"]), set()).add(member)
         return skipped
@@ -102,32 +106,42 @@ class Coordinator:
 
     def next_generation(self, now: float) -> Generation | None:
         """The generation to publish now, or None when the current one stands."""
-        if self.finished:
-            return None
+        if self.finished or not self._dirty:
+            return None  # nothing happened since the last look: the idle check costs nothing
+        self._dirty = False
         if self.current is None:
             return self._first(now)
         current = self.current
+        in_current = self._members_set()
         gone = tuple(m for m in current.members if m in self.gone)
         left = tuple(m for m in current.members if m in self.leaving and m not in self.gone)
-        kept = [m for m in current.members if m not in gone and m not in left]
-        joined = tuple(m for m in self.up if m not in current.members and m not in self.leaving)
-        members = (*kept, *joined)
-        if members != current.members:
+        joined = tuple(m for m in self.up if m not in in_current and m not in self.leaving)
+        if gone or left or joined:  # sets all the way: a change is O(N), never O(N^2)
+            out = {*gone, *left}
+            kept = [m for m in current.members if m not in out]
+            members = (*kept, *joined)
             reasons = [
                 f"{what} {', '.join(ms)}" for what, ms in (("gone", gone), ("left", left), ("joined", joined)) if ms
             ]
             return self._publish(members, joined, left, gone, "; ".join(reasons), now, fresh=not kept and bool(joined))
-        live = set(current.members) - self.gone
-        if live and live <= self.failed.get(current.number, set()):
-            return self._publish(members, (), (), (), "re-formed after a failed collective", now)
+        failed = self.failed.get(current.number)
+        if failed and all(m in failed for m in current.members if m not in self.gone):
+            return self._publish(current.members, (), (), (), "re-formed after a failed collective", now)
         return None
+
+    def _members_set(self) -> frozenset[str]:
+        """The current generation's members as a set, made once per generation (the idle check is O(1))."""
+        assert self.current is not None
+        if self._set_of != self.current.number:
+            self._set_of, self._set = self.current.number, frozenset(self.current.members)
+        return self._set
 
     def _first(self, now: float) -> Generation | None:
         if len(self.nodes) < self.expected_nodes:
             return None
         expected = sum(self.nodes.values())
-        accounted = [*self.up, *(m for m in self.gone if m not in self.up)]
-        if len(accounted) < expected or not self.up:
+        accounted = len(self.up) + sum(1 for m in self.gone if m not in self.up)
+        if accounted < expected or not self.up:
             return None
         return self._publish(tuple(self.up), tuple(self.up), (), (), "first generation", now, fresh=True)
 

@@ -6,8 +6,8 @@ Each generation has its own process group (the default group, created anew under
 prefix `pg/<g>/`) and its own DistributedDataParallel wrapper around the same module, so nothing of
 the state moves when a peer leaves. A step, `train_step(fn)`, is:
 
-1. the boundary: one MAX all-reduce of the newest generation each rank has seen (a watcher thread
-   reads the store every 20 ms), so all ranks switch at the same step; a rank whose GPU is
+1. the boundary: one MAX all-reduce of the newest generation each rank has seen (the store pushes
+   each new one: gpuwatch.inplace.membership), so all ranks switch at the same step; a rank whose GPU is
    quarantined asks to leave here and goes on stepping until the others have switched;
 2. `fn(ddp)`: the forward and backward passes, whose DDP all-reduce is the step's collective; it
    must not change the state (the optimizer step comes after it);
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.inplace.jobstore import JobStore
+from gpuwatch.inplace.membership import Membership
 from gpuwatch.inplace.protocol import (
     DONE,
     FAILED,
@@ -53,9 +54,8 @@ from gpuwatch.inplace.protocol import (
     Generation,
     append_event,
     job_prefix,
-    latest_generation,
-    read_generation,
 )
+from gpuwatch.inplace.relay import RELAY_ENV
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, read_secret
 from gpuwatch.inplace.sockets import shut_down, socket_inodes
 from gpuwatch.inplace.transfer import DEFAULT_CHUNK_BYTES, Stateful, send_state
@@ -71,7 +71,7 @@ from gpuwatch.trainer.link import TrainerLink
 log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
 
-_WATCH_S = 0.02  # how often the watcher reads the newest generation
+_WATCH_S = 0.02  # how long a rank waits before it looks again when the job is done but no generation came
 _PARTS = ("before", "rendezvous", "group", "state", "ddp")  # a membership change's parts (Change.parts)
 _STATUS_S = 0.25  # how often it looks at status.json's mtime
 _CUDA_FAULT_WORDS = ("cuda error", "illegal memory access", "cublas_status", "cudnn_status", "ecc error", "xid")
@@ -147,7 +147,6 @@ class InPlaceJob:
         # Kept here: a Python store that only torch holds loses its methods (torch calls a pure virtual).
         self._connections = [_connect(host, int(port), secret, membership_timeout_s) for _ in range(2)]
         self._store = dist.PrefixStore(prefix, self._connections[0])
-        self._watch_store = dist.PrefixStore(prefix, self._connections[1])
         self.model, self.optimizer, self._link = model, optimizer, link
         self._load, self._save, self._others = load, save, dict(others or {})
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -161,7 +160,6 @@ class InPlaceJob:
         self._step = 0
         self._has_state = False
         self._gen: Generation | None = None
-        self._latest = 0
         self._leave_sent = False
         self._quarantined = False
         self._in_collective = False
@@ -179,6 +177,9 @@ class InPlaceJob:
         if link is not None:
             link.recovery = RECOVERY_IN_PLACE
         self._closed = threading.Event()
+        watch, ask = self._connections[1], self._connections[0]
+        relay = os.environ.get(RELAY_ENV)  # the node's launcher relays the generations
+        self._membership = Membership(watch, ask, f"{prefix}/", on_new=self._abort_if_peer_gone, relay=relay)
         self._watcher = threading.Thread(target=self._watch, name="gpuwatch-inplace-watch", daemon=True)
         self._watcher.start()
         started = time.monotonic()
@@ -261,6 +262,7 @@ class InPlaceJob:
     def close(self) -> None:
         """Stop the watcher and destroy the process group (idempotent)."""
         self._closed.set()
+        self._membership.close()
         self._destroy_group()
 
     # -- generations ----------------------------------------------------------------------------
@@ -272,7 +274,7 @@ class InPlaceJob:
             reason = "status.json quarantines its GPU" if self._quarantined else (self._link and self._link.stop_reason)
             log.warning("member %s (rank %d) leaves the job: %s", self.member, self.rank, reason)
             append_event(self._store, LEAVE, member=self.member)
-        seen = torch.tensor([max(self._latest, self.generation)], dtype=torch.int64, device=self._device)
+        seen = torch.tensor([max(self._membership.latest, self.generation)], dtype=torch.int64, device=self._device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
         agreed = int(seen.item())
         if self._aborted_for:  # the aborted all-reduce returned: its value means nothing
@@ -294,22 +296,22 @@ class InPlaceJob:
         self._destroy_group()
         append_event(self._store, FAILED, member=self.member, gen=failed_in)
         deadline = time.monotonic() + self._membership_timeout_s
-        while latest_generation(self._store) <= failed_in:
+        while (latest := self._membership.wait_newer(failed_in, deadline - time.monotonic())) <= failed_in:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no new generation after generation {failed_in} failed: {failure}")
-            time.sleep(_WATCH_S / 4)
-        self._pending = (latest_generation(self._store), since)
+            time.sleep(_WATCH_S)  # the job is done: no generation comes, wait out the deadline as before
+        self._pending = (latest, since)
 
     def _first_generation_with_me(self) -> int:
         deadline = time.monotonic() + self._membership_timeout_s
+        latest = self._membership.latest
         while True:
-            latest = latest_generation(self._store)
-            if latest and self.member in read_generation(self._store, latest).members:
+            if latest and self.member in self._membership.generation(latest).members:
                 return latest
             self._end_if_done(f"before member {self.member} was taken in")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"member {self.member}: no generation took it in")
-            time.sleep(_WATCH_S)
+            latest = self._membership.wait_newer(latest, max(0.0, deadline - time.monotonic()))
 
     def _reform(self, target: int, since: float) -> None:
         """Leave the old group, meet the members of the newest generation, form its group, sync the state."""
@@ -359,23 +361,21 @@ class InPlaceJob:
     def _rendezvous(self, target: int) -> Generation:
         """Wait until every member of the newest generation (from `target` on) is here; that generation."""
         deadline = time.monotonic() + self._membership_timeout_s
-        number = target
-        generation = read_generation(self._store, number)
-        self._store.set(f"ready/{number}/{self.member}", "1")
+        number = max(target, self._membership.latest)
         while True:
-            latest = latest_generation(self._store)
-            if latest > number:
-                number, generation = latest, read_generation(self._store, latest)
-                self._store.set(f"ready/{number}/{self.member}", "1")
+            generation = self._membership.generation(number)
             if self.member not in generation.members:
                 return generation
-            if self._store.check([f"ready/{number}/{m}" for m in generation.members]):
-                return generation
+            left_s = max(0.001, deadline - time.monotonic())
+            if self._membership.meet(number, len(generation.members), left_s, until_done=not self._has_state):
+                return generation  # every member counted itself in: one counter, not a key per member
+            if self._membership.latest > number:
+                number = self._membership.latest
+                continue
             if not self._has_state:  # a joiner whose generation's members finished meanwhile
                 self._end_if_done(f"while member {self.member} waited to join generation {number}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {number}: not every member arrived: {generation.members}")
-            time.sleep(_WATCH_S / 4)
+                raise TimeoutError(f"generation {number}: not every member arrived ({len(generation.members)})")
 
     def _end_if_done(self, when: str) -> None:
         """A member finished: no generation comes any more, so this rank, which holds nothing, ends with 0."""
@@ -443,25 +443,15 @@ class InPlaceJob:
         return leaves(reason, quarantined=self._quarantined, status_file=self._status_path.exists())
 
     def _watch(self) -> None:
-        next_status = 0.0
-        while not self._closed.wait(_WATCH_S):
-            try:
-                latest = latest_generation(self._watch_store)
-                if latest != self._latest:
-                    self._latest = latest
-                    self._abort_if_peer_gone(latest)
-                if time.monotonic() >= next_status:
-                    next_status = time.monotonic() + _STATUS_S
-                    self._check_status()
-            except Exception as exc:  # the store may be gone at the job's end; training goes on
-                log.debug("in-place watcher: %s", exc)
+        """status.json, read every _STATUS_S (the membership has a watcher of its own)."""
+        while not self._closed.wait(_STATUS_S):
+            self._check_status()
 
-    def _abort_if_peer_gone(self, latest: int) -> None:
+    def _abort_if_peer_gone(self, newest: Generation) -> None:
         """NCCL waits for a dead peer: abort the group so the main thread's collective fails (gloo fails by itself)."""
-        current = self._gen
+        current, latest = self._gen, newest.number
         if current is None or self.backend != "nccl" or not self._in_collective or latest <= current.number:
             return
-        newest = read_generation(self._watch_store, latest)
         if not set(newest.gone) & set(current.members):
             return
         self._aborted_for = latest

@@ -10,10 +10,12 @@ the membership with it. Everything lives under one prefix per job:
   worker's process exited, with its code, written by its launcher at once), `failed` (a worker's
   collective failed in generation `gen`).
 * `gen` (the newest generation's number) and `gen/<g>`: the generation's record, written before
-  `gen` moves, so a reader of `gen` always finds it.
+  `gen` moves, so a reader of `gen` always finds it; `gen/delta`: the newest generation without its
+  member list (a rank that holds the one before makes the list itself: survivors in order, then
+  the joiners), so a change moves a few hundred bytes to each rank, not the whole membership.
 * `done`: a member finished (exited 0): the job's work is done, no generation comes any more, so a
   worker still waiting to join ends with 0 instead of holding the job open.
-* `ready/<g>/<member>`: the member reached generation g's rendezvous.
+* `ready/<g>`: a counter: how many members reached generation g's rendezvous (each adds 1 once).
 * `pg/<g>/`: the prefix under which generation g's process group exchanges its addresses.
 
 stdlib only: the launcher and the trainer side both import it.
@@ -32,6 +34,7 @@ JOB_ENV = "GPUWATCH_JOB_ID"
 
 JOIN, LEAVE, GONE, FAILED, NODE = "join", "leave", "gone", "failed", "node"
 DONE = "done"  # the key a hosting launcher sets once a member finished
+GEN, DELTA = "gen", "gen/delta"
 
 
 class Store(Protocol):
@@ -113,6 +116,34 @@ def read_generation(store: Store, number: int) -> Generation:
 
 
 def publish_generation(store: Store, generation: Generation) -> None:
-    """The record first, then the counter: whoever reads `gen` finds its record."""
+    """The record and its delta first, then the counter: whoever reads `gen` finds its record."""
     store.set(f"gen/{generation.number}", generation.to_json())
-    store.set("gen", str(generation.number))
+    store.set(DELTA, delta_json(generation))
+    store.set(GEN, str(generation.number))
+
+
+def delta_json(generation: Generation) -> str:
+    """The generation as a change: its record without the member list (see the module docstring)."""
+    body = asdict(generation)
+    body["members"] = None
+    return json.dumps(body)
+
+
+def from_delta(data: bytes | str, previous: Generation | None) -> Generation | None:
+    """The generation a delta describes, given the one before it (None when that is not the one before).
+
+    A fresh generation's members are its joiners; any other keeps the survivors in order, joiners last.
+    """
+    body = json.loads(data)
+    fields = {name: tuple(body.get(name) or ()) for name in ("joined", "left", "gone")}
+    if body.get("fresh"):
+        members = fields["joined"]
+    elif previous is not None and previous.number == body["number"] - 1:
+        out = {*fields["left"], *fields["gone"]}
+        members = (*(m for m in previous.members if m not in out), *fields["joined"])
+    else:
+        return None
+    return Generation(
+        body["number"], members, reason=body.get("reason", ""), t=body.get("t", 0.0), fresh=bool(body.get("fresh")),
+        **fields,
+    )  # fmt: skip

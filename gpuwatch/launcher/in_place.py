@@ -57,6 +57,7 @@ from gpuwatch.inplace.protocol import (
     read_events,
     read_generation,
 )
+from gpuwatch.inplace.relay import RELAY_ENV, NodeRelay, node_relay
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
 from gpuwatch.spares.pool import Spare, SparePool
 from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
@@ -163,6 +164,7 @@ class Supervisor:
         self._await_reap: set[str] = set()  # GPUs without room for a replacement until their dying worker is reaped
         self._daemon_down = False
         self._server: StoreServer | None = None
+        self._relay: NodeRelay | None = None  # the node's one watcher of the job's store, for its ranks
         self._coordinator: threading.Thread | None = None
 
     def run(self) -> int:
@@ -183,6 +185,8 @@ class Supervisor:
         try:
             return self._run(chosen, want, str(made or self.plan.secret_file))
         finally:
+            if self._relay is not None:
+                self._relay.close()
             if self._server is not None:
                 self._server.close()
             if made is not None:
@@ -193,6 +197,7 @@ class Supervisor:
         store, address, hosting = self._open_store(secret_file)
         self._own_store = store  # a Python store that only torch holds loses its methods
         self.address = address
+        self._relay = node_relay(address, read_secret(secret_file), job_prefix(self.plan.job_id))
         self.store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
         self.node = self.store.add("nodes", 1) - 1
         self.echo(
@@ -305,6 +310,8 @@ class Supervisor:
         env[STORE_ENV] = self.address
         env[SECRET_FILE_ENV] = self.secret_file
         env[MEMBER_ENV] = member
+        if self._relay is not None:
+            env[RELAY_ENV] = str(self._relay.path)
         runner = None
         if self.spares is not None and self.spares.count:
             runner = self.spares.hand_over(self.plan.command, env, uuid) if replacement else None

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from gpuwatch.base.procfs import ProcFs
+from gpuwatch.base.procfs import Identity, ProcFs
 from gpuwatch.model import GpuStatus, TrainerInfo
 from gpuwatch.trainer.contract import RECOVERY_IN_PLACE
 
@@ -98,8 +98,8 @@ def map_ranks(
             name for name, present in (("report", own_report), ("environ", env), ("nvml", on_gpus.get(pid))) if present
         ]
         index = own_gpu.index if own_gpu is not None else None
-        uid = info.uid if info.uid is not None else proc.uid(pid)  # a report's uid is the kernel's (SO_PEERCRED)
-        identity = proc.identity(pid)
+        identity = proc.identity(pid)  # once per rank and round: /proc/PID/stat, status and exe
+        uid = info.uid if info.uid is not None else _uid(proc, pid, identity)  # a report's is the kernel's
         ranks.append(
             Rank(
                 replace(info, uid=uid),
@@ -112,6 +112,13 @@ def map_ranks(
             )
         )
     return ranks
+
+
+def _uid(proc: ProcFs, pid: int, identity: Identity | None) -> int | None:
+    """The real uid from the identity just read (ProcFs.uid would read it all again)."""
+    if identity is not None and identity.uids:
+        return identity.uids[0]
+    return proc.uid(pid)
 
 
 def resolve_gpu(env: Mapping[str, str], gpus: Sequence[GpuStatus]) -> GpuStatus | None:

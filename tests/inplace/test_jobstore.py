@@ -7,6 +7,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,9 +59,10 @@ def test_a_client_without_the_secret_is_refused_and_reads_nothing(server: StoreS
     with pytest.raises(StoreAuthError):
         JobStore("127.0.0.1", server.port, b"0" * 64, TIMEOUT)
     raw = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    raw.sendall(b"GWIS2" + os.urandom(32))  # a client's hello: the server proves itself first
     greeting = raw.recv(100)
-    raw.sendall(b"\x00" * 64)  # a wrong proof
-    assert len(greeting) == 37 and raw.recv(100) == b""  # a greeting and a nonce, then closed
+    raw.sendall(b"\x00" * 32)  # a wrong proof
+    assert len(greeting) == 69 and raw.recv(100) == b""  # its nonce and its proof, then closed
 
 
 def test_a_server_that_cannot_prove_the_secret_is_told_nothing() -> None:
@@ -103,3 +105,29 @@ def test_a_secret_file_that_is_not_the_users_own_private_file_is_one_line(tmp_pa
         read_secret(path)
     message = str(raised.value)
     assert message.startswith(f"secret file {path}: ") and "\n" not in message, message
+
+
+def test_a_watch_answers_at_the_change_a_counter_wait_at_its_target_and_a_timeout_with_what_is(
+    server: StoreServer,
+) -> None:
+    """The long poll a rank's membership holds, and the one-key meeting: no polling anywhere."""
+    from gpuwatch.inplace.jobstore import GE, NE, READ, encoded
+
+    store = JobStore("127.0.0.1", server.port, SECRET, TIMEOUT)
+    server.data.set("gen", "1")
+    server.data.set("delta", "d1")
+    assert store.watch([("gen", NE, b""), ("delta", READ, b"")], 5.0) == [b"1", b"d1"]  # differs: at once
+    threading.Timer(0.3, lambda: server.data.set("gen", "2")).start()
+    started = time.monotonic()
+    assert store.watch([("gen", NE, encoded(b"1"))], 5.0) == [b"2"]
+    assert 0.2 < time.monotonic() - started < 2.0
+    for _ in range(2):
+        threading.Timer(0.2, lambda: server.data.add("ready/2", 1)).start()
+    assert store.watch([("ready/2", GE, b"2"), ("gen", NE, encoded(b"2"))], 5.0) == [b"2", b"2"]
+    server.data.set("words", "not a count")
+    started = time.monotonic()
+    assert store.watch([("words", GE, b"1")], 0.3) == [b"not a count"]  # the timeout, with what is there
+    assert 0.25 < time.monotonic() - started < 2.0
+    before = server.requests
+    time.sleep(0.5)
+    assert server.requests == before  # nothing asked while a watch waits

@@ -181,3 +181,25 @@ def test_resolve_gpu_edge_cases(env: dict[str, str], expected: int | None) -> No
     found = resolve_gpu(env, gpus())
 
     assert (found.index if found else None) == expected
+
+
+class CountingProcFs(ProcFs):
+    """The real /proc, counting how often each rank's identity (stat, status and exe) is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.identities: dict[int, int] = {}
+
+    def identity(self, pid: int):  # type: ignore[no-untyped-def]
+        self.identities[pid] = self.identities.get(pid, 0) + 1
+        return super().identity(pid)
+
+
+def test_a_round_reads_each_ranks_identity_once(spawn: Spawn) -> None:
+    """With many ranks on a node, a round's cost was mostly /proc: the uid and the identity each read it all."""
+    children = [spawn(**{**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": UUIDS[1]}) for _ in range(3)]
+    proc = CountingProcFs()
+    ranks = map_ranks(gpus(), [TrainerInfo(pid=c.pid) for c in children], proc, use_pids=False)
+    assert sorted(r.pid for r in ranks) == sorted(c.pid for c in children)
+    assert all(r.uid == os.getuid() and r.start_time is not None for r in ranks)
+    assert proc.identities == {c.pid: 1 for c in children}
