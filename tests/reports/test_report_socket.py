@@ -252,6 +252,9 @@ class _RecycledPids(ProcFs):
     def alive(self, pid: int, start_time: int | None) -> bool:
         return start_time == self.start
 
+    def liveness(self, pid: int, start_time: int | None) -> bool | None:
+        return self.alive(pid, start_time)
+
 
 def test_a_recycled_pid_is_a_new_process_not_the_old_report() -> None:
     proc = _RecycledPids()
