@@ -438,3 +438,31 @@ def test_a_pause_on_the_step_page_reaches_the_daemon_before_any_report_says_so()
     assert (report.info.pause_until, report.info.pause, report.info.step) == (1_800_000_600.0, "eval", 40)
     board.close()
     page.close()
+
+
+def test_a_daemon_out_of_descriptors_takes_no_live_rank_for_gone(tmp_path: Path) -> None:
+    """/proc unreadable for EMFILE says nothing about the rank: it stays listed, alive, past DEAD_KEEP_S."""
+    import resource
+
+    now = [0.0]
+    board = ReportBoard(ProcFs(), clock=lambda: now[0])
+    pid = os.getpid()
+    assert board.admit(pid, os.getuid())
+    board.receive(pid, json.dumps({"t": 1.0, "pid": pid, "job_id": "live"}).encode())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        seen = []
+        for _ in range(3):
+            seen.append([(r.info.job_id, r.alive) for r in board.reports()])
+            now[0] += DEAD_KEEP_S
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert seen == [[("live", True)]] * 3
+    assert [(r.info.job_id, r.alive) for r in board.reports()] == [("live", True)]
