@@ -62,6 +62,7 @@ from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
 from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
 from gpuwatch.launcher.job_check import missing_job
+from gpuwatch.launcher.limits import raise_descriptor_limit
 from gpuwatch.launcher.local_rendezvous import BACKEND as LOCAL_BACKEND
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
@@ -665,6 +666,7 @@ def launch(
     if rendezvous["nnodes"] not in _SINGLE_NODE and not (rdzv_id or os.environ.get("GPUWATCH_JOB_ID")):
         fail("a multi-node job needs --rdzv-id, the same on every node (it is also the job id)", command=COMMAND)
     job_id = rdzv_id or os.environ.get("GPUWATCH_JOB_ID") or f"gpuwatch-{uuid.uuid4().hex[:12]}"
+    raise_descriptor_limit()  # the ranks inherit it: idle connections from others cannot exhaust a rank's
     if inplace_secret_file and not in_place:
         fail("--inplace-secret-file applies to --in-place only", command=COMMAND)
     try:
