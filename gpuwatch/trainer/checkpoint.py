@@ -65,6 +65,7 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import shutil
 import stat
 import sys
@@ -86,7 +87,7 @@ MANIFEST_VERSION = 2  # 1: sha256 per file; 2: crc32 per 16 MiB chunk ("crc32": 
 FLAT_STATE = "state.flat"
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_LEFTOVER_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-\d+$")
+_LEFTOVER_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-\d+(?:-[0-9a-f]+)?$")
 _CHUNK = 1 << 20
 _MAX_SMALL_FILE = 256 << 20  # manifest.json and `latest`: far above any real one, far below a memory scare
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -113,7 +114,7 @@ def step_dir_name(step: int) -> str:
 
 
 def new_temp_dir(directory: str | os.PathLike[str], step: int) -> Path:
-    """Create and return the fresh `.tmp-step-<N>-<pid>` directory a save of `step` writes into.
+    """Create and return the fresh `.tmp-step-<N>-<pid>-<random>` directory a save of `step` writes into.
 
     Args:
         directory: the checkpoint directory (created when missing).
@@ -122,7 +123,8 @@ def new_temp_dir(directory: str | os.PathLike[str], step: int) -> Path:
     Raises:
         CheckpointError: the directory could not be created.
     """
-    path = Path(directory) / f".tmp-step-{step}-{os.getpid()}"
+    # Unguessable: a name planted in a directory others can write cannot make the save fail.
+    path = Path(directory) / f".tmp-step-{step}-{os.getpid()}-{secrets.token_hex(8)}"
     try:
         path.mkdir(parents=True)
     except OSError as exc:
@@ -470,8 +472,13 @@ def _rename_unless_verified(tmp: Path, final: Path) -> None:
 
 
 def _write_latest(directory: Path, name: str) -> None:
-    tmp = directory / f"{LATEST}.tmp-{os.getpid()}"
-    _write_synced(tmp, f"{name}\n".encode())
+    # Exclusive, no-follow, unguessable: a link planted under a temp name is never written through.
+    tmp = directory / f"{LATEST}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as f:
+        f.write(f"{name}\n".encode())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, directory / LATEST)
     _fsync_dir(directory)
 
