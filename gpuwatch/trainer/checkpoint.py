@@ -70,6 +70,7 @@ import shutil
 import stat
 import sys
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -619,11 +620,36 @@ def _load_state(path: Path, manifest: dict[str, Any], map_location: Any, allow_c
             torch = _import_torch()
             if torch is None:
                 raise _Invalid(f"{state_file} needs torch, which is not installed")
+            _check_inflation(f, state_file)
             return torch.load(f, map_location=map_location, weights_only=not allow_code_execution)
     except _Invalid:
         raise
     except Exception as exc:  # a file that verifies but does not unpickle: skip it like a corrupt one
         raise _Invalid(f"{state_file} does not load: {type(exc).__name__}: {exc}") from None
+
+
+def _check_inflation(f: io.BufferedReader, name: str) -> None:
+    """Refuse a `state.pt` whose records would inflate past the file's own size, before torch.load reads it.
+
+    torch.save stores its zip records uncompressed, so what it wrote unpacks to about its size; a
+    deflated record (a crafted file: 1 MB that inflates to 1 GiB) is refused from the zip's
+    directory alone, with nothing inflated. A file that is no zip (torch's legacy format) is left to
+    torch.load.
+    """
+    size = os.fstat(f.fileno()).st_size
+    try:
+        with zipfile.ZipFile(f) as archive:
+            records = archive.infolist()
+    except zipfile.BadZipFile:
+        f.seek(0)
+        return
+    f.seek(0)
+    packed = [r.filename for r in records if r.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise _Invalid(f"{name}: compressed record {packed[0]!r} (torch.save never compresses: a crafted file)")
+    total = sum(r.file_size for r in records)
+    if total > size:
+        raise _Invalid(f"{name}: its records hold {total} bytes, more than the file's {size}")
 
 
 def _unpickle(f: io.BufferedReader, name: str, allow_code_execution: bool) -> Any:
