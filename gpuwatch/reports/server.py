@@ -288,7 +288,8 @@ class ReportServer:
         self.board.disconnected(connection.pid, connection.start_time)
 
     def _sweep(self) -> None:
-        """Close, at most every SWEEP_S, the connections whose process is gone (unknown is not gone)."""
+        """Close, at most every SWEEP_S, the connections whose process is gone (unknown is not gone), once
+        what they queued is read."""
         now = time.monotonic()
         if now < self._next_sweep:
             return
@@ -296,7 +297,9 @@ class ReportServer:
         for key in list(self._selector.get_map().values()):
             connection = key.data
             if connection is not None and self.board.gone(connection.pid, connection.start_time):
-                self._disconnect(connection)
+                self._read(connection)  # its last words first: they were queued before it was gone
+                if connection.sock.fileno() != -1:
+                    self._disconnect(connection)
 
     def _accept_failed(self, exc: OSError) -> None:
         """Accepting failed: wait longer each time (the backlog keeps the connections), say so now and then."""
