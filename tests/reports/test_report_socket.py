@@ -466,3 +466,33 @@ def test_a_daemon_out_of_descriptors_takes_no_live_rank_for_gone(tmp_path: Path)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert seen == [[("live", True)]] * 3
     assert [(r.info.job_id, r.alive) for r in board.reports()] == [("live", True)]
+
+
+def test_accept_failures_back_off_and_say_so_at_a_bounded_rate(
+    runtime: RuntimeDir, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EMFILE from accept() with the backlog full: the thread waits longer each time, and logs one line, not 500."""
+    import errno
+
+    from gpuwatch.reports.server import ACCEPT_BACKOFF_MAX_S
+
+    server = runtime.server
+
+    class Exhausted:
+        def accept(self) -> None:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    real, server._listener = server._listener, Exhausted()  # type: ignore[assignment]
+    pauses = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.reports"):
+            for _ in range(500):
+                server._accept_after = 0.0  # as if each pause had passed
+                before = time.monotonic()
+                server._accept()
+                pauses.append(server._accept_after - before)
+    finally:
+        server._listener = real
+    lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert pauses[0] >= 0.04 and ACCEPT_BACKOFF_MAX_S * 0.9 <= max(pauses) <= ACCEPT_BACKOFF_MAX_S + 0.1
