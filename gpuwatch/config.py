@@ -108,6 +108,7 @@ class TrainerConfig:
     hang_stopped_after_s: float = 2.0  # a rank stopped (state T) this long, its step still, hangs its job
     hang_frozen_after_s: float = 10.0  # a rank whose main thread's CPU time, step and GPU stand still this long ...
     hang_frozen_step_times: float = 20.0  # ... or this many of its p99 step time, when longer, hangs its job
+    max_pause_s: float = 3600.0  # a declared pause counts as progress at most this long after the rank's last step
     restart_hung_jobs: bool = True  # stop a hung job (stop signal, SIGTERM, SIGKILL) so its launcher relaunches it
     spares: int = 0  # warm standby workers per node that gpuwatch launch --in-place keeps (gpuwatch.spares)
     spare_cuda_context: bool = False  # each spare also creates its CUDA context (GPU memory) while it waits

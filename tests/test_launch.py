@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from gpuwatch.errors import DaemonError
 from gpuwatch.launcher.launch import (
     EXIT_RESUME,
+    TORCHRUN,
     Failure,
     Launcher,
     LaunchStopped,
@@ -139,8 +140,8 @@ def test_stop_for_resume_relaunches_on_the_gpus_left_with_resume_set() -> None:
     (argv1, env1), (argv2, env2) = torchrun.calls
     log_dir = argv1[argv1.index("--log-dir") + 1]
     assert argv1[1:] == [
-        "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2", "--log-dir", log_dir,
-        "--tee", "2", "--nnodes", "1", "-m", "train", "--lr", "3",
+        "-m", "gpuwatch.launcher.local_rendezvous", "--max-restarts", "0", "--nproc-per-node", "2",
+        "--log-dir", log_dir, "--tee", "2", "--nnodes", "1", "-m", "train", "--lr", "3",
     ]  # fmt: skip
     assert argv1[0] == sys.executable
     assert env1["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-111" and "GPUWATCH_RESUME" not in env1
@@ -308,7 +309,7 @@ def test_rendezvous_single_node_pins_the_run_id() -> None:
     common: dict[str, Any] = dict.fromkeys(
         ("nnodes", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "node_rank", "master_addr", "master_port")
     )
-    expected = ("--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "j")
+    expected = ("--nnodes", "1", "--rdzv-backend", "gpuwatch-local", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "j")
 
     assert rendezvous_args(**common, standalone=False, job_id="j") == expected
     assert rendezvous_args(**common, standalone=True, job_id="j") == expected
@@ -476,9 +477,9 @@ def _run_real_torchrun(tmp_path: Path, job: str, capfdbinary: pytest.CaptureFixt
     what launch showed on its stderr."""
     script = tmp_path / "job.py"
     script.write_text(job)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0", "--nproc-per-node", "2"]
-    argv += ["--log-dir", str(tmp_path / "logs"), "--tee", "2"]
-    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", "t", str(script)]
+    argv = [*TORCHRUN, "--max-restarts", "0", "--nproc-per-node", "2"]
+    argv += ["--log-dir", str(tmp_path / "logs"), "--tee", "2", "--nnodes", "1"]
+    argv += ["--rdzv-backend", "gpuwatch-local", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "t", str(script)]
     log = tmp_path / "torchrun.log"
     outcome = run_torchrun(argv, {**os.environ, "OMP_NUM_THREADS": "1"}, log_path=str(log))
     assert b"ChildFailedError" in log.read_bytes()  # torchrun's whole account is in the log

@@ -132,6 +132,20 @@ class ProcFs:
             return False
         return start_time is None or int(fields[19]) == start_time
 
+    def liveness(self, pid: int, start_time: int | None) -> bool | None:
+        """As `alive`, but None when /proc could not be read for another reason than the process being
+        gone (EMFILE, ENOMEM: the reader's trouble, which must never make a live process look gone)."""
+        try:
+            text = (self.root / str(pid) / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except OSError:
+            return None
+        fields = text.rpartition(")")[2].split()
+        if len(fields) <= 19 or fields[0] in {"Z", "X"}:
+            return False
+        return start_time is None or int(fields[19]) == start_time
+
     def uid(self, pid: int) -> int | None:
         """The process's real uid (status), else its /proc directory's owner; None when it is gone.
 

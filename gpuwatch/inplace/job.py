@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from gpuwatch.inplace.groupproof import form_group
 from gpuwatch.inplace.jobstore import JobStore
 from gpuwatch.inplace.membership import Membership
 from gpuwatch.inplace.protocol import (
@@ -143,7 +144,7 @@ class InPlaceJob:
             )
         host, _, port = address.rpartition(":")
         prefix = job_prefix(os.environ.get(JOB_ENV, "job"))
-        secret = read_secret(secret_file)
+        secret = self._secret = read_secret(secret_file)
         # Kept here: a Python store that only torch holds loses its methods (torch calls a pure virtual).
         self._connections = [_connect(host, int(port), secret, membership_timeout_s) for _ in range(2)]
         self._store = dist.PrefixStore(prefix, self._connections[0])
@@ -323,13 +324,10 @@ class InPlaceJob:
         marks.append(time.monotonic())
         rank, world = self._position(generation), len(generation.members)
         sockets_before = socket_inodes()
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"pg/{generation.number}", self._store),
-            rank=rank,
-            world_size=world,
-            timeout=self._timeout,
-        )
+        form_group(  # the group proves itself (gpuwatch.inplace.groupproof) before it carries state
+            self.backend, self._store, f"pg/{generation.number}", rank, world,
+            self._timeout, self._secret, self._device, label=f"generation {generation.number}",
+        )  # fmt: skip
         self._group_sockets = {fd: ino for fd, ino in socket_inodes().items() if sockets_before.get(fd) != ino}
         self._gen = generation
         self._aborted_for = 0

@@ -62,6 +62,8 @@ from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
 from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
 from gpuwatch.launcher.job_check import missing_job
+from gpuwatch.launcher.limits import raise_descriptor_limit
+from gpuwatch.launcher.local_rendezvous import BACKEND as LOCAL_BACKEND
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
@@ -79,7 +81,7 @@ if TYPE_CHECKING:  # the answers' models; pydantic is loaded only once the daemo
 
 COMMAND = "gpuwatch launch"  # the start of its error lines
 EXIT_STOPPED = 3
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+TORCHRUN = (sys.executable, "-m", "gpuwatch.launcher.local_rendezvous")  # torchrun, with our one-node rendezvous
 _SINGLE_NODE = {None, "1", "1:1"}
 SPARES_NEED_IN_PLACE = (
     "--spares needs --in-place: torchrun starts each worker itself as a new interpreter and stops every worker"
@@ -127,8 +129,8 @@ def rendezvous_args(
 ) -> tuple[str, ...]:
     """torchrun's rendezvous arguments, with the run id pinned to the job id.
 
-    Single node (no rendezvous option, or --standalone) is torchrun's --standalone spelled out: a
-    c10d store on a free local port, but with our run id where --standalone would draw a random one.
+    Single node (no rendezvous option, or --standalone) is our own rendezvous
+    (gpuwatch.launcher.local_rendezvous): no state anyone can plant, the workers' store on loopback.
 
     Raises:
         click.UsageError: --standalone mixed with rendezvous options.
@@ -145,7 +147,8 @@ def rendezvous_args(
         raise click.UsageError("--standalone cannot be combined with --nnodes or rendezvous options")
     conf = ("--rdzv-conf", rdzv_conf) if rdzv_conf else ()
     if not custom:
-        return ("--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", job_id, *conf)
+        local = ("--rdzv-backend", LOCAL_BACKEND, "--rdzv-endpoint", "127.0.0.1:0")
+        return ("--nnodes", "1", *local, "--rdzv-id", job_id, *conf)
     args = [arg for flag, value in given.items() if value is not None for arg in (flag, str(value))]
     return (*(("--nnodes", nnodes) if nnodes else ()), *args, "--rdzv-id", job_id, *conf)
 
@@ -663,6 +666,7 @@ def launch(
     if rendezvous["nnodes"] not in _SINGLE_NODE and not (rdzv_id or os.environ.get("GPUWATCH_JOB_ID")):
         fail("a multi-node job needs --rdzv-id, the same on every node (it is also the job id)", command=COMMAND)
     job_id = rdzv_id or os.environ.get("GPUWATCH_JOB_ID") or f"gpuwatch-{uuid.uuid4().hex[:12]}"
+    raise_descriptor_limit()  # the ranks inherit it: idle connections from others cannot exhaust a rank's
     if inplace_secret_file and not in_place:
         fail("--inplace-secret-file applies to --in-place only", command=COMMAND)
     try:

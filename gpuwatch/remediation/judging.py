@@ -153,14 +153,23 @@ class TrainerJudge:
     def _progress_t(self, rank: Rank, now: float) -> float:
         """When the rank last made progress: its last step, or its declared pause (now while it lasts)."""
         _, stepped = self._advanced.get(rank.pid, (None, now))
-        pause_until = rank.info.pause_until
+        pause_until = self._pause_until(rank, now)
         return max(stepped, min(pause_until, now)) if pause_until is not None else stepped
+
+    def _pause_until(self, rank: Rank, now: float) -> float | None:
+        """The declared pause's end, at most trainer.max_pause_s after the rank's last step (the rank's
+        own word: `pause(up_to_s=1e9)` must not hide a frozen rank for good)."""
+        pause_until = rank.info.pause_until
+        if pause_until is None:
+            return None
+        _, stepped = self._advanced.get(rank.pid, (None, now))
+        return min(pause_until, stepped + self.cfg.max_pause_s)
 
     def _state(self, rank: Rank, now: float) -> trainer_rules.RankState:
         """What the rank's process did since its last progress, from /proc (never from its silence)."""
         stopped = self._stopped.get(rank.pid)
         stopped_s = now - stopped if stopped is not None else 0.0
-        pause_until = rank.info.pause_until
+        pause_until = self._pause_until(rank, now)
         paused = (rank.info.pause or "a declared pause") if pause_until is not None and pause_until > now else ""
         cpu, since = self._cpu.get(rank.pid, (None, now))
         quiet_s = 0.0 if paused or cpu is None else max(0.0, now - max(since, self._progress_t(rank, now)))

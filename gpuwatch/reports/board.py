@@ -78,9 +78,13 @@ class ReportBoard:
 
     # -- what the socket server hands in -------------------------------------------------------
 
-    def admit(self, pid: int, uid: int) -> bool:
-        """A connection from `pid` running as `uid`: True when it may report (its entry exists now)."""
+    def admit(self, pid: int, uid: int) -> int | None:
+        """A connection from `pid` running as `uid`: the process's start time when it may report (its
+        entry exists now), which binds the connection to that process; None when it is refused."""
         start_time = self.proc.start_time(pid)
+        if start_time is None and self.proc.liveness(pid, None) is None:  # /proc unreadable: unknown, not gone
+            with self._lock:
+                return self._refused("unknown", uid, "pid %d (uid %d): /proc is unreadable now: refused", pid, uid)
         with self._lock:
             entry = self._entries.get(pid)
             if entry is not None and entry.start_time != start_time:
@@ -88,48 +92,57 @@ class ReportBoard:
                 entry = None
             if entry is None:
                 if sum(1 for e in self._entries.values() if e.uid == uid) >= MAX_RANKS_PER_UID:
-                    return self._refuse(
+                    return self._refused(
                         "user_limit", uid, "uid %d has %d ranks here, the most one user may: pid %d refused",
                         uid, MAX_RANKS_PER_UID, pid,
                     )  # fmt: skip
                 if len(self._entries) >= MAX_RANKS:
-                    return self._refuse("node_limit", uid, "%d ranks here, the most: pid %d refused", MAX_RANKS, pid)
+                    return self._refused("node_limit", uid, "%d ranks here, the most: pid %d refused", MAX_RANKS, pid)
                 # Gone already (a short process's last words): kept as the report of a process that ended.
                 entry = self._entries[pid] = _Entry(pid, uid, start_time if start_time is not None else _GONE)
                 identity = self.proc.identity(pid)
                 entry.exe = identity.exe if identity is not None else None
             elif entry.connected >= MAX_CONNECTIONS_PER_PID:
-                return self._refuse("user_limit", uid, "pid %d (uid %d) is connected already", pid, uid)
+                return self._refused("user_limit", uid, "pid %d (uid %d) is connected already", pid, uid)
             entry.connected += 1
-            return True
+            return entry.start_time
 
-    def _admitted(self, pid: int, page_fd: int | None) -> _Entry | None:
+    def _admitted(self, pid: int, page_fd: int | None, start_time: int | None) -> _Entry | None:
         """An admitted connection's entry, with the step page it passed taken; None (the page closed) for any
-        other. Called with the lock held."""
+        other, and for a connection of an earlier process that had the pid (`start_time` differs).
+        Called with the lock held."""
         entry = self._entries.get(pid)
-        if entry is None:
+        if entry is None or (start_time is not None and entry.start_time != start_time):
             _close(page_fd)
+            return None
         elif page_fd is not None:
             self._take_page(entry, page_fd)
         return entry
 
-    def receive(self, pid: int, data: bytes, page_fd: int | None = None) -> None:
-        """A message of an admitted connection; a descriptor passed with it is taken or closed here."""
+    def receive(self, pid: int, data: bytes, page_fd: int | None = None, start_time: int | None = None) -> bool:
+        """A message of an admitted connection; a descriptor passed with it is taken or closed here.
+
+        False when the connection speaks for no entry: its process (`start_time`, from `admit`) is not
+        the one that has the pid now, or its entry was dropped. Close it then.
+        """
         with self._lock:
-            entry = self._admitted(pid, page_fd)
+            entry = self._admitted(pid, page_fd, start_time)
             if entry is None:
-                return
+                return False
             try:
                 entry.info = parse_report(data, pid)
             except ReportError as exc:
                 self._refuse("invalid", entry.uid, "ignoring a report of pid %d (uid %d): %s", pid, entry.uid, exc)
+            return True
 
-    def hello(self, pid: int, protocol: int, page_fd: int | None = None) -> None:
-        """A connection's first message: its hello naming `protocol` (1: none, an older rank), with the step page."""
+    def hello(self, pid: int, protocol: int, page_fd: int | None = None, start_time: int | None = None) -> bool:
+        """A connection's first message: its hello naming `protocol` (1: none, an older rank), with the step page.
+
+        False as `receive`."""
         with self._lock:
-            entry = self._admitted(pid, page_fd)
+            entry = self._admitted(pid, page_fd, start_time)
             if entry is None:
-                return
+                return False
             if protocol != REPORT_PROTOCOL:
                 self._say.say(
                     entry.uid, logging.WARNING,
@@ -137,12 +150,17 @@ class ReportBoard:
                     "this daemon understands them; install the same gpuwatch in the job and on the node",
                     pid, entry.uid, protocol, REPORT_PROTOCOL, " (it sent no hello)" if protocol == 1 else "",
                 )  # fmt: skip
+            return True
 
-    def disconnected(self, pid: int) -> None:
+    def disconnected(self, pid: int, start_time: int | None = None) -> None:
         with self._lock:
             entry = self._entries.get(pid)
-            if entry is not None:
+            if entry is not None and (start_time is None or entry.start_time == start_time):
                 entry.connected = max(0, entry.connected - 1)
+
+    def gone(self, pid: int, start_time: int) -> bool:
+        """The process that connected (`pid` started at `start_time`) is certainly gone; unknown is not gone."""
+        return start_time == _GONE or self.proc.liveness(pid, start_time) is False
 
     def refuse(self, reason: str, uid: int, message: str, *args: object, count: int = 1) -> None:
         """Count and say (rate-limited per uid) `count` refusals the server made itself (too large, too fast)."""
@@ -190,8 +208,11 @@ class ReportBoard:
     # -- internals ------------------------------------------------------------------------------
 
     def _alive(self, entry: _Entry) -> bool:
-        """The process that connected still runs the program it connected with (an exec ends the rank)."""
-        if entry.start_time == _GONE or not self.proc.alive(entry.pid, entry.start_time):
+        """The process that connected still runs the program it connected with (an exec ends the rank).
+
+        A /proc that cannot be read now (the daemon out of descriptors) says nothing: alive, never gone.
+        """
+        if entry.start_time == _GONE or self.proc.liveness(entry.pid, entry.start_time) is False:
             return False
         if entry.exe is None:
             return True
@@ -242,6 +263,11 @@ class ReportBoard:
         self._entries.pop(entry.pid, None)
         _close(entry.page_fd)
         entry.page_fd = None
+
+    def _refused(self, reason: str, uid: int, message: str, *args: object) -> int | None:
+        """A refused connection, counted and said: None, what `admit` returns for it."""
+        self._refuse(reason, uid, message, *args)
+        return None
 
     def _refuse(self, reason: str, uid: int, message: str, *args: object, count: int = 1) -> bool:
         self.refused[reason] += count

@@ -14,7 +14,13 @@ costs before a byte is parsed:
   `connect storm` test) never fills the backlog, so other users' ranks connect on their first try;
 * a connection may send MESSAGES_PER_S reports a second (burst MESSAGE_BURST): more are read and
   dropped unparsed, and a connection that keeps it up (FLOOD_DROPS in a row) is closed;
-* a message over MAX_REPORT_BYTES is dropped (MSG_TRUNC), descriptors beyond the first are closed.
+* a message over MAX_REPORT_BYTES is dropped (MSG_TRUNC), descriptors beyond the first are closed;
+* a connection speaks for the process that made it, bound at connect by its pid and start time: it
+  is closed within SWEEP_S once that process is gone (a connection handed to another process
+  outlives its maker otherwise), and a message on it after the pid went to another process is
+  never that process's; a uid holds at most MAX_CONNECTIONS_PER_UID connections;
+* when accepting fails (EMFILE, ENFILE, ENOMEM), the thread backs off (up to ACCEPT_BACKOFF_MAX_S)
+  and says so at most once per ACCEPT_LOG_S with a count, instead of spinning on the backlog.
 
 Every connection taken is greeted with the daemon's hello (REPORT_PROTOCOL); a rank's first
 message is its hello, and a rank that sends none (an older gpuwatch) or another version is named in
@@ -49,6 +55,9 @@ ACCEPTS_PER_S, ACCEPT_BURST = 20.0, 64.0
 BACKLOG = 4096  # listen(2)'s queue (the kernel caps it at net.core.somaxconn, 4096 by default)
 STORM_CPU_SHARE = 0.25  # of one core, at most, spent accepting while a uid is refused for its connect rate
 _ACCEPTS_PER_WAKE = BACKLOG
+MAX_CONNECTIONS_PER_UID = 320  # a rank needs one (MAX_RANKS_PER_UID of them), a reconnect may overlap briefly
+SWEEP_S = 1.0  # how often connections are checked for a process that is gone
+ACCEPT_BACKOFF_MAX_S, ACCEPT_LOG_S = 1.0, 10.0
 MESSAGES_PER_S, MESSAGE_BURST = 10.0, 20.0
 FLOOD_DROPS = 200
 _READS_PER_WAKE = 32  # messages read from one connection per wake-up: one sender cannot hold the thread
@@ -78,6 +87,7 @@ class _Bucket:
 class _Connection:
     sock: socket.socket
     pid: int
+    start_time: int  # with the pid, the process that connected (ReportBoard.admit)
     uid: int
     bucket: _Bucket
     drops: int = 0
@@ -95,6 +105,11 @@ class ReportServer:
         self._listener: socket.socket | None = None
         self._accepts: dict[int, _Bucket] = {}
         self._accept_after = 0.0  # monotonic time before which a storm's backlog is left alone
+        self._per_uid: dict[int, int] = {}  # open connections per uid
+        self._next_sweep = 0.0
+        self._accept_backoff = 0.0
+        self._accept_failures = 0  # since the last line that said so
+        self._accept_said = -ACCEPT_LOG_S
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -152,6 +167,7 @@ class ReportServer:
                 with self._lock:
                     if not self._closed.is_set():
                         self._handle(ready)
+                        self._sweep()
             except Exception:  # one bad message must never end reporting for everyone
                 log.exception("report socket: handling failed")
                 self._closed.wait(1.0)
@@ -176,8 +192,9 @@ class ReportServer:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:  # EMFILE and the like: the backlog keeps the rest
-                log.warning("report socket: accept failed: %s", exc.strerror or exc)
+                self._accept_failed(exc)
                 break
+            self._accept_backoff = 0.0
             pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             bucket = self._accepts.get(uid)
             if bucket is None:
@@ -188,13 +205,20 @@ class ReportServer:
                 sock.close()
                 refused.setdefault(uid, [0, pid])[0] += 1
                 continue
-            if not self.board.admit(pid, uid):
+            if self._per_uid.get(uid, 0) >= MAX_CONNECTIONS_PER_UID:
+                sock.close()
+                self.board.refuse("user_limit", uid, "uid %d holds %d connections, the most: pid %d refused",
+                                  uid, MAX_CONNECTIONS_PER_UID, pid)  # fmt: skip
+                continue
+            start_time = self.board.admit(pid, uid)
+            if start_time is None:
                 sock.close()
                 continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.send(_HELLO)  # the rank's receive queue is empty: this never blocks
-            connection = _Connection(sock, pid, uid, _Bucket(MESSAGES_PER_S, MESSAGE_BURST))
+            connection = _Connection(sock, pid, start_time, uid, _Bucket(MESSAGES_PER_S, MESSAGE_BURST))
+            self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
             self._selector.register(sock, selectors.EVENT_READ, connection)
             self._read(connection)  # what it sent with its connect is in this very read
         for uid, (count, pid) in refused.items():
@@ -237,24 +261,57 @@ class ReportServer:
                 )
                 _close_all(fds)
                 continue
+            _close_all(fds[1:])
+            page, who = fds[0] if fds else None, (connection.pid, connection.start_time)
             if not connection.greeted:
                 connection.greeted = True
                 protocol = hello_protocol(data)
                 if protocol is not None:  # the hello, with the step page
-                    self.board.hello(connection.pid, protocol, fds[0] if fds else None)
-                    _close_all(fds[1:])
+                    if not self.board.hello(who[0], protocol, page, who[1]):
+                        self._disconnect(connection)
+                        return
                     continue
-                self.board.hello(connection.pid, 1)  # an older rank: its first report is what it sends first
-            self.board.receive(connection.pid, data, fds[0] if fds else None)
-            _close_all(fds[1:])
+                self.board.hello(who[0], 1, None, who[1])  # an older rank: its first report is what it sends first
+            if not self.board.receive(who[0], data, page, who[1]):  # its process is not the pid's any more
+                self._disconnect(connection)
+                return
 
     def _disconnect(self, connection: _Connection) -> None:
         try:
             self._selector.unregister(connection.sock)
         except (KeyError, ValueError):
-            pass
+            return  # closed already
         connection.sock.close()
-        self.board.disconnected(connection.pid)
+        self._per_uid[connection.uid] = max(0, self._per_uid.get(connection.uid, 0) - 1)
+        if not self._per_uid[connection.uid]:
+            del self._per_uid[connection.uid]
+        self.board.disconnected(connection.pid, connection.start_time)
+
+    def _sweep(self) -> None:
+        """Close, at most every SWEEP_S, the connections whose process is gone (unknown is not gone), once
+        what they queued is read."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_S
+        for key in list(self._selector.get_map().values()):
+            connection = key.data
+            if connection is not None and self.board.gone(connection.pid, connection.start_time):
+                self._read(connection)  # its last words first: they were queued before it was gone
+                if connection.sock.fileno() != -1:
+                    self._disconnect(connection)
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """Accepting failed: wait longer each time (the backlog keeps the connections), say so now and then."""
+        self._accept_backoff = min(ACCEPT_BACKOFF_MAX_S, max(0.05, self._accept_backoff * 2))
+        self._accept_after = time.monotonic() + self._accept_backoff
+        self._accept_failures += 1
+        if time.monotonic() - self._accept_said >= ACCEPT_LOG_S:
+            log.warning(
+                "report socket: accept failed %d time(s): %s; retrying in %.2f s",
+                self._accept_failures, exc.strerror or exc, self._accept_backoff,
+            )  # fmt: skip
+            self._accept_said, self._accept_failures = time.monotonic(), 0
 
 
 def _passed_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

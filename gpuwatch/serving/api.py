@@ -30,6 +30,7 @@ from gpuwatch.node.monitor import Monitor
 from gpuwatch.serving import liveness, statuspage, wire
 from gpuwatch.serving.httpserver import peer
 from gpuwatch.serving.operator_actions import quarantine_outcome, release_outcome, release_refusal
+from gpuwatch.serving.viewer import sees, viewer_uid
 
 log = logging.getLogger("gpuwatch.api")
 
@@ -181,13 +182,18 @@ def create_api(
         )
 
     @app.get("/v1/daemon")
-    def daemon_info() -> wire.DaemonInfo:
-        """The daemon's version, directories and stop grace: `gpuwatch launch` gives the ranks this runtime dir."""
+    def daemon_info(request: Request) -> wire.DaemonInfo:
+        """The daemon's version, directories and stop grace: `gpuwatch launch` gives the ranks this runtime dir.
+
+        The directories only to local callers (gpuwatch.serving.viewer): the runtime dir to any, the state
+        dir to root and the daemon's user.
+        """
         config = monitor.config
+        viewer = viewer_uid(request.scope)
         return wire.DaemonInfo(
             version=__version__,
-            state_dir=os.path.abspath(config.state_dir),
-            runtime_dir=os.path.abspath(config.runtime_dir),
+            state_dir=os.path.abspath(config.state_dir) if sees(viewer, None) else "",
+            runtime_dir=os.path.abspath(config.runtime_dir) if viewer is not None else "",
             stop_grace_s=config.trainer.grace_period_s,
         )
 

@@ -43,6 +43,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gpuwatch.control import peer as peer_cred
 from gpuwatch.control.hosts import HostPolicy
 from gpuwatch.control.peer import PeerCred
+from gpuwatch.serving.viewer import PEER
 
 log = logging.getLogger("gpuwatch.http")
 
@@ -52,7 +53,6 @@ log = logging.getLogger("gpuwatch.http")
 ACCEPT_BURST = 128
 FD_RESERVE = 64 + ACCEPT_BURST
 _ACCEPT_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
-PEER = "gpuwatch.peer"  # the scope extension that holds a control-socket connection's PeerCred
 
 
 def peer(scope: Mapping[str, Any]) -> PeerCred | None:

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from gpuwatch.health import trainer_rules
 from gpuwatch.node.ranks import Rank
 from gpuwatch.node.store import Store
 from gpuwatch.remediation import Remediation
 from gpuwatch.serving import wire
+from gpuwatch.serving.viewer import sees, viewer_uid
 
 MAX_INCIDENTS = 1000
 
@@ -35,15 +36,27 @@ def add_routes(app: FastAPI, remediation: Remediation, store: Store) -> None:
         return wire.Incidents(incidents=[wire.Incident.model_validate(i) for i in stored])
 
     @app.get("/v1/trainers")
-    def trainers() -> wire.Trainers:
+    def trainers(request: Request) -> wire.Trainers:
+        """Every rank and report; another user's without its pid, uid, job and role (gpuwatch.serving.viewer)."""
+        viewer = viewer_uid(request.scope)
         ranks, verdict = remediation.ranks()
         return wire.Trainers(
-            ranks=[rank_json(r) for r in ranks],
+            ranks=[_shown(rank_json(r), viewer) for r in ranks],
             findings=[wire.Finding(**f.as_dict()) for f in verdict.findings],
             reports=[
-                wire.HeldReport(**dataclasses.asdict(r.info), alive=r.alive) for r in remediation.runtime.read_reports()
+                _shown(wire.HeldReport(**dataclasses.asdict(r.info), alive=r.alive), viewer)
+                for r in remediation.runtime.read_reports()
             ],
         )
+
+
+_HIDDEN = {"pid": 0, "uid": None, "job_id": None, "spare": None, "recovery": None}
+TrainerBody = TypeVar("TrainerBody", bound=wire.Trainer)
+
+
+def _shown(body: TrainerBody, viewer: int | None) -> TrainerBody:
+    """The body as `viewer` may see it: another user's rank has pid 0 and no uid, job or role."""
+    return body if sees(viewer, body.uid) else body.model_copy(update=_HIDDEN)
 
 
 def gpu_view(remediation: Remediation, index: int) -> dict[str, Any]:

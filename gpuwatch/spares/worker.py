@@ -45,6 +45,10 @@ PRELOAD_ENV = "GPUWATCH_SPARE_PRELOAD"  # more modules to import while waiting (
 def main() -> int:
     """Warm up, say so, wait for the hand-over, run the job (its exit code is ours); with NOW_ENV, run it at once."""
     now = os.environ.pop(NOW_ENV, "") == "1"
+    # `python -m` put the launch's working directory first on sys.path: a torch.py (or any module
+    # the warm-up imports) that another user left in a shared directory would run as the job's user
+    # before the job asked for anything. The job's own run puts its directory back (`_run`).
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", os.getcwd())]
     if not now:
         _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
     ready_fd, word_fd = _fd(READY_FD_ENV), _fd(WORD_FD_ENV)
@@ -145,10 +149,11 @@ def _run(argv: list[str]) -> int:
     """`python [-m] SCRIPT ARGS` in this process: the job runs as __main__ and its SystemExit is ours."""
     if argv[0] in ("-m", "--module"):
         sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, now that the job runs (its own choice)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
         runpy.run_path(argv[0], run_name="__main__")
     return 0
 

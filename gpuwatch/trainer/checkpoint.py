@@ -65,10 +65,12 @@ import logging
 import os
 import pickle
 import re
+import secrets
 import shutil
 import stat
 import sys
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +88,7 @@ MANIFEST_VERSION = 2  # 1: sha256 per file; 2: crc32 per 16 MiB chunk ("crc32": 
 FLAT_STATE = "state.flat"
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_LEFTOVER_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-\d+$")
+_LEFTOVER_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-\d+(?:-[0-9a-f]+)?$")
 _CHUNK = 1 << 20
 _MAX_SMALL_FILE = 256 << 20  # manifest.json and `latest`: far above any real one, far below a memory scare
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -113,7 +115,7 @@ def step_dir_name(step: int) -> str:
 
 
 def new_temp_dir(directory: str | os.PathLike[str], step: int) -> Path:
-    """Create and return the fresh `.tmp-step-<N>-<pid>` directory a save of `step` writes into.
+    """Create and return the fresh `.tmp-step-<N>-<pid>-<random>` directory a save of `step` writes into.
 
     Args:
         directory: the checkpoint directory (created when missing).
@@ -122,7 +124,8 @@ def new_temp_dir(directory: str | os.PathLike[str], step: int) -> Path:
     Raises:
         CheckpointError: the directory could not be created.
     """
-    path = Path(directory) / f".tmp-step-{step}-{os.getpid()}"
+    # Unguessable: a name planted in a directory others can write cannot make the save fail.
+    path = Path(directory) / f".tmp-step-{step}-{os.getpid()}-{secrets.token_hex(8)}"
     try:
         path.mkdir(parents=True)
     except OSError as exc:
@@ -470,8 +473,13 @@ def _rename_unless_verified(tmp: Path, final: Path) -> None:
 
 
 def _write_latest(directory: Path, name: str) -> None:
-    tmp = directory / f"{LATEST}.tmp-{os.getpid()}"
-    _write_synced(tmp, f"{name}\n".encode())
+    # Exclusive, no-follow, unguessable: a link planted under a temp name is never written through.
+    tmp = directory / f"{LATEST}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as f:
+        f.write(f"{name}\n".encode())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, directory / LATEST)
     _fsync_dir(directory)
 
@@ -612,11 +620,36 @@ def _load_state(path: Path, manifest: dict[str, Any], map_location: Any, allow_c
             torch = _import_torch()
             if torch is None:
                 raise _Invalid(f"{state_file} needs torch, which is not installed")
+            _check_inflation(f, state_file)
             return torch.load(f, map_location=map_location, weights_only=not allow_code_execution)
     except _Invalid:
         raise
     except Exception as exc:  # a file that verifies but does not unpickle: skip it like a corrupt one
         raise _Invalid(f"{state_file} does not load: {type(exc).__name__}: {exc}") from None
+
+
+def _check_inflation(f: io.BufferedReader, name: str) -> None:
+    """Refuse a `state.pt` whose records would inflate past the file's own size, before torch.load reads it.
+
+    torch.save stores its zip records uncompressed, so what it wrote unpacks to about its size; a
+    deflated record (a crafted file: 1 MB that inflates to 1 GiB) is refused from the zip's
+    directory alone, with nothing inflated. A file that is no zip (torch's legacy format) is left to
+    torch.load.
+    """
+    size = os.fstat(f.fileno()).st_size
+    try:
+        with zipfile.ZipFile(f) as archive:
+            records = archive.infolist()
+    except zipfile.BadZipFile:
+        f.seek(0)
+        return
+    f.seek(0)
+    packed = [r.filename for r in records if r.compress_type != zipfile.ZIP_STORED]
+    if packed:
+        raise _Invalid(f"{name}: compressed record {packed[0]!r} (torch.save never compresses: a crafted file)")
+    total = sum(r.file_size for r in records)
+    if total > size:
+        raise _Invalid(f"{name}: its records hold {total} bytes, more than the file's {size}")
 
 
 def _unpickle(f: io.BufferedReader, name: str, allow_code_execution: bool) -> Any:

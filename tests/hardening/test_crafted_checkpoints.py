@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import zipfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -95,6 +96,16 @@ def _huge_chunk(directory: Path) -> Path:
     return path
 
 
+def _deflated_state(file: Path) -> None:
+    """A valid torch.save file whose records are deflated: a few hundred KiB that inflate to 256 MiB."""
+    plain = file.with_suffix(".plain")
+    torch.save({"w": torch.full((2,), 20.0), "pad": torch.zeros(64 << 20)}, plain)
+    with zipfile.ZipFile(plain) as source, zipfile.ZipFile(file, "w", zipfile.ZIP_DEFLATED) as crafted:
+        for record in source.infolist():
+            crafted.writestr(record.filename, source.read(record), zipfile.ZIP_DEFLATED, 9)
+    plain.unlink()
+
+
 def _load_in_child(directory: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
@@ -104,7 +115,15 @@ def _load_in_child(directory: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "case",
-    ["pickle-runs-id", "pt-is-a-fifo", "pt-links-to-dev-zero", "pt-links-outside", "chunk-of-1-tib", "latest-is-fifo"],
+    [
+        "pickle-runs-id",
+        "pt-is-a-fifo",
+        "pt-links-to-dev-zero",
+        "pt-links-outside",
+        "chunk-of-1-tib",
+        "latest-is-fifo",
+        "pt-inflates-1000-fold",
+    ],  # fmt: skip
 )
 def test_a_crafted_newest_checkpoint_falls_back_to_the_older_good_one(tmp_path: Path, case: str) -> None:
     directory = tmp_path / "ckpt"
@@ -116,6 +135,7 @@ def test_a_crafted_newest_checkpoint_falls_back_to_the_older_good_one(tmp_path: 
         "pt-links-to-dev-zero": "cannot open state.pt: a symbolic link",
         "pt-links-outside": "cannot open state.pt: a symbolic link",
         "chunk-of-1-tib": "manifest.json has a chunk of 1099511627776 bytes for extra",
+        "pt-inflates-1000-fold": "state.pt: compressed record",
     }
     if case == "pickle-runs-id":
         _v1_checkpoint(directory, "state.pkl", _pickle_that_runs(marker))
@@ -127,6 +147,8 @@ def test_a_crafted_newest_checkpoint_falls_back_to_the_older_good_one(tmp_path: 
         _v1_checkpoint(directory, "state.pt", _link_to(_outside_state(tmp_path)))
     elif case == "chunk-of-1-tib":
         _huge_chunk(directory)
+    elif case == "pt-inflates-1000-fold":
+        _v1_checkpoint(directory, "state.pt", _deflated_state)
     else:  # `latest` a FIFO: read with O_NONBLOCK and refused; the newest step-* that verifies loads
         (directory / LATEST).unlink()
         os.mkfifo(directory / LATEST)

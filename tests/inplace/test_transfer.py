@@ -55,3 +55,26 @@ def test_a_rank_with_no_state_receives_the_whole_training_state_in_small_chunks(
     assert joiner["step"] == 5 and joiner["lr"] == 0.0025 and joiner["sched_epoch"] == 5
     params = 40 * 300 + 300 + 300 * 3 + 3
     assert joiner["moved"] >= params * 4 * 3  # weights and both Adam moments, far more than one 4 KiB chunk
+
+
+def test_the_header_is_data_that_round_trips_and_nothing_else_decodes() -> None:
+    """What send_state's header carries comes back equal (tuples, int keys, layouts, NaN); a pickle-ish or
+    unknown tag is a ValueError, and an object of a class is refused at the source."""
+    from gpuwatch.inplace.transfer import _TensorLayout, decode, encode
+
+    torch = pytest.importorskip("torch")
+    header = {
+        "step": 7,
+        "optimizer": {"state": {0: {"exp_avg": _TensorLayout((3, 2), torch.float32)}}, "param_groups": [
+            {"lr": 0.1, "betas": (0.9, 0.999), "params": [0], "foreach": None, "eps": float("inf")}
+        ]},
+        "others": {"sched": {"_last_lr": [0.05], "blob": b"\x00\xff", "t": torch.tensor([1.5, 2.0])}},
+    }  # fmt: skip
+    back = decode(json.loads(json.dumps(encode(header))))
+    assert back["optimizer"] == header["optimizer"] and back["step"] == 7
+    assert back["others"]["sched"]["blob"] == b"\x00\xff" and back["others"]["sched"]["t"].tolist() == [1.5, 2.0]
+    for bad in ({"pickle": "gASV"}, {"layout": [[2], "system"]}, {"float": "1e999"}, {"a": 1, "b": 2}):
+        with pytest.raises(ValueError):
+            decode(bad)
+    with pytest.raises(TypeError):
+        encode({"x": object()})

@@ -174,6 +174,18 @@ def test_a_declared_pause_is_no_hang_while_it_lasts_and_the_limits_run_from_its_
     assert second == 30 + cfg.hang_frozen_after_s, "frozen only hang_frozen_after_s after the pause ended"
 
 
+def test_a_pause_declared_for_ever_hides_a_frozen_rank_at_most_max_pause_s() -> None:
+    """`pause(up_to_s=1e9)` with the main thread frozen: hung hang_frozen_after_s after max_pause_s, not never."""
+    cfg = TrainerConfig(max_pause_s=20.0)
+    judge = TrainerJudge(cfg, _NoCpu())
+    pid = os.getpid()
+
+    hung, second = run(judge, lambda now: [paused_rank(pid, 0, now, T0 + 1e9)], 60, util=0)
+
+    assert hung, "a pause of 1e9 s hid a frozen rank"
+    assert second == pytest.approx(cfg.max_pause_s + cfg.hang_frozen_after_s, abs=1)
+
+
 def test_a_stopped_rank_is_found_even_inside_a_declared_pause(stopped: subprocess.Popen[bytes]) -> None:
     judge = TrainerJudge(TrainerConfig(), ProcFs())
 

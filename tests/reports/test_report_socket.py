@@ -252,6 +252,9 @@ class _RecycledPids(ProcFs):
     def alive(self, pid: int, start_time: int | None) -> bool:
         return start_time == self.start
 
+    def liveness(self, pid: int, start_time: int | None) -> bool | None:
+        return self.alive(pid, start_time)
+
 
 def test_a_recycled_pid_is_a_new_process_not_the_old_report() -> None:
     proc = _RecycledPids()
@@ -435,3 +438,61 @@ def test_a_pause_on_the_step_page_reaches_the_daemon_before_any_report_says_so()
     assert (report.info.pause_until, report.info.pause, report.info.step) == (1_800_000_600.0, "eval", 40)
     board.close()
     page.close()
+
+
+def test_a_daemon_out_of_descriptors_takes_no_live_rank_for_gone(tmp_path: Path) -> None:
+    """/proc unreadable for EMFILE says nothing about the rank: it stays listed, alive, past DEAD_KEEP_S."""
+    import resource
+
+    now = [0.0]
+    board = ReportBoard(ProcFs(), clock=lambda: now[0])
+    pid = os.getpid()
+    assert board.admit(pid, os.getuid())
+    board.receive(pid, json.dumps({"t": 1.0, "pid": pid, "job_id": "live"}).encode())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        seen = []
+        for _ in range(3):
+            seen.append([(r.info.job_id, r.alive) for r in board.reports()])
+            now[0] += DEAD_KEEP_S
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert seen == [[("live", True)]] * 3
+    assert [(r.info.job_id, r.alive) for r in board.reports()] == [("live", True)]
+
+
+def test_accept_failures_back_off_and_say_so_at_a_bounded_rate(
+    runtime: RuntimeDir, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EMFILE from accept() with the backlog full: the thread waits longer each time, and logs one line, not 500."""
+    import errno
+
+    from gpuwatch.reports.server import ACCEPT_BACKOFF_MAX_S
+
+    server = runtime.server
+
+    class Exhausted:
+        def accept(self) -> None:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+    real, server._listener = server._listener, Exhausted()  # type: ignore[assignment]
+    pauses = []
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpuwatch.reports"):
+            for _ in range(500):
+                server._accept_after = 0.0  # as if each pause had passed
+                before = time.monotonic()
+                server._accept()
+                pauses.append(server._accept_after - before)
+    finally:
+        server._listener = real
+    lines = [r for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert pauses[0] >= 0.04 and ACCEPT_BACKOFF_MAX_S * 0.9 <= max(pauses) <= ACCEPT_BACKOFF_MAX_S + 0.1
