@@ -1,0 +1,140 @@
+"""An FSDP2 job for tests and the GPU script: a rank of an FSDPJob (`fully_shard`, optionally tensor parallel).
+
+    python -m gpuwatch.inplace.fsdp_worker --log-dir DIR [--steps S] [--every K] [--tp T] [--width W] [--layers L]
+
+An MLP of L hidden layers of width W (`fully_shard` on each layer and on the root; with `--tp T` a 2-D
+mesh (dp, tp): each layer pair column- then row-wise tensor parallel, FSDP over dp) trained with AdamW
+on batches drawn from the step and the rank's dp index, so a run is a pure function of its seed:
+every step's loss equals an uninterrupted run's. The model is built on the CPU with torch's default
+init (seed 0) and moved to the rank's device, as users do; after a membership change, when the state
+comes from the old model or a host snapshot, it is built on the meta device instead (its values are
+overwritten). Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (t, pid, member,
+generation, rank, world, step, loss, a checksum of this rank's shards; on a generation's first step
+where its state came from and the seconds of the change). `--steps 0` runs until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train under `gpuwatch launch --in-place`; 0 after --steps steps."""
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.inplace.fsdp_worker")
+    parser.add_argument("--log-dir", required=True)
+    parser.add_argument("--steps", type=int, default=0, help="0: until SIGTERM")
+    parser.add_argument("--every", type=int, default=3, help="host snapshot every K steps")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a 2-D mesh when > 1)")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--step-sleep", type=float, default=0.02)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl when CUDA is there")
+    parser.add_argument("--collective-timeout", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    import torch
+
+    from gpuwatch.inplace.fsdp import FSDPJob
+    from gpuwatch.trainer import TrainerLink
+
+    logging.basicConfig(level=os.environ.get("GPUWATCH_FSDP_LOG", "WARNING"), format="%(name)s: %(message)s")
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dp = int(os.environ.get("WORLD_SIZE", "1")) // args.tp
+
+    def build(mesh: Any, init: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        return _build(mesh, init, args.width, args.layers, args.tp, device)
+
+    log_path = Path(args.log_dir) / f"steps.{os.getpid()}.jsonl"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    link = TrainerLink(report_interval_s=1.0)
+    with link, log_path.open("a") as log:
+        mesh_shape = (dp, args.tp) if args.tp > 1 else None
+        names = ("dp", "tp") if args.tp > 1 else None
+        job = FSDPJob(
+            build, link, every=args.every, mesh_shape=mesh_shape, mesh_dim_names=names,
+            backend=backend, collective_timeout_s=args.collective_timeout,
+        )  # fmt: skip
+        generation = None
+        while args.steps == 0 or job.step < args.steps:
+
+            def forward_backward(model: torch.nn.Module) -> float:
+                dp_rank = job.rank // args.tp
+                g = torch.Generator().manual_seed(job.step * 1000 + dp_rank)
+                x = torch.randn(8, args.width, generator=g).to(device)
+                y = torch.randn(8, 1, generator=g).to(device)
+                job.optimizer.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return float(loss.item())
+
+            loss = job.train_step(forward_backward)
+            link.step(job.step, loss)
+            line: dict[str, Any] = {"t": time.time(), "pid": os.getpid(), "member": job.member}
+            line.update(generation=job.generation, rank=job.rank, world=job.world_size, step=job.step, loss=loss)
+            line["checksum"] = shard_checksum(job.model)
+            if job.generation != generation and job.last_change is not None:
+                change = job.last_change
+                line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
+                generation = job.generation
+            log.write(json.dumps(line) + "\n")
+            log.flush()
+            if args.step_sleep > 0:
+                time.sleep(args.step_sleep)
+        job.close()
+    return 0
+
+
+def _build(mesh: Any, init: bool, width: int, layers: int, tp: int, device: Any) -> tuple[Any, Any]:
+    """The MLP on the mesh: built on the CPU with the default init and moved (init), else on meta and emptied."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def make() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        blocks = [
+            torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, width))
+            for _ in range(layers)
+        ]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(width, 1))
+
+    if init:
+        model = make().to(device)
+    else:
+        with torch.device("meta"):
+            model = make()
+    dp_mesh = mesh["dp"] if tp > 1 else mesh
+    for block in list(model)[:layers]:
+        if tp > 1:
+            parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    if not init:
+        model.to_empty(device=device)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def shard_checksum(model: Any) -> str:
+    """A digest of this rank's own shards of the parameters (equal across runs at the same step and rank)."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        digest.update(name.encode())
+        digest.update(local.detach().to("cpu", torch.float64).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
