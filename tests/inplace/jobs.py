@@ -166,12 +166,22 @@ def launch_fsdp(
 
 
 def kill_when_warm(
-    run: InPlaceRun, ranks: int, rank: int, every: int, *, past: int = 30, freeze_s: float = 0.0
+    run: InPlaceRun,
+    ranks: int,
+    rank: int,
+    every: int,
+    *,
+    past: int = 30,
+    freeze_s: float = 0.0,
+    start_s: float = TIMEOUT_S,
 ) -> tuple[int, float]:
     """Past step `past` on every rank with a warm spare, SIGKILL `rank` after a step `every` - 1 past a snapshot
-    (first SIGSTOP it for `freeze_s`, as the daemon kills a frozen rank); its pid and the time of the kill."""
+    (first SIGSTOP it for `freeze_s`, as the daemon kills a frozen rank); its pid and the time of the kill.
+    `start_s` bounds the job's start (4 ranks and a spare importing torch on a shared 2-core machine)."""
     run.wait_for(
-        f"{ranks} rank(s) past step {past}", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= past}) == ranks
+        f"{ranks} rank(s) past step {past}",
+        lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= past}) == ranks,
+        start_s,
     )
     deadline = time.monotonic() + 90
     while not spare_warm(run.process.pid):

@@ -42,7 +42,7 @@ def reference_1d(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, in
 def _killed_run(tmp_path: Path, tp: int, freeze_s: float = 0.0) -> tuple[InPlaceRun, int, float]:
     with sim_node(tmp_path / "node", gpus=RANKS) as node:
         run = launch_fsdp(node, tmp_path, STEPS, "--spares", "1", every=K, tp=tp)
-        victim, killed = kill_when_warm(run, RANKS, rank=2, every=K, past=15, freeze_s=freeze_s)
+        victim, killed = kill_when_warm(run, RANKS, rank=2, every=K, past=15, freeze_s=freeze_s, start_s=300)
         out, err = run.output(120)
     assert run.process.returncode == 0, err
     assert "a spare (pid" in err, err
