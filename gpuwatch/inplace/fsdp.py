@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from gpuwatch.inplace.engine import Group, StateSource, StepEngine, Synced
-from gpuwatch.inplace.sharded import all_hold_one_step, rollback
+from gpuwatch.inplace.engine import Group, StepEngine, Synced
+from gpuwatch.inplace.sharded import SnapshotSource, all_hold_one_step, rollback
 from gpuwatch.snapshots import HostSnapshot
 from gpuwatch.snapshots.restore import like, localize
 
@@ -41,7 +41,7 @@ log = logging.getLogger("gpuwatch.inplace")
 Build = Callable[[DeviceMesh, bool], tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
-class MeshRebuild(StateSource):
+class MeshRebuild(SnapshotSource):
     """The state source of FSDP2 / DTensor jobs (see the module docstring).
 
     Args:
@@ -54,8 +54,6 @@ class MeshRebuild(StateSource):
             must be the world size.
         load: called on every rank when nobody holds state: loads its shards from the disk, returns the step or None.
     """
-
-    keeps_place = True
 
     def __init__(
         self,
@@ -125,21 +123,9 @@ class MeshRebuild(StateSource):
         FSDP2's update holds no collective, so a barrier of its own (one 8-byte all-reduce) stands in for it:
         without it a rank could complete a step past a peer's uncommitted snapshot (K + 1 redone).
         """
-        assert self.snapshot is not None and self.model is not None
-        self.snapshot.wait()
+        super().before_update()
+        assert self.model is not None
         dist.all_reduce(torch.zeros(1, device=next(self.model.parameters()).device))
-
-    def update(self) -> None:
-        assert self.optimizer is not None
-        self.optimizer.step()
-
-    def after_step(self, step: int) -> None:
-        assert self.snapshot is not None
-        self.snapshot.step(step)
-
-    def close(self, *, finished: bool) -> None:
-        if self.snapshot is not None:
-            self.snapshot.close(remove=finished)
 
     def _rebuild(self, local: dict[str, Any] | None, *, init: bool) -> None:
         """Build the model on the mesh and put `local` (this rank's shards of a state, or None) into it."""

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (a 2-D mesh when > 1)")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--step-sleep", type=float, default=0.02)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl when CUDA is there")
     parser.add_argument("--collective-timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
@@ -68,30 +68,38 @@ def main(argv: list[str] | None = None) -> int:
         while args.steps == 0 or job.step < args.steps:
 
             def forward_backward(model: torch.nn.Module) -> float:
-                dp_rank = job.rank // args.tp
-                g = torch.Generator().manual_seed(job.step * 1000 + dp_rank)
-                x = torch.randn(8, args.width, generator=g).to(device)
-                y = torch.randn(8, 1, generator=g).to(device)
                 job.optimizer.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                return float(loss.item())
+                return _loss_and_grads(model, job.step, job.rank // args.tp, args.width, device)
 
             loss = job.train_step(forward_backward)
             link.step(job.step, loss)
-            line: dict[str, Any] = {"t": time.time(), "pid": os.getpid(), "member": job.member}
-            line.update(generation=job.generation, rank=job.rank, world=job.world_size, step=job.step, loss=loss)
-            line["checksum"] = shard_checksum(job.model)
-            if job.generation != generation and job.last_change is not None:
-                change = job.last_change
-                line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
-                generation = job.generation
-            log.write(json.dumps(line) + "\n")
+            log.write(json.dumps(_line(job, loss, changed=job.generation != generation)) + "\n")
             log.flush()
-            if args.step_sleep > 0:
-                time.sleep(args.step_sleep)
+            generation = job.generation
+            time.sleep(args.step_sleep)
         job.close()
     return 0
+
+
+def _loss_and_grads(model: Any, step: int, dp_rank: int, width: int, device: Any) -> float:
+    """The loss of the step's batch for this dp rank (its tp ranks share it: a function of both alone), backward."""
+    import torch
+
+    g = torch.Generator().manual_seed(step * 1000 + dp_rank)
+    x, y = torch.randn(8, width, generator=g).to(device), torch.randn(8, 1, generator=g).to(device)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return float(loss.item())
+
+
+def _line(job: Any, loss: float, *, changed: bool) -> dict[str, Any]:
+    """The step's log line; on a generation's first step, where its state came from and how long it took."""
+    line = dict(t=time.time(), pid=os.getpid(), member=job.member, generation=job.generation, rank=job.rank)
+    line.update(world=job.world_size, step=job.step, loss=loss, checksum=shard_checksum(job.model))
+    change = job.last_change
+    if changed and change is not None:
+        line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
+    return line
 
 
 def _build(mesh: Any, init: bool, width: int, layers: int, tp: int, device: Any) -> tuple[Any, Any]:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gpuwatch.inplace.engine import Group, StateSource, StepEngine, Synced
 from gpuwatch.snapshots import HostSnapshot, Restored
 
-__all__ = ["ShardedJob", "SnapshotRollback", "rollback"]
+__all__ = ["ShardedJob", "SnapshotRollback", "SnapshotSource", "all_hold_one_step", "rollback"]
 
 
 def rollback(snap: HostSnapshot, group: Group) -> Restored | None:
@@ -51,14 +51,41 @@ def all_hold_one_step(group: Group) -> bool:
     return int(steps[0]) == -int(steps[1]) >= 0
 
 
-class SnapshotRollback(StateSource):
+class SnapshotSource(StateSource):
+    """A source whose lost ranks come back from host snapshots: the snapshot's part of the step, shared.
+
+    Before each update the rank waits for its snapshot in flight to commit (the update must not overtake
+    the copy, and at most K steps are redone); after each step the snapshot is started when due.
+    """
+
+    keeps_place = True
+    snapshot: HostSnapshot | None = None
+    optimizer: Any = None
+
+    def before_update(self) -> None:
+        assert self.snapshot is not None
+        self.snapshot.wait()
+
+    def update(self) -> None:
+        cast(torch.optim.Optimizer, self.optimizer).step()
+
+    def after_step(self, step: int) -> None:
+        assert self.snapshot is not None
+        self.snapshot.step(step)
+
+    def close(self, *, finished: bool) -> None:
+        if self.snapshot is not None:
+            self.snapshot.close(remove=finished)
+
+
+class SnapshotRollback(SnapshotSource):
     """Sharded state (ZeRO) or one rank: the host snapshot is where a lost rank's state comes back from.
 
     Args: as ShardedJob's (model, optimizer, every, state, restore, load).
     """
 
-    keeps_place = True
-    collective_update = True  # ZeRO's update ends in a broadcast of the updated shards
+    collective_update = True  # ZeRO's update ends in a broadcast of the updated shards: no rank passes it before
+    # every rank waited for its snapshot (before_update), so at most K steps are redone
 
     def __init__(
         self,
@@ -114,21 +141,6 @@ class SnapshotRollback(StateSource):
 
     def unbind(self) -> None:
         self.ddp = None
-
-    def before_update(self) -> None:
-        assert self.snapshot is not None
-        self.snapshot.wait()  # every rank past this point has committed its newest snapshot: at most K redone
-
-    def update(self) -> None:
-        cast(torch.optim.Optimizer, self.optimizer).step()
-
-    def after_step(self, step: int) -> None:
-        assert self.snapshot is not None
-        self.snapshot.step(step)
-
-    def close(self, *, finished: bool) -> None:
-        if self.snapshot is not None:
-            self.snapshot.close(remove=finished)
 
     def _default_state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": _own_shard(self.optimizer).state_dict()}

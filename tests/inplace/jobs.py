@@ -128,17 +128,8 @@ def launch_sharded(
 ) -> InPlaceRun:
     """`gpuwatch launch --in-place` running gpuwatch.inplace.sharded_worker (ZeroRedundancyOptimizer, a host
     snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
-    logs = workdir / "steps"
-    command = [
-        sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
-        "--in-place", *launch_args,
-        "--", "-m", "gpuwatch.inplace.sharded_worker", "--log-dir", str(logs), "--steps", str(steps),
-        "--every", str(every), "--step-sleep", str(step_sleep), "--collective-timeout", "20",
-    ]  # fmt: skip
-    (workdir / "shm").mkdir(exist_ok=True)
-    env = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"))
-    process = subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return InPlaceRun(process, logs)
+    worker = ["gpuwatch.inplace.sharded_worker", "--steps", str(steps), "--every", str(every)]
+    return _launch_snapshot_job(node, workdir, launch_args, [*worker, "--step-sleep", str(step_sleep)])
 
 
 def launch_fsdp(
@@ -152,12 +143,17 @@ def launch_fsdp(
 ) -> InPlaceRun:
     """`gpuwatch launch --in-place` running gpuwatch.inplace.fsdp_worker (FSDP2, a 2-D mesh with tp > 1, a host
     snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
+    worker = ["gpuwatch.inplace.fsdp_worker", "--steps", str(steps), "--every", str(every), "--tp", str(tp)]
+    return _launch_snapshot_job(node, workdir, launch_args, [*worker, "--step-sleep", str(step_sleep)])
+
+
+def _launch_snapshot_job(
+    node: DaemonProcess, workdir: Path, launch_args: Sequence[str], worker: list[str]
+) -> InPlaceRun:
     logs = workdir / "steps"
     command = [
         sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
-        "--in-place", *launch_args,
-        "--", "-m", "gpuwatch.inplace.fsdp_worker", "--log-dir", str(logs), "--steps", str(steps),
-        "--every", str(every), "--tp", str(tp), "--step-sleep", str(step_sleep), "--collective-timeout", "20",
+        "--in-place", *launch_args, "--", "-m", *worker, "--log-dir", str(logs), "--collective-timeout", "20",
     ]  # fmt: skip
     (workdir / "shm").mkdir(parents=True, exist_ok=True)
     env = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"))
