@@ -9,7 +9,7 @@ every step's loss equals an uninterrupted run's. The model is built on the CPU w
 init (seed 0) and moved to the rank's device, as users do; after a membership change, when the state
 comes from the old model or a host snapshot, it is built on the meta device instead (its values are
 overwritten). Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (t, pid, member,
-generation, rank, world, step, loss, a checksum of this rank's shards; on a generation's first step
+generation, rank, world, step, loss, a checksum of this rank's shards unless --no-checksum; on a generation's first step
 where its state came from and the seconds of the change). `--steps 0` runs until SIGTERM.
 """
 
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl when CUDA is there")
     parser.add_argument("--collective-timeout", type=float, default=30.0)
+    parser.add_argument("--no-checksum", action="store_true", help="log no shard checksum (a large model's cost)")
     args = parser.parse_args(argv)
     import torch
 
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
             loss = job.train_step(forward_backward)
             link.step(job.step, loss)
-            log.write(json.dumps(_line(job, loss, changed=job.generation != generation)) + "\n")
+            line = _line(job, loss, changed=job.generation != generation)
+            line["checksum"] = None if args.no_checksum else shard_checksum(job.model)
+            log.write(json.dumps(line) + "\n")
             log.flush()
             generation = job.generation
             time.sleep(args.step_sleep)
@@ -95,7 +98,7 @@ def _loss_and_grads(model: Any, step: int, dp_rank: int, width: int, device: Any
 def _line(job: Any, loss: float, *, changed: bool) -> dict[str, Any]:
     """The step's log line; on a generation's first step, where its state came from and how long it took."""
     line = dict(t=time.time(), pid=os.getpid(), member=job.member, generation=job.generation, rank=job.rank)
-    line.update(world=job.world_size, step=job.step, loss=loss, checksum=shard_checksum(job.model))
+    line.update(world=job.world_size, step=job.step, loss=loss)
     change = job.last_change
     if changed and change is not None:
         line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
