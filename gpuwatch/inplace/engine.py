@@ -92,7 +92,7 @@ class Group:
 
     rank: int
     world_size: int
-    places: int  # the job's places (ranks of its first generation); a shrunk job has fewer members
+    places: int  # the job's places before this generation (its first one's size, until it shrank)
     held: int | None  # the step whose state this rank holds, None when it holds none (a new or broken rank)
     device: torch.device
 
@@ -122,9 +122,9 @@ class StateSource:
         """What the step's function is given (the DDP wrapper, the FSDP module)."""
         raise NotImplementedError
 
-    def may_train(self, members: int, places: int) -> bool:
-        """Whether a generation of `members` of the job's `places` trains (else its members wait for the next)."""
-        return not self.keeps_place or members >= places
+    def may_train(self, generation: Generation, places: int) -> bool:
+        """Whether `generation` trains with the job's `places` (else its members wait for the next one)."""
+        return not self.keeps_place or len(generation.members) >= places
 
     def sync(self, group: Group) -> Synced:
         """In the new group: make every rank hold the newest step's state all can have; bind the model to it."""
@@ -376,6 +376,7 @@ class StepEngine:
         held = self._step if self._has_state else None
         synced = self.source.sync(Group(rank, world, self._place_count(), held, self._device))
         self._step, self._has_state = synced.step, True
+        self._places = world if self.source.keeps_place else self._places  # a shrunk job has fewer places now
         if self._link is not None:
             self._link.rank, self._link.world_size = rank, world
         marks.append(time.monotonic())
@@ -425,8 +426,7 @@ class StepEngine:
         deadline = time.monotonic() + self._membership_timeout_s
         while True:
             generation = self._meet(target)
-            members = len(generation.members)
-            if self.member not in generation.members or self.source.may_train(members, self._place_count()):
+            if self.member not in generation.members or self.source.may_train(generation, self._place_count()):
                 return generation
             while (target := latest_generation(self._store)) <= generation.number:  # a place is empty: wait
                 if time.monotonic() > deadline:

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gpuwatch.inplace.engine import Group, StepEngine, Synced
+from gpuwatch.inplace.protocol import Generation
+from gpuwatch.inplace.reshard import read_every_rank, reshard
 from gpuwatch.inplace.sharded import SnapshotSource, all_hold_one_step, rollback
 from gpuwatch.snapshots import HostSnapshot
 from gpuwatch.snapshots.restore import like, localize
@@ -53,6 +55,8 @@ class MeshRebuild(SnapshotSource):
         mesh_shape, mesh_dim_names: the mesh (default: one dimension over every rank); its shape's product
             must be the world size.
         load: called on every rank when nobody holds state: loads its shards from the disk, returns the step or None.
+        shrink: a 1-D job goes on with fewer ranks when one left (its GPU quarantined) and no replacement
+            comes: the state is resharded from every rank's host snapshot (gpuwatch.inplace.reshard).
     """
 
     def __init__(
@@ -63,9 +67,13 @@ class MeshRebuild(SnapshotSource):
         mesh_shape: Sequence[int] | None = None,
         mesh_dim_names: Sequence[str] | None = None,
         load: Callable[[torch.nn.Module, torch.optim.Optimizer], int | None] | None = None,
+        shrink: bool = False,
     ) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive number of steps, not {every!r}")
+        if shrink and mesh_shape is not None and len(mesh_shape) > 1:
+            raise ValueError("shrink: a mesh of several dimensions cannot shrink in place (its TP degree is fixed)")
+        self._shrink_allowed = shrink
         self._build, self._every, self._load = build, every, load
         self._shape = tuple(mesh_shape) if mesh_shape is not None else None
         self._names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
@@ -89,6 +97,8 @@ class MeshRebuild(SnapshotSource):
     def sync(self, group: Group) -> Synced:
         shape = self._shape or (group.world_size,)
         self.mesh = init_device_mesh(group.device.type, shape, mesh_dim_names=self._names)
+        if group.world_size < group.places:
+            return self._shrink(group)
         snap = self._snapshot(group)
         held, self._held = self._held, None
         if all_hold_one_step(replace(group, held=group.held if held is not None else None)):
@@ -127,19 +137,48 @@ class MeshRebuild(SnapshotSource):
         assert self.model is not None
         dist.all_reduce(torch.zeros(1, device=next(self.model.parameters()).device))
 
+    def may_train(self, generation: Generation, places: int) -> bool:
+        """A full generation trains; with `shrink`, also one that a member left (quarantined) and none is gone."""
+        full = len(generation.members) >= places
+        return full or (self._shrink_allowed and bool(generation.left) and not generation.gone)
+
+    def _shrink(self, group: Group) -> Synced:
+        """Fewer ranks than places: every rank's shards of the newest common snapshot, resharded onto the new mesh."""
+        assert self.snapshot is not None
+        self._held = None
+        found = read_every_rank(self.snapshot, group.places, group.device)
+        if found is None:
+            raise RuntimeError(f"no host snapshot every one of the {group.places} ranks holds: cannot shrink, relaunch")
+        step, olds = found
+        self.snapshot.close(remove=False)
+        self.snapshot = None
+        self._rebuild(None, init=False)
+        template = self.state()
+        local = reshard([localize(o) for o in olds], template, group.rank, group.world_size)
+        del olds
+        self._put(local, template)
+        snap = self._snapshot(group)  # the new world's snapshots, from this step
+        snap.resumed_from(step)
+        snap.snapshot_now(step)
+        log.warning("resharded step %d from %d ranks onto %d", step, group.places, group.world_size)
+        return Synced(step, "resharded")
+
     def _rebuild(self, local: dict[str, Any] | None, *, init: bool) -> None:
         """Build the model on the mesh and put `local` (this rank's shards of a state, or None) into it."""
         assert self.mesh is not None
         self.model, self.optimizer = self._build(self.mesh, init)
-        if local is None:
-            return
-        state = like(local, self.state())  # DTensors on the new mesh (state() initialises the optimizer's)
+        if local is not None:
+            self._put(local, self.state())  # the template: DTensors on the new mesh (the optimizer's initialised)
+
+    def _put(self, local: dict[str, Any], template: dict[str, Any]) -> None:
+        state = like(local, template)
+        assert self.model is not None and self.optimizer is not None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def _snapshot(self, group: Group) -> HostSnapshot:
         if self.snapshot is None:  # no optimizer hook: it would hold the first generation's optimizer alive
             self.snapshot = HostSnapshot(
-                self.state, every=self._every, replicated=False, rank=group.rank, world_size=group.places
+                self.state, every=self._every, replicated=False, rank=group.rank, world_size=group.world_size
             )
         return self.snapshot
 
@@ -152,7 +191,7 @@ class FSDPJob(StepEngine):
             loss = job.train_step(forward_backward)    # forward_backward(model): job.optimizer, job.mesh
         job.close()
 
-    Args: MeshRebuild's (build, every, mesh_shape, mesh_dim_names, load), the StepEngine's (link, backend,
+    Args: MeshRebuild's (build, every, mesh_shape, mesh_dim_names, load, shrink), the StepEngine's (link, backend,
     collective_timeout_s, membership_timeout_s, save).
     """
 
@@ -165,9 +204,12 @@ class FSDPJob(StepEngine):
         mesh_shape: Sequence[int] | None = None,
         mesh_dim_names: Sequence[str] | None = None,
         load: Callable[[torch.nn.Module, torch.optim.Optimizer], int | None] | None = None,
+        shrink: bool = False,
         **kwargs: Any,
     ) -> None:
-        self._mesh = MeshRebuild(build, every=every, mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names, load=load)
+        self._mesh = MeshRebuild(
+            build, every=every, mesh_shape=mesh_shape, mesh_dim_names=mesh_dim_names, load=load, shrink=shrink
+        )
         super().__init__(self._mesh, link, **kwargs)
 
     @property

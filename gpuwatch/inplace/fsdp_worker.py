@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl when CUDA is there")
     parser.add_argument("--collective-timeout", type=float, default=30.0)
+    parser.add_argument("--shrink", action="store_true", help="go on with fewer ranks when one leaves for good")
     parser.add_argument("--no-checksum", action="store_true", help="log no shard checksum (a large model's cost)")
     args = parser.parse_args(argv)
     import torch
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         names = ("dp", "tp") if args.tp > 1 else None
         job = FSDPJob(
             build, link, every=args.every, mesh_shape=mesh_shape, mesh_dim_names=names,
-            backend=backend, collective_timeout_s=args.collective_timeout,
+            backend=backend, collective_timeout_s=args.collective_timeout, shrink=args.shrink,
         )  # fmt: skip
         generation = None
         while args.steps == 0 or job.step < args.steps:
@@ -101,7 +102,12 @@ def _line(job: Any, loss: float, *, changed: bool) -> dict[str, Any]:
     line.update(world=job.world_size, step=job.step, loss=loss)
     change = job.last_change
     if changed and change is not None:
-        line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
+        line["change"] = {
+            "reason": change.reason,
+            "source": change.source,
+            "seconds": change.seconds,
+            "parts": change.parts,
+        }
     return line
 
 

@@ -23,6 +23,7 @@ from gpuwatch.bench.daemon_process import DaemonProcess
 from tests.helpers import launch_env
 
 TIMEOUT_S = 90
+FSDP_PRELOAD = "gpuwatch.inplace.fsdp,torch.distributed.tensor.parallel,torch.distributed.checkpoint.state_dict"
 # The daemon of today signals every rank of a job on a quarantine and escalates to SIGTERM after
 # the grace period; the survivors of an in-place job ignore a stop about another GPU, so the grace
 # period is set beyond any test's length (the daemon's in-place rules are not what is tested here).
@@ -140,15 +141,18 @@ def launch_fsdp(
     every: int = 3,
     tp: int = 1,
     step_sleep: float = 0.02,
+    worker_args: Sequence[str] = (),
 ) -> InPlaceRun:
     """`gpuwatch launch --in-place` running gpuwatch.inplace.fsdp_worker (FSDP2, a 2-D mesh with tp > 1, a host
     snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
     worker = ["gpuwatch.inplace.fsdp_worker", "--steps", str(steps), "--every", str(every), "--tp", str(tp)]
-    return _launch_snapshot_job(node, workdir, launch_args, [*worker, "--step-sleep", str(step_sleep)])
+    worker += ["--step-sleep", str(step_sleep), *worker_args]
+    preload = {"GPUWATCH_SPARE_PRELOAD": FSDP_PRELOAD}  # what docs/recovery-in-place.md asks an FSDP job to set
+    return _launch_snapshot_job(node, workdir, launch_args, worker, preload)
 
 
 def _launch_snapshot_job(
-    node: DaemonProcess, workdir: Path, launch_args: Sequence[str], worker: list[str]
+    node: DaemonProcess, workdir: Path, launch_args: Sequence[str], worker: list[str], env: dict[str, str] | None = None
 ) -> InPlaceRun:
     logs = workdir / "steps"
     command = [
@@ -156,8 +160,10 @@ def _launch_snapshot_job(
         "--in-place", *launch_args, "--", "-m", *worker, "--log-dir", str(logs), "--collective-timeout", "20",
     ]  # fmt: skip
     (workdir / "shm").mkdir(parents=True, exist_ok=True)
-    env = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"))
-    process = subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    environ = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"), **(env or {}))
+    process = subprocess.Popen(
+        command, env=environ, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     return InPlaceRun(process, logs)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.inplace.jobs import InPlaceRun, by_pid, check_rank_log, kill_when_warm, launch_fsdp, sim_node
+from tests.inplace.jobs import InPlaceRun, by_pid, check_rank_log, kill_when_warm, launch_fsdp, post, sim_node
 
 pytestmark = pytest.mark.slow
 K = 3
@@ -90,3 +90,35 @@ def test_a_killed_rank_of_a_2x2_mesh_is_replaced_in_its_place_on_both_dimensions
     reference = _uninterrupted(tmp_path / "reference", tp=2)
     run, victim, killed = _killed_run(tmp_path / "job", tp=2)
     print(f"\nFSDP2 x TP 2x2, SIGKILL of rank 2: {_check(run, victim, killed, reference)}")
+
+
+def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_its_state_is_resharded(tmp_path: Path) -> None:
+    """4 -> 3: GPU 2 is quarantined and no GPU is left for its rank; the other three reshard every rank's host
+    snapshot of the newest common step onto a 3-rank mesh and finish the job, each step once after the rollback.
+    The loss is a function of the parameters before the step's update and the batch of the rank's dp index:
+    new rank i's loss at the first step after the shrink equals the 4-rank job's rank i's at that step, so the
+    resharded parameters are those of that step, on every rank."""
+    with sim_node(tmp_path / "node", gpus=RANKS) as node:
+        run = launch_fsdp(node, tmp_path, STEPS, every=K, worker_args=["--shrink"])
+        run.wait_for("4 ranks past step 15", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= 15}) == 4, 300)
+        leaver = next(ln["pid"] for ln in run.steps() if ln["rank"] == 2)
+        decided = post(node, "/v1/gpus/2/quarantine", {"reason": "test"})
+        out, err = run.output(180)
+    assert run.process.returncode == 0, err
+    lines = run.steps()
+    logs = by_pid(lines)
+    survivors = sorted(pid for pid in logs if pid != leaver)
+    assert len(survivors) == 3 and all(logs[pid][-1]["step"] == STEPS for pid in survivors), survivors
+    shrunk = [ln for ln in lines if ln["world"] == 3]
+    first = min(shrunk, key=lambda ln: ln["t"])
+    resumed = first["step"]
+    assert first["change"]["source"] == "resharded", first
+    before = {ln["rank"]: ln["loss"] for ln in lines if ln["world"] == 4 and ln["step"] == resumed}
+    after = {ln["rank"]: ln["loss"] for ln in shrunk if ln["step"] == resumed}
+    assert sorted(after) == [0, 1, 2] and all(after[r] == before[r] for r in after), (before, after)
+    redone = [check_rank_log(logs[pid], resumed, K) for pid in survivors]
+    for step in range(resumed, STEPS + 1):  # every step once after the rollback, on each of the three
+        assert sorted(ln["rank"] for ln in shrunk if ln["step"] == step) == [0, 1, 2], step
+    assert "left (exit 75)" in err, err
+    print(f"\nFSDP2 4 -> 3 after a quarantine: first 3-rank step {first['t'] - decided:.2f} s after the decision,"
+          f" resumed at {resumed}, redone {redone}")  # fmt: skip
