@@ -33,7 +33,7 @@ from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until
 from tests.hardware.hang_drill import spare_warm
 
 EVERY = 5
-WIDTH = 8192  # one block: Linear(W, 2W) and Linear(2W, W), 4 W^2 parameters
+WIDTH = 4096  # one block: Linear(W, 2W) and Linear(2W, W), 4 W^2 parameters
 BYTES_PER_PARAMETER = 12  # fp32 parameter + AdamW's exp_avg and exp_avg_sq
 
 
