@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until
-from tests.hardware.hang_drill import spare_warm
+from tests.hardware.hang_drill import _furthest, _lines, spare_warm
 
 EVERY = 5
 WIDTH = 4096  # one block: Linear(W, 2W) and Linear(2W, W), 4 W^2 parameters
@@ -96,17 +96,6 @@ def main() -> int:
     print(f"| FSDP2, one rank, {args.device} | {result['state_gib']} GiB | {result['kill_to_next_step_s']} s"
           f" | {result['steps_redone']} | {result['replacement_source']} |")  # fmt: skip
     return 0
-
-
-def _lines(logs: Path) -> list[dict[str, Any]]:
-    found = []
-    for path in logs.glob("steps.*.jsonl"):
-        found += [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-    return found
-
-
-def _furthest(logs: Path) -> int:
-    return max((ln["step"] for ln in _lines(logs)), default=0)
 
 
 def _short_of_snapshot(logs: Path, past: int) -> bool:
