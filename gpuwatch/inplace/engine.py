@@ -68,6 +68,7 @@ log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
 
 _PARTS = ("before", "rendezvous", "group", "state")  # a membership change's parts (Change.parts)
+_PLACES_KEY = "places"  # the job's places once it shrank or grew (keeps_place sources)
 
 
 class NotInPlace(RuntimeError):
@@ -376,7 +377,10 @@ class StepEngine:
         held = self._step if self._has_state else None
         synced = self.source.sync(Group(rank, world, self._place_count(), held, self._device))
         self._step, self._has_state = synced.step, True
-        self._places = world if self.source.keeps_place else self._places  # a shrunk job has fewer places now
+        if self.source.keeps_place and world != self._place_count():  # shrunk or grown: the job's places now
+            self._places = world
+            if rank == 0:  # for a rank that joins later
+                self._store.set(_PLACES_KEY, str(world))
         if self._link is not None:
             self._link.rank, self._link.world_size = rank, world
         marks.append(time.monotonic())
@@ -414,9 +418,12 @@ class StepEngine:
         return sorted(generation.members, key=lambda m: keys[m]).index(str(self.member))
 
     def _place_count(self) -> int:
-        """The job's places: the size of its first generation (read once)."""
+        """The job's places: the size of its first generation, or what it shrank or grew to (read once)."""
         if self._places is None:
-            self._places = len(read_generation(self._store, 1).members)
+            changed = self._store.check([_PLACES_KEY])
+            self._places = (
+                int(self._store.get(_PLACES_KEY)) if changed else len(read_generation(self._store, 1).members)
+            )
         return self._places
 
     def _rendezvous(self, target: int) -> Generation:

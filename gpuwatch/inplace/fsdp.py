@@ -56,7 +56,8 @@ class MeshRebuild(SnapshotSource):
             must be the world size.
         load: called on every rank when nobody holds state: loads its shards from the disk, returns the step or None.
         shrink: a 1-D job goes on with fewer ranks when one left (its GPU quarantined) and no replacement
-            comes: the state is resharded from every rank's host snapshot (gpuwatch.inplace.reshard).
+            comes: the state is resharded from every rank's host snapshot (gpuwatch.inplace.reshard); when the
+            GPU is released, the rank that joins grows it back the same way.
     """
 
     def __init__(
@@ -97,8 +98,8 @@ class MeshRebuild(SnapshotSource):
     def sync(self, group: Group) -> Synced:
         shape = self._shape or (group.world_size,)
         self.mesh = init_device_mesh(group.device.type, shape, mesh_dim_names=self._names)
-        if group.world_size < group.places:
-            return self._shrink(group)
+        if group.world_size != group.places:  # shrunk, or grown back after a shrink
+            return self._reshard(group)
         snap = self._snapshot(group)
         held, self._held = self._held, None
         if all_hold_one_step(replace(group, held=group.held if held is not None else None)):
@@ -142,24 +143,28 @@ class MeshRebuild(SnapshotSource):
         full = len(generation.members) >= places
         return full or (self._shrink_allowed and bool(generation.left) and not generation.gone)
 
-    def _shrink(self, group: Group) -> Synced:
-        """Fewer ranks than places: every rank's shards of the newest common snapshot, resharded onto the new mesh."""
-        assert self.snapshot is not None
+    def _reshard(self, group: Group) -> Synced:
+        """Another world size than before: every old rank's shards of the newest common snapshot, re-split onto
+        the new mesh (a rank that joins a shrunk job reads them as the others do)."""
         self._held = None
-        found = read_every_rank(self.snapshot, group.places, group.device)
+        old = self.snapshot
+        new = HostSnapshot(
+            self.state, every=self._every, replicated=False, rank=group.rank, world_size=group.world_size
+        )  # fmt: skip
+        found = read_every_rank(old or new, group.places, group.device)
+        if old is not None:
+            old.close(remove=False)
+        self.snapshot = new
         if found is None:
-            raise RuntimeError(f"no host snapshot every one of the {group.places} ranks holds: cannot shrink, relaunch")
+            raise RuntimeError(f"no host snapshot all {group.places} old ranks hold: cannot reshard, relaunch")
         step, olds = found
-        self.snapshot.close(remove=False)
-        self.snapshot = None
         self._rebuild(None, init=False)
         template = self.state()
-        local = reshard([localize(o) for o in olds], template, group.rank, group.world_size)
+        local = reshard(olds, template, group.rank, group.world_size)
         del olds
         self._put(local, template)
-        snap = self._snapshot(group)  # the new world's snapshots, from this step
-        snap.resumed_from(step)
-        snap.snapshot_now(step)
+        new.resumed_from(step)
+        new.snapshot_now(step)  # the new world's first snapshot: a rollback finds one
         log.warning("resharded step %d from %d ranks onto %d", step, group.places, group.world_size)
         return Synced(step, "resharded")
 

@@ -1,11 +1,12 @@
-"""Reshard an FSDP2 job's host snapshots onto fewer ranks: the state of every old rank, re-split for the new mesh.
+"""Reshard an FSDP2 job's host snapshots onto another world size: every old rank's state, re-split.
 
 When a rank left for good (its GPU quarantined, no GPU to put a replacement on), a 1-D FSDP2 job may go on
-with fewer ranks. Every new rank reads the slots of every old rank at the newest step all of them hold
-(on this node, verified), puts each `Shard(0)` DTensor's full tensor back together (the old ranks' local
-shards in rank order along dim 0) and keeps its own chunk of it on the new mesh, as FSDP2 and DCP split a
-tensor (`torch.chunk` along dim 0; a rank past the last chunk holds an empty one). Replicated values and
-everything else (the optimizer's `step`, its param_groups) come from old rank 0.
+with fewer ranks, and grow back when the GPU is released. Every new rank reads the slots of every old
+rank at the newest step all of them hold (on this node, verified), puts each `Shard(0)` DTensor's full
+tensor back together (the old ranks' local shards in rank order along dim 0) and keeps its own chunk of
+it on the new mesh, as FSDP2 and DCP split a tensor (`torch.chunk` along dim 0; a rank past the last
+chunk holds an empty one). Replicated values and everything else (the optimizer's `step`, its
+param_groups) come from old rank 0.
 
 What it costs: each new rank reads the whole state, not its shard (the old world's slots, from /dev/shm),
 and holds the whole state in host memory while it takes its chunk.
@@ -57,7 +58,7 @@ def read_every_rank(snap: HostSnapshot, old_world: int, device: torch.device) ->
 def reshard(olds: list[Any], template: Any, rank: int, world: int) -> Any:
     """This rank's local shards of the new mesh, from the old ranks' local shards (`template`: the new state)."""
     if _is_sharded_dtensor(template):
-        full = torch.cat([o for o in olds], dim=0)
+        full = torch.cat(list(olds), dim=0)
         chunks = list(torch.chunk(full, world, dim=0))
         return chunks[rank].clone() if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
     if isinstance(template, dict):

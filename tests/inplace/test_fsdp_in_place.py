@@ -92,11 +92,12 @@ def test_a_killed_rank_of_a_2x2_mesh_is_replaced_in_its_place_on_both_dimensions
     print(f"\nFSDP2 x TP 2x2, SIGKILL of rank 2: {_check(run, victim, killed, reference)}")
 
 
-def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_its_state_is_resharded(
+def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_grows_back_on_release(
     tmp_path: Path, reference_1d: dict[tuple[int, int], tuple[float, str]]
 ) -> None:
     """4 -> 3: GPU 2 is quarantined and no GPU is left for its rank; the other three reshard every rank's host
-    snapshot of the newest common step onto a 3-rank mesh and finish the job, each step once after the rollback.
+    snapshot of the newest common step onto a 3-rank mesh, each step once after the rollback; when GPU 2 is
+    released its new rank joins and the state is resharded onto 4 ranks again, and the job finishes.
     The loss is a function of the parameters before the step's update and the batch of the rank's dp index:
     new rank i's loss at the first step after the shrink equals an uninterrupted 4-rank run's rank i's at that
     step, so the resharded parameters are those of the step rolled back to, on every rank."""
@@ -105,11 +106,13 @@ def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_its_state_is_re
         run.wait_for("4 ranks past step 15", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= 15}) == 4, 300)
         leaver = next(ln["pid"] for ln in run.steps() if ln["rank"] == 2)
         decided = post(node, "/v1/gpus/2/quarantine", {"reason": "test"})
-        out, err = run.output(180)
+        run.wait_for("30 steps at 3 ranks", lambda ls: len([ln for ln in ls if ln["world"] == 3]) >= 90, 120)
+        post(node, "/v1/gpus/2/release", {"reason": "test", "force": True})
+        out, err = run.output(240)
     assert run.process.returncode == 0, err
     lines = run.steps()
     logs = by_pid(lines)
-    survivors = sorted(pid for pid in logs if pid != leaver)
+    survivors = sorted(pid for pid in logs if pid != leaver and logs[pid][0]["world"] == 4)
     assert len(survivors) == 3 and all(logs[pid][-1]["step"] == STEPS for pid in survivors), survivors
     shrunk = [ln for ln in lines if ln["world"] == 3]
     first = min(shrunk, key=lambda ln: ln["t"])
@@ -117,9 +120,13 @@ def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_its_state_is_re
     assert first["change"]["source"] == "resharded", first
     after = {ln["rank"]: ln["loss"] for ln in shrunk if ln["step"] == resumed}
     assert after == {r: reference_1d[(resumed, r)][0] for r in range(3)}, (resumed, after)
-    redone = [check_rank_log(logs[pid], resumed, K) for pid in survivors]
-    for step in range(resumed, STEPS + 1):  # every step once after the rollback, on each of the three
+    grown = [ln for ln in lines if ln["world"] == 4 and ln["t"] > first["t"]]
+    regrown = min(grown, key=lambda ln: ln["t"])  # the released GPU's new rank joined: 3 -> 4, resharded again
+    assert regrown["change"]["source"] == "resharded" and regrown["step"] <= max(ln["step"] for ln in shrunk) + 1
+    for step in range(resumed, regrown["step"]):  # every step once after the shrink's rollback, on each of the three
         assert sorted(ln["rank"] for ln in shrunk if ln["step"] == step) == [0, 1, 2], step
+    for step in range(regrown["step"], STEPS + 1):  # and after the growth's, on each of the four
+        assert sorted(ln["rank"] for ln in grown if ln["step"] == step) == [0, 1, 2, 3], step
     assert "left (exit 75)" in err, err
     print(f"\nFSDP2 4 -> 3 after a quarantine: first 3-rank step {first['t'] - decided:.2f} s after the decision,"
-          f" resumed at {resumed}, redone {redone}")  # fmt: skip
+          f" resumed at {resumed}; 3 -> 4 after the release, resumed at {regrown['step']}")  # fmt: skip
