@@ -72,6 +72,8 @@ def _is_sharded_dtensor(value: Any) -> bool:
     placements = getattr(value, "placements", None)
     if not placements or not hasattr(value, "to_local"):
         return False
+    if len(placements) == 1 and placements[0].is_replicate():
+        return False
     if len(placements) != 1 or not placements[0].is_shard() or placements[0].dim != 0:
         raise ValueError(f"only a 1-D mesh sharded on dim 0 reshards in place, not {placements}: relaunch")
     return True

@@ -23,6 +23,7 @@ K = 3
 NEXT_STEP_S = 3.0
 STEPS = 150
 RANKS = 4
+GROWN_STEPS = 400  # the shrink test's: long enough for the released GPU's new rank (a cold start) to join
 
 
 def _uninterrupted(tmp: Path, tp: int) -> dict[tuple[int, int], tuple[float, str]]:
@@ -102,7 +103,7 @@ def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_grows_back_on_r
     new rank i's loss at the first step after the shrink equals an uninterrupted 4-rank run's rank i's at that
     step, so the resharded parameters are those of the step rolled back to, on every rank."""
     with sim_node(tmp_path / "node", gpus=RANKS) as node:
-        run = launch_fsdp(node, tmp_path, STEPS, every=K, worker_args=["--shrink"])
+        run = launch_fsdp(node, tmp_path, GROWN_STEPS, every=K, step_sleep=0.1, worker_args=["--shrink"])
         run.wait_for("4 ranks past step 15", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= 15}) == 4, 300)
         leaver = next(ln["pid"] for ln in run.steps() if ln["rank"] == 2)
         decided = post(node, "/v1/gpus/2/quarantine", {"reason": "test"})
@@ -113,7 +114,7 @@ def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_grows_back_on_r
     lines = run.steps()
     logs = by_pid(lines)
     survivors = sorted(pid for pid in logs if pid != leaver and logs[pid][0]["world"] == 4)
-    assert len(survivors) == 3 and all(logs[pid][-1]["step"] == STEPS for pid in survivors), survivors
+    assert len(survivors) == 3 and all(logs[pid][-1]["step"] == GROWN_STEPS for pid in survivors), survivors
     shrunk = [ln for ln in lines if ln["world"] == 3]
     first = min(shrunk, key=lambda ln: ln["t"])
     resumed = first["step"]
@@ -125,7 +126,7 @@ def test_a_quarantined_rank_with_no_gpu_left_shrinks_the_job_and_grows_back_on_r
     assert regrown["change"]["source"] == "resharded" and regrown["step"] <= max(ln["step"] for ln in shrunk) + 1
     for step in range(resumed, regrown["step"]):  # every step once after the shrink's rollback, on each of the three
         assert sorted(ln["rank"] for ln in shrunk if ln["step"] == step) == [0, 1, 2], step
-    for step in range(regrown["step"], STEPS + 1):  # and after the growth's, on each of the four
+    for step in range(regrown["step"], GROWN_STEPS + 1):  # and after the growth's, on each of the four
         assert sorted(ln["rank"] for ln in grown if ln["step"] == step) == [0, 1, 2, 3], step
     assert "left (exit 75)" in err, err
     print(f"\nFSDP2 4 -> 3 after a quarantine: first 3-rank step {first['t'] - decided:.2f} s after the decision,"
