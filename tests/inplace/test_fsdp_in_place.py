@@ -59,7 +59,8 @@ def _check(run: InPlaceRun, victim: int, killed: float, reference: dict[tuple[in
     assert all(logs[pid][-1]["step"] == STEPS for pid in survivors)  # the same processes, to the end
     took_over: dict[str, Any] = logs[spare][0]
     assert took_over["rank"] == 2 and took_over["change"]["source"] == "memory", took_over  # its host snapshot
-    first = min((ln for ln in lines if ln["t"] > killed), key=lambda ln: ln["t"])
+    gone_from = logs[victim][-1]["generation"]  # the first step of a later generation: the job's recovery
+    first = min((ln for ln in lines if ln["generation"] > gone_from), key=lambda ln: ln["t"])
     assert first["t"] - killed <= NEXT_STEP_S, first["t"] - killed
     resumed = took_over["step"]
     redone = {pid: check_rank_log(logs[pid], resumed, K) for pid in survivors}
