@@ -5,11 +5,9 @@ No survivor holds a lost rank's shard, so the lost rank must be replaced (a warm
 gpuwatch.spares, takes its place within a second) and the job rolls back to the newest step that
 every rank holds in host memory: each rank keeps its own state in a HostSnapshot every K steps (the
 survivors their own slots, the replacement reads the lost rank's slot on this node), so nothing is
-read from disk and at most K steps are redone. Everything else is InPlaceJob's: the survivors stay
-in their processes (and keep their CUDA contexts), the generations, the new process group per
-generation.
-
-What differs from InPlaceJob:
+read from disk and at most K steps are redone. Everything else is the step engine's
+(gpuwatch.inplace.engine): the survivors stay in their processes (and keep their CUDA contexts), the
+generations, the new process group per generation. The state source here, `SnapshotRollback`:
 
 * a rank keeps its shard's place: its rank in every group is its place in the job's first
   generation, ordered by (node, $RANK); a replacement started with the lost rank's $RANK (what the
@@ -22,24 +20,146 @@ What differs from InPlaceJob:
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gpuwatch.inplace.job import InPlaceJob, _first_line, _is_collective_failure, _is_cuda_fault
-from gpuwatch.inplace.protocol import NODE_ENV, Generation, latest_generation, read_generation
-from gpuwatch.snapshots import HostSnapshot
+from gpuwatch.inplace.engine import Group, StateSource, StepEngine, Synced
+from gpuwatch.snapshots import HostSnapshot, Restored
 
-T = TypeVar("T")
-_WAIT_S = 0.005
+__all__ = ["ShardedJob", "SnapshotRollback", "SnapshotSource", "all_hold_one_step", "rollback"]
 
 
-class ShardedJob(InPlaceJob):
+def rollback(snap: HostSnapshot, group: Group) -> Restored | None:
+    """The newest step all ranks of the group hold in host memory, read back (this rank's own shards), or None.
+
+    All ranks call it when any holds no step (a replacement, a rank whose update ran in part): survivors
+    and replacement alike go back to that step. On a GPU the state comes straight onto it.
+    """
+    snap.wait()
+    return snap.restore(device=group.device if group.device.type == "cuda" else None)
+
+
+def all_hold_one_step(group: Group) -> bool:
+    """Whether every rank of the group holds the state of one same step (one MAX all-reduce)."""
+    mine = group.held if group.held is not None else -1
+    steps = torch.tensor([mine, -mine], dtype=torch.int64, device=group.device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    return int(steps[0]) == -int(steps[1]) >= 0
+
+
+class SnapshotSource(StateSource):
+    """A source whose lost ranks come back from host snapshots: the snapshot's part of the step, shared.
+
+    Before each update the rank waits for its snapshot in flight to commit (the update must not overtake
+    the copy, and at most K steps are redone); after each step the snapshot is started when due.
+    """
+
+    keeps_place = True
+    snapshot: HostSnapshot | None = None
+    optimizer: Any = None
+
+    def before_update(self) -> None:
+        assert self.snapshot is not None
+        self.snapshot.wait()
+
+    def update(self) -> None:
+        cast(torch.optim.Optimizer, self.optimizer).step()
+
+    def after_step(self, step: int) -> None:
+        assert self.snapshot is not None
+        self.snapshot.step(step)
+
+    def close(self, *, finished: bool) -> None:
+        if self.snapshot is not None:
+            self.snapshot.close(remove=finished)
+
+
+class SnapshotRollback(SnapshotSource):
+    """Sharded state (ZeRO) or one rank: the host snapshot is where a lost rank's state comes back from.
+
+    Args: as ShardedJob's (model, optimizer, every, state, restore, load).
+    """
+
+    collective_update = True  # ZeRO's update ends in a broadcast of the updated shards: no rank passes it before
+    # every rank waited for its snapshot (before_update), so at most K steps are redone
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Callable[[], torch.optim.Optimizer],
+        *,
+        every: int,
+        state: Callable[[], Any] | None = None,
+        restore: Callable[[Any], object] | None = None,
+        load: Callable[[], int | None] | None = None,
+    ) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive number of steps, not {every!r}")
+        self.model, self.optimizer = model, optimizer
+        self._state_fn = state or self._default_state
+        self._restore_fn = restore or self._default_restore
+        self._every, self._load = every, load
+        self.snapshot: HostSnapshot | None = None
+        self.ddp: DistributedDataParallel | None = None
+
+    @property
+    def module(self) -> DistributedDataParallel:
+        assert self.ddp is not None, "no group: the module is wrapped once a generation formed"
+        return self.ddp
+
+    def sync(self, group: Group) -> Synced:
+        """Every rank at the same step: held when all hold it, else the newest step all hold in host memory."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer):  # its factory: the group exists now
+            self.optimizer = cast(Any, self.optimizer)()
+        _rebind(self.optimizer)
+        synced = self._bring_back(group)
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[group.device.index] if group.device.type == "cuda" else None, init_sync=False
+        )
+        return synced
+
+    def _bring_back(self, group: Group) -> Synced:
+        snap = self._snapshot(group)
+        if all_hold_one_step(group):
+            assert group.held is not None
+            return Synced(group.held, "held")
+        restored = rollback(snap, group)
+        if restored is not None:
+            self._restore_fn(restored.state)
+            return Synced(restored.step, "memory")
+        loaded = self._load() if self._load is not None else None  # every rank: its own shards (DCP)
+        if loaded is None:  # a fresh start: every rank begins from rank 0's parameters (DDP does not sync them)
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, 0)
+        snap.resumed_from(loaded or 0)
+        snap.snapshot_now(loaded or 0)  # a base every rank holds from the start: a rollback always finds one
+        return Synced(loaded or 0, "checkpoint" if loaded is not None else "fresh")
+
+    def unbind(self) -> None:
+        self.ddp = None
+
+    def _default_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": _own_shard(self.optimizer).state_dict()}
+
+    def _default_restore(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        _own_shard(self.optimizer).load_state_dict(state["optim"])
+
+    def _snapshot(self, group: Group) -> HostSnapshot:
+        if self.snapshot is None:
+            optimizers = [o for o in (self.optimizer, getattr(self.optimizer, "optim", None)) if o is not None]
+            self.snapshot = HostSnapshot(
+                self._state_fn, every=self._every, optimizer=optimizers, replicated=False,
+                rank=group.rank, world_size=group.places,
+            )  # fmt: skip
+        return self.snapshot
+
+
+class ShardedJob(StepEngine):
     """One rank of a sharded (or one-rank) job that recovers in place from host snapshots.
 
     Args:
@@ -54,8 +174,7 @@ class ShardedJob(InPlaceJob):
         restore: loads a state of that shape back (default: into the model and the optimizer's shard).
         load: called on every rank when no host snapshot exists (the job's first start): loads this
             rank's shards from the disk (DCP), returns the step or None.
-        others: passed to InPlaceJob (carried to joiners of a replicated job; unused here).
-        **kwargs: InPlaceJob's other arguments (backend, collective_timeout_s, membership_timeout_s, ...).
+        **kwargs: the StepEngine's other arguments (backend, collective_timeout_s, membership_timeout_s, save).
 
     Raises:
         NotInPlace: not under `gpuwatch launch --in-place`.
@@ -74,144 +193,27 @@ class ShardedJob(InPlaceJob):
         load: Callable[[], int | None] | None = None,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive number of steps, not {every!r}")
-        self._state_fn = state or self._default_state
-        self._restore_fn = restore or self._default_restore
-        self._every = every
-        self._shard_key = f"{os.environ.get(NODE_ENV, '0')}:{os.environ.get('RANK', '0')}"
-        self._shards: int | None = None
-        self._snap: HostSnapshot | None = None
-        self._updating = False
-        super().__init__(model, cast(Any, optimizer), link, load=load, **kwargs)
+        self._rollback = SnapshotRollback(model, optimizer, every=every, state=state, restore=restore, load=load)
+        self.model = model
+        super().__init__(self._rollback, link, **kwargs)
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer (made by the factory once the first group formed)."""
+        return self._rollback.optimizer
+
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        return self._rollback.ddp
 
     @property
     def snapshot(self) -> HostSnapshot | None:
         """This rank's host snapshot (None until the first generation formed)."""
-        return self._snap
+        return self._rollback.snapshot
 
-    def train_step(self, fn: Callable[[DistributedDataParallel], T]) -> T:
-        """One step: the boundary, `fn(ddp)` (forward, backward), the optimizer step, the snapshot when due.
-
-        A peer's failure anywhere in it (also in the optimizer step) rolls every rank back to the newest
-        step all hold in host memory; `fn` then runs for that step again.
-        """
-        while True:
-            before = time.monotonic()
-            failure = None
-            try:
-                self._in_collective = True
-                if self._pending is not None:
-                    target, since = self._pending
-                    self._pending = None
-                    self._reform(target, since)
-                agreed = self._boundary()
-                if agreed > self.generation:
-                    self._pending = (agreed, before)
-                    continue
-                assert self.ddp is not None and self._snap is not None
-                result = fn(self.ddp)
-                self._snap.wait()  # every rank past this point has committed its newest snapshot: at most K redone
-                self._updating = True
-                self.optimizer.step()
-                self._settle()
-                self._updating = False
-            except TimeoutError:
-                raise
-            except Exception as exc:
-                if not (_is_collective_failure(exc) or (self._aborted_for and not _is_cuda_fault(exc))):
-                    raise
-                failure = f"{type(exc).__name__}: {_first_line(exc)}"
-            finally:
-                self._in_collective = False
-            if failure is None:
-                break
-            if self._updating:  # the update ran in part: this rank's state is no step's state any more
-                self._updating, self._has_state = False, False
-            self._after_failure(failure, before)
-        self._step += 1
-        self._snapshot().step(self._step)
-        return result
-
-    def close(self, *, remove: bool = True) -> None:
+    def close(self, *, remove: bool = True, finished: bool | None = None) -> None:
         """Stop the watcher, destroy the group, release the snapshot (`remove`: the job finished, delete it)."""
-        super().close()
-        if self._snap is not None:
-            self._snap.close(remove=remove)
-
-    # -- InPlaceJob's hooks -------------------------------------------------------------------------
-
-    def _rendezvous(self, target: int) -> Generation:
-        """InPlaceJob's rendezvous, but only a generation that holds every shard trains (or one without this rank)."""
-        self._store.set(f"shard/{self.member}", self._shard_key)
-        deadline = time.monotonic() + self._membership_timeout_s
-        while True:
-            generation = super()._rendezvous(target)
-            if self.member not in generation.members or len(generation.members) >= self._shard_count():
-                return generation
-            while (target := latest_generation(self._store)) <= generation.number:  # a shard is missing: wait
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"generation {generation.number} lacks a shard and none came back")
-                time.sleep(_WAIT_S)
-
-    def _position(self, generation: Generation) -> int:
-        keys = {m: _key(self._store.get(f"shard/{m}").decode()) for m in generation.members}
-        return sorted(generation.members, key=lambda m: keys[m]).index(str(self.member))
-
-    def _sync_state(self, generation: Generation) -> tuple[str, int]:
-        """Every rank at the same step: held when all hold it, else the newest step all hold in host memory."""
-        if not isinstance(self.optimizer, torch.optim.Optimizer):  # its factory: the group exists now
-            self.optimizer = cast(Any, self.optimizer)()
-        _rebind(self.optimizer)
-        snap = self._snapshot()
-        mine = self._step if self._has_state else -1
-        steps = torch.tensor([mine, -mine], dtype=torch.int64, device=self._device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        if int(steps[0]) == -int(steps[1]) >= 0:
-            return "held", 0
-        snap.wait()
-        restored = snap.restore(device=self._device if self._device.type == "cuda" else None)  # straight onto the GPU
-        if restored is not None:
-            self._restore_fn(restored.state)
-            self._step, self._has_state = restored.step, True
-            return "memory", 0
-        loaded = self._load() if self._load is not None else None  # every rank: its own shards (DCP)
-        if loaded is None:  # a fresh start: every rank begins from rank 0's parameters (DDP does not sync them)
-            for tensor in self.model.state_dict().values():
-                dist.broadcast(tensor, 0)
-        self._step, self._has_state = loaded or 0, True
-        snap.resumed_from(self._step)
-        snap.snapshot_now(self._step)  # a base every rank holds from the start: a rollback always finds one
-        return ("checkpoint" if loaded is not None else "fresh"), 0
-
-    # -- helpers ------------------------------------------------------------------------------------
-
-    def _default_state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": _own_shard(self.optimizer).state_dict()}
-
-    def _default_restore(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        _own_shard(self.optimizer).load_state_dict(state["optim"])
-
-    def _shard_count(self) -> int:
-        """The job's shards: the size of its first generation (read once)."""
-        if self._shards is None:
-            self._shards = len(read_generation(self._store, 1).members)
-        return self._shards
-
-    def _snapshot(self) -> HostSnapshot:
-        if self._snap is None:
-            optimizers = [o for o in (self.optimizer, getattr(self.optimizer, "optim", None)) if o is not None]
-            self._snap = HostSnapshot(
-                self._state_fn, every=self._every, optimizer=optimizers, replicated=False,
-                rank=dist.get_rank(), world_size=self._shard_count(),
-            )  # fmt: skip
-        return self._snap
-
-
-def _key(text: str) -> tuple[int, int]:
-    node, _, rank = text.partition(":")
-    return (int(node), int(rank)) if node.isdigit() and rank.isdigit() else (1 << 30, 0)
+        super().close(finished=remove if finished is None else finished)
 
 
 def _own_shard(optimizer: Any) -> Any:

@@ -68,6 +68,7 @@ from gpuwatch.trainer.contract import (
     TrainerReport,
     quarantined_in,
 )
+from gpuwatch.trainer.faults import Fault, classify, first_line
 
 log = logging.getLogger("gpuwatch.trainer")
 
@@ -80,8 +81,6 @@ _MAX_PAUSE_TEXT = 256
 _GRAD_NORM_WINDOW = 100
 _PENDING_STOP_POLL_S = 0.1  # with a stop pending, how often the thread looks for a rescue() block to time
 _WAKE = 0  # the byte step() and close() write to the pipe; signal numbers are never 0
-_COLLECTIVE_ERROR_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "process group", "processgroup")
-_CUDA_FAULT_WORDS = ("cuda error", "illegal memory access", "cublas_status", "cudnn_status", "ecc error", "xid")
 
 
 class TrainerLink:
@@ -384,12 +383,13 @@ class TrainerLink:
 
     def _rescue_or_return(self, exc: BaseException, save: Callable[[int], object] | None) -> None:
         """Save and exit 75 when `exc` is a peer's failure and the state is ours to save; else return."""
-        if _is_cuda_fault(exc):
-            log.error("rank %s: own CUDA fault, no rescue (its state may be bad): %s", self.rank, _first_line(exc))
+        fault = classify(exc)
+        if fault is Fault.CUDA:
+            log.error("rank %s: own CUDA fault, no rescue (its state may be bad): %s", self.rank, first_line(exc))
             return
-        if not (self._aborted or self._stop_requested or _is_collective_error(exc)):
+        if not (self._aborted or self._stop_requested or fault is Fault.COLLECTIVE):
             return
-        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        why = f"{type(exc).__name__}: {first_line(exc)}"
         if save is None:
             log.warning("rank %s: collective failed (%s); no rescue for this state", self.rank, why)
             return
@@ -511,7 +511,7 @@ class TrainerLink:
         try:
             torch_store(device=device)()
         except Exception as exc:  # the intended outcome: the context is gone; the main thread fails next
-            log.warning("fault drill: rank %s: the store faulted as intended: %s", self.rank, _first_line(exc))
+            log.warning("fault drill: rank %s: the store faulted as intended: %s", self.rank, first_line(exc))
         else:
             log.error("fault drill: rank %s: the store did not fault", self.rank)
 
@@ -680,32 +680,6 @@ def _p99(values: deque[float]) -> float | None:
 def _finite(value: float) -> float | None:
     """Strict JSON has no NaN or Infinity: write those as null."""
     return value if math.isfinite(value) else None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def _is_cuda_fault(exc: BaseException) -> bool:
-    """This rank's own CUDA error (an XID, an illegal address, ECC): its state may be bad, so it must not save."""
-    torch = sys.modules.get("torch")
-    accelerator_error = getattr(torch, "AcceleratorError", None) if torch is not None else None
-    if isinstance(accelerator_error, type) and isinstance(exc, accelerator_error):
-        return True
-    text = str(exc).lower()
-    return any(word in text for word in _CUDA_FAULT_WORDS)
-
-
-def _is_collective_error(exc: BaseException) -> bool:
-    """A failed collective: torch.distributed's error types, or gloo's and NCCL's RuntimeErrors."""
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    dist_error = getattr(dist, "DistError", None)
-    if isinstance(dist_error, type) and isinstance(exc, dist_error):
-        return True
-    text = str(exc).lower()
-    return any(word in text for word in _COLLECTIVE_ERROR_WORDS)
 
 
 def _abort_default_process_group() -> None:

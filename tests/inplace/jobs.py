@@ -23,6 +23,7 @@ from gpuwatch.bench.daemon_process import DaemonProcess
 from tests.helpers import launch_env
 
 TIMEOUT_S = 90
+FSDP_PRELOAD = "gpuwatch.inplace.fsdp,torch.distributed.tensor.parallel,torch.distributed.checkpoint.state_dict"
 # The daemon of today signals every rank of a job on a quarantine and escalates to SIGTERM after
 # the grace period; the survivors of an in-place job ignore a stop about another GPU, so the grace
 # period is set beyond any test's length (the daemon's in-place rules are not what is tested here).
@@ -128,17 +129,117 @@ def launch_sharded(
 ) -> InPlaceRun:
     """`gpuwatch launch --in-place` running gpuwatch.inplace.sharded_worker (ZeroRedundancyOptimizer, a host
     snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
+    worker = ["gpuwatch.inplace.sharded_worker", "--steps", str(steps), "--every", str(every)]
+    return _launch_snapshot_job(node, workdir, launch_args, [*worker, "--step-sleep", str(step_sleep)])
+
+
+def launch_fsdp(
+    node: DaemonProcess,
+    workdir: Path,
+    steps: int,
+    *launch_args: str,
+    every: int = 3,
+    tp: int = 1,
+    step_sleep: float = 0.02,
+    worker_args: Sequence[str] = (),
+) -> InPlaceRun:
+    """`gpuwatch launch --in-place` running gpuwatch.inplace.fsdp_worker (FSDP2, a 2-D mesh with tp > 1, a host
+    snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
+    worker = ["gpuwatch.inplace.fsdp_worker", "--steps", str(steps), "--every", str(every), "--tp", str(tp)]
+    worker += ["--step-sleep", str(step_sleep), *worker_args]
+    preload = {"GPUWATCH_SPARE_PRELOAD": FSDP_PRELOAD}  # what docs/recovery-in-place.md asks an FSDP job to set
+    return _launch_snapshot_job(node, workdir, launch_args, worker, preload)
+
+
+def _launch_snapshot_job(
+    node: DaemonProcess, workdir: Path, launch_args: Sequence[str], worker: list[str], env: dict[str, str] | None = None
+) -> InPlaceRun:
     logs = workdir / "steps"
     command = [
         sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
-        "--in-place", *launch_args,
-        "--", "-m", "gpuwatch.inplace.sharded_worker", "--log-dir", str(logs), "--steps", str(steps),
-        "--every", str(every), "--step-sleep", str(step_sleep), "--collective-timeout", "20",
+        "--in-place", *launch_args, "--", "-m", *worker, "--log-dir", str(logs), "--collective-timeout", "20",
     ]  # fmt: skip
-    (workdir / "shm").mkdir(exist_ok=True)
-    env = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"))
-    process = subprocess.Popen(command, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (workdir / "shm").mkdir(parents=True, exist_ok=True)
+    environ = launch_env(GPUWATCH_SNAPSHOT_ROOT=str(workdir / "shm"), **(env or {}))
+    process = subprocess.Popen(
+        command, env=environ, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     return InPlaceRun(process, logs)
+
+
+def kill_when_warm(
+    run: InPlaceRun,
+    ranks: int,
+    rank: int,
+    every: int,
+    *,
+    past: int = 30,
+    freeze_s: float = 0.0,
+    start_s: float = TIMEOUT_S,
+) -> tuple[int, float]:
+    """Past step `past` on every rank with a warm spare, SIGKILL `rank` after a step `every` - 1 past a snapshot
+    (first SIGSTOP it for `freeze_s`, as the daemon kills a frozen rank); its pid and the time of the kill.
+    `start_s` bounds the job's start (4 ranks and a spare importing torch on a shared 2-core machine)."""
+    run.wait_for(
+        f"{ranks} rank(s) past step {past}",
+        lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= past}) == ranks,
+        start_s,
+    )
+    deadline = time.monotonic() + 90
+    while not spare_warm(run.process.pid):
+        assert time.monotonic() < deadline, "no spare got warm in 90 s"
+        time.sleep(0.1)
+    victim = next(ln["pid"] for ln in run.steps() if ln["rank"] == rank)
+    now = max(ln["step"] for ln in run.steps())  # kill one step short of a snapshot: K - 1 steps to redo
+    run.wait_for(
+        "a step just short of a snapshot",
+        lambda ls: any(ln["step"] > now and ln["step"] % every == every - 1 for ln in ls),
+    )
+    if freeze_s:
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(freeze_s)
+    killed = time.time()
+    os.kill(victim, signal.SIGKILL)
+    return victim, killed
+
+
+def spare_warm(launcher: int) -> bool:
+    """A spare of this launcher has imported torch and said so (it closed its ready pipe); other jobs' spares on
+    the machine do not count."""
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            if (
+                f"\nPPid:\t{launcher}\n" not in status
+                or b"gpuwatch.spares.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            ):
+                continue
+            environ = dict(
+                item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+            )
+            if b"GPUWATCH_SPARE_NOW" not in environ and not os.path.exists(
+                f"/proc/{pid}/fd/{environ[b'GPUWATCH_SPARE_READY_FD'].decode()}"
+            ):
+                return True
+        except (OSError, KeyError):
+            continue
+    return False
+
+
+def check_rank_log(own: list[dict[str, Any]], resumed: int, every: int) -> int:
+    """One rank's log (a survivor's, or the lost rank's followed by its replacement's): the steps it redid after
+    the kill, at most `every` (K), and none missing (its steps run on by one, and go back only to `resumed`, once).
+
+    Counted from the log's own order, not the kill's time: a survivor may log the step the kill interrupted
+    a moment after the kill, and that step is done (the newest common snapshot may hold it)."""
+    steps = [ln["step"] for ln in own]
+    at = max(i for i, step in enumerate(steps) if step == resumed)  # the first step after the recovery
+    before = max(steps[:at], default=resumed - 1)
+    redone = before - (resumed - 1)
+    assert 0 <= redone <= every, (redone, steps)
+    assert steps[:at] == list(range(steps[0], steps[0] + at)), steps  # nothing missing before it
+    assert steps[at:] == list(range(resumed, resumed + len(steps) - at)), steps  # nor after it
+    return redone
 
 
 def by_pid(lines: Sequence[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:

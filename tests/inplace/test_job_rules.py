@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from gpuwatch.inplace.job import _is_collective_failure, leaves  # noqa: E402
+from gpuwatch.inplace.job import leaves  # noqa: E402
+from gpuwatch.trainer.faults import Fault, classify  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -38,4 +39,4 @@ def test_a_rank_leaves_only_for_its_own_gpu(
     ],
 )
 def test_a_peers_failure_is_told_from_the_ranks_own_fault(error: Exception, peer_failure: bool) -> None:
-    assert _is_collective_failure(error) is peer_failure
+    assert (classify(error) is Fault.COLLECTIVE) is peer_failure

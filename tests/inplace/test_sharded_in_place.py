@@ -20,7 +20,7 @@ import pytest
 
 from gpuwatch.bench.daemon_process import DaemonProcess
 from tests.hardware.hang_drill import spare_warm
-from tests.inplace.jobs import InPlaceRun, by_pid, launch_sharded, sim_node
+from tests.inplace.jobs import InPlaceRun, by_pid, check_rank_log, kill_when_warm, launch_sharded, sim_node
 
 pytestmark = pytest.mark.slow
 K = 3
@@ -29,21 +29,7 @@ STEPS = 300
 
 
 def _kill_when_warm(run: InPlaceRun, ranks: int, rank: int) -> tuple[int, float]:
-    """Past step 30 on every rank with a warm spare, SIGKILL `rank` after a step K - 1 past a snapshot; its pid
-    and the time of the kill."""
-    run.wait_for(f"{ranks} rank(s) past step 30", lambda ls: len({ln["pid"] for ln in ls if ln["step"] >= 30}) == ranks)
-    deadline = time.monotonic() + 90
-    while not spare_warm():
-        assert time.monotonic() < deadline, "no spare got warm in 90 s"
-        time.sleep(0.1)
-    victim = next(ln["pid"] for ln in run.steps() if ln["rank"] == rank)
-    now = max(ln["step"] for ln in run.steps())  # kill one step short of a snapshot: K - 1 steps to redo
-    run.wait_for(
-        "a step just short of a snapshot", lambda ls: any(ln["step"] > now and ln["step"] % K == K - 1 for ln in ls)
-    )
-    killed = time.time()
-    os.kill(victim, signal.SIGKILL)
-    return victim, killed
+    return kill_when_warm(run, ranks, rank, K)
 
 
 def _spare_incident(node: DaemonProcess, victim: int) -> dict[str, Any]:
@@ -63,19 +49,7 @@ def _spare_incident(node: DaemonProcess, victim: int) -> dict[str, Any]:
 
 
 def _check_rank_log(own: list[dict[str, Any]], resumed: int) -> int:
-    """One rank's log (a survivor's, or the lost rank's followed by its replacement's): the steps it redid after
-    the kill, at most K, and none missing (its steps run on by one, and go back only to `resumed`, once).
-
-    Counted from the log's own order, not the kill's time: a survivor may log the step the kill interrupted
-    a moment after the kill, and that step is done (the newest common snapshot may hold it)."""
-    steps = [ln["step"] for ln in own]
-    at = max(i for i, step in enumerate(steps) if step == resumed)  # the first step after the recovery
-    before = max(steps[:at], default=resumed - 1)
-    redone = before - (resumed - 1)
-    assert 0 <= redone <= K, (redone, steps)
-    assert steps[:at] == list(range(steps[0], steps[0] + at)), steps  # nothing missing before it
-    assert steps[at:] == list(range(resumed, resumed + len(steps) - at)), steps  # nor after it
-    return redone
+    return check_rank_log(own, resumed, K)
 
 
 def test_a_killed_shard_is_taken_over_by_a_spare_and_every_rank_rolls_back_at_most_k(tmp_path: Path) -> None:

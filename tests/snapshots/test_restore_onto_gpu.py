@@ -4,7 +4,6 @@ onto the CPU: the example trainer and ShardedJob ask for the right device. The G
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from gpuwatch.examples import trainer as example  # noqa: E402
 from gpuwatch.inplace import sharded  # noqa: E402
+from gpuwatch.inplace.engine import Group  # noqa: E402
 
 
 class _Snap:
@@ -43,10 +43,9 @@ def test_a_sharded_job_restores_onto_its_own_device(
     monkeypatch: pytest.MonkeyPatch, device: str, asked: str | None
 ) -> None:
     snap = _Snap()
-    job = types.SimpleNamespace(
-        optimizer=torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), _snapshot=lambda: snap,
-        _step=5, _has_state=False, _device=torch.device(device), _load=None, model=torch.nn.Linear(2, 1),
-    )  # fmt: skip
+    net = torch.nn.Linear(2, 1)
+    source = sharded.SnapshotRollback(net, torch.optim.SGD(net.parameters(), lr=0.1), every=1)
+    source.snapshot = snap  # type: ignore[assignment]
     monkeypatch.setattr(sharded.dist, "all_reduce", lambda tensor, op=None: None)  # one rank without state
     monkeypatch.setattr(sharded.dist, "broadcast", lambda tensor, src: None)
     snap.wait = lambda: None  # type: ignore[attr-defined]
@@ -54,5 +53,5 @@ def test_a_sharded_job_restores_onto_its_own_device(
     snap.snapshot_now = lambda step: True  # type: ignore[attr-defined]
     real = torch.tensor  # the step agreement's tensor stays on the CPU: there is no GPU here
     monkeypatch.setattr(sharded.torch, "tensor", lambda data, **kw: real(data, dtype=kw.get("dtype")))
-    sharded.ShardedJob._sync_state(job, None)  # type: ignore[arg-type]
+    source._bring_back(Group(0, 1, 1, None, torch.device(device)))
     assert snap.devices == [torch.device(asked) if asked else None]
