@@ -55,12 +55,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpuwatch.base.command_error import OneLineCommand, fail
+from gpuwatch.base.command_error import fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
 from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
+from gpuwatch.launcher.job_args import LaunchCommand, torchrun_job_args
 from gpuwatch.launcher.job_check import missing_job
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
@@ -498,7 +499,7 @@ class Launcher:
             str(log_dir),
             *TEE_ARGS,
             *self.plan.rendezvous,
-            *self.plan.command,
+            *torchrun_job_args(self.plan.command),
         ]
 
     def _env(self, chosen: list[Gpu], error_file: Path, launch_dir: Path, *, resume: bool) -> dict[str, str]:
@@ -596,7 +597,7 @@ class _Nproc(click.ParamType):
 
 
 @click.command(
-    cls=OneLineCommand, context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+    cls=LaunchCommand, context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 )
 @click.option("--nproc-per-node", "nproc", type=_Nproc(), default="auto", show_default=True, help="Ranks per launch.")
 @click.option("--min-nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Stop below this.")

@@ -1,0 +1,91 @@
+"""A Hugging Face Trainer job as a user writes it, with gpuwatch's one line (and HF's own resume).
+
+A tiny GPT-2 built from its config on the CPU (gloo under torchrun), random tokens. Besides the
+documented line it has only the test's instruments: `StepLog` writes each step's loss to the job's
+own log (`--log`, one file per rank: "pid step loss"), and slows the steps (`--step-sleep`) so a
+test can strike at a step.
+
+    gpuwatch launch -- tests/frameworks/hf_train.py --out DIR --log LOG [--steps N] [--save-steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from gpuwatch.frameworks.hf import GpuwatchCallback
+
+
+class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int, length: int, vocab: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, vocab, (n, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+class StepLog(TrainerCallback):  # type: ignore[misc]
+    """The job's own step log: "pid step loss" per logged step, flushed; and a sleep per step."""
+
+    def __init__(self, path: str, sleep_s: float) -> None:
+        self.file = open(f"{path}.rank{os.environ.get('RANK', '0')}", "a")  # noqa: SIM115
+        self.sleep_s = sleep_s
+
+    def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
+        if logs and "loss" in logs:
+            self.file.write(f"{os.getpid()} {state.global_step} {logs['loss']}\n")
+            self.file.flush()
+
+    def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        time.sleep(self.sleep_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--save-steps", type=int, default=50)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    options = parser.parse_args()
+
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(
+        output_dir=options.out,
+        max_steps=options.steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        save_strategy="steps",
+        save_steps=options.save_steps,
+        save_total_limit=3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(4096, 32, config.vocab_size),
+        callbacks=[GpuwatchCallback(), StepLog(options.log, options.step_sleep)],  # the one line: GpuwatchCallback()
+    )
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
+
+
+if __name__ == "__main__":
+    main()
