@@ -30,6 +30,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from gpuwatch.frameworks.in_place import refuse_in_place
 from gpuwatch.trainer.hooks import TrainingHooks, _initialized_dist
 from gpuwatch.trainer.link import TrainerLink
 from gpuwatch.trainer.sealed import commit_sealed, seal, set_aside_unverified
@@ -56,6 +57,7 @@ class GpuwatchCallback(TrainerCallback):
         self._loss: float | None = None
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        refuse_in_place("Hugging Face Trainer")
         self._args = args
         if _shards_state(args):
             self.hooks.save = None

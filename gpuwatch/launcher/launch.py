@@ -63,6 +63,7 @@ from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
 from gpuwatch.launcher.job_args import LaunchCommand, torchrun_job_args
 from gpuwatch.launcher.job_check import missing_job
+from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
@@ -284,6 +285,7 @@ class ProgressWatch:
         self.on_first_step = on_first_step
         self.furthest: int | None = None
         self.first_step: int | None = None
+        self.reported = False  # a rank opened a step page (a TrainerLink): without one, no step is known
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-launch-progress", daemon=True)
 
@@ -308,6 +310,7 @@ class ProgressWatch:
             return
         for name in names:
             page = _read_own_page(self.launch_dir / name) if step_page_pid(name) is not None else None
+            self.reported = self.reported or page is not None
             if page is None or page.step is None:
                 continue
             if self.furthest is None or page.step > self.furthest:
@@ -402,9 +405,10 @@ class Launcher:
                     what = "the job stopped for resume"
                     cause = None
                 else:
-                    cause = self._crash_cause(failure, outcome.rc, chosen, everything, progress.furthest)
+                    at = _when(progress.furthest, progress.reported)
+                    cause = self._crash_cause(failure, outcome.rc, chosen, everything, at)
                     what = f"the job crashed ({cause})"
-                    self._stop_a_crash_loop(last_crash, progress.furthest, chosen, everything)
+                    self._stop_a_crash_loop(last_crash, progress.furthest, chosen, everything, at)
                     last_crash = _Crash(progress.furthest)
                 if launch >= self.plan.max_restarts:
                     raise LaunchStopped(EXIT_STOPPED, f"{what}, but --max-restarts {self.plan.max_restarts} is used up")
@@ -437,10 +441,10 @@ class Launcher:
         rc: int,
         chosen: list[Gpu],
         everything: list[Gpu] | None,
-        furthest: int | None,
+        at: str,
     ) -> str:
         """ "rank 1 on GPU 1 (GPU-…) killed by SIGKILL after step 37, daemon: no finding on GPU 1"."""
-        at = f" after step {furthest}" if furthest is not None else " before its first step"
+        at = f" {at}"
         if failure is None:
             return f"torchrun exited {rc}{at}, no worker named: see its full output in {self._log}"
         gpu = chosen[failure.local_rank] if failure.local_rank < len(chosen) else None
@@ -460,6 +464,7 @@ class Launcher:
         furthest: int | None,
         chosen: list[Gpu],
         everything: list[Gpu] | None,
+        at: str,
     ) -> None:
         """Stop (exit 3) when this crash repeats the last one's step with no hardware finding: a software fault.
 
@@ -470,7 +475,7 @@ class Launcher:
         before = -1 if last_crash.furthest is None else last_crash.furthest
         if (-1 if furthest is None else furthest) > before:
             return
-        at = f"at step {furthest}" if furthest is not None else "before its first step"
+        at = at.replace("after step", "at step")
         indices = ",".join(str(g.index) for g in chosen)
         raise LaunchStopped(
             EXIT_STOPPED,
@@ -515,6 +520,13 @@ class Launcher:
         if resume:
             env["GPUWATCH_RESUME"] = "1"
         return env
+
+
+def _when(furthest: int | None, reported: bool) -> str:
+    """ "after step 37", "before its first step", or what is known when no rank reports its steps (no TrainerLink)."""
+    if furthest is not None:
+        return f"after step {furthest}"
+    return "before its first step" if reported else "(no rank reports its steps)"
 
 
 def _torchrun_log(job_id: str) -> str:
@@ -625,6 +637,13 @@ class _Nproc(click.ParamType):
     help="--in-place with --rdzv-endpoint: your file (mode 600) holding the job's secret, the same on every node.",
 )
 @click.option(
+    "--join-within",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_JOIN_WITHIN_S,
+    show_default=True,
+    help="--in-place: refuse the job (exit 2) when none of its workers joined it (InPlaceJob) by then, in seconds.",
+)
+@click.option(
     "--spares",
     type=click.IntRange(min=0),
     help="Warm standby workers (--in-place only; default trainer.spares).",
@@ -643,6 +662,7 @@ def launch(
     in_place: bool,
     inplace_secret_file: str | None,
     spares: int | None,
+    join_within: float,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -704,6 +724,7 @@ def launch(
             in_place_plan = InPlacePlan(
                 job_id, command, ranks_dir, nproc, min_nproc, max_restarts,
                 rendezvous["rdzv_endpoint"], rendezvous["nnodes"], secret_file=inplace_secret_file,
+                join_within_s=join_within,
             )  # fmt: skip
             try:
                 echo = lambda line: click.echo(line, err=True)  # noqa: E731

@@ -11,6 +11,9 @@ directory with no manifest, or with a framework's own "incomplete" marker in it,
 sight (`.unverified-<name>-<pid>`), so the framework's own resume ("the highest-numbered
 checkpoint-N") lands on the newest good one; each is logged with its reason.
 
+A framework that writes each checkpoint as one file (Lightning's `.ckpt`) gets the same from
+`seal_file()` and `why_unverified_file()`: the manifest lies beside the file, `<name>.manifest.json`.
+
 `commit_sealed()` is the single-writer commit for a survivor whose peer died: it seals a filled
 temp dir and renames it to its final name, unless another survivor's verified one got there first.
 """
@@ -32,7 +35,10 @@ from gpuwatch.trainer.checkpoint import (
     MANIFEST_VERSION,
     _chunks_of_file,
     _fsync_dir,
+    _Invalid,
+    _read_small,
     _rename_unless_verified,
+    _verify_crc32,
     _write_synced,
     verify_checkpoint,
 )
@@ -40,6 +46,7 @@ from gpuwatch.trainer.checkpoint import (
 log = logging.getLogger("gpuwatch.trainer")
 
 ASIDE_PREFIX = ".unverified-"
+FILE_MANIFEST_SUFFIX = ".manifest.json"
 
 
 def seal(path: str | os.PathLike[str], step: int) -> Path:
@@ -66,6 +73,47 @@ def seal(path: str | os.PathLike[str], step: int) -> Path:
     except OSError as exc:
         raise CheckpointError(f"cannot seal checkpoint {path}: {exc}") from exc
     return path
+
+
+def seal_file(path: str | os.PathLike[str], step: int) -> Path:
+    """Write the manifest of the one-file checkpoint `path` (of `step`) beside it: `<name>.manifest.json`.
+
+    Raises:
+        CheckpointError: the file could not be read or the manifest written.
+    """
+    path = Path(path)
+    try:
+        chunks = _chunks_of_file(path)  # reads and fsyncs it
+        entry = {"size": sum(c.length for c in chunks), CRC32: [list(c) for c in chunks]}
+        manifest = {"version": MANIFEST_VERSION, "step": step, "t": time.time(), "files": {path.name: entry}}
+        tmp = path.with_name(f".{path.name}{FILE_MANIFEST_SUFFIX}.tmp-{os.getpid()}")
+        _write_synced(tmp, json.dumps(manifest).encode())
+        os.replace(tmp, path.with_name(path.name + FILE_MANIFEST_SUFFIX))
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        raise CheckpointError(f"cannot seal checkpoint {path}: {exc}") from exc
+    return path
+
+
+def why_unverified_file(path: str | os.PathLike[str]) -> str | None:
+    """Why the one-file checkpoint at `path` does not match its manifest (one line), or None when it does."""
+    path = Path(path)
+    try:
+        try:
+            manifest = json.loads(_read_small(path.parent, path.name + FILE_MANIFEST_SUFFIX))
+        except _Invalid as exc:
+            if str(exc).startswith("missing"):
+                return f"no {path.name}{FILE_MANIFEST_SUFFIX}: not sealed (its save did not finish)"
+            raise
+        except (ValueError, RecursionError) as exc:
+            return f"{path.name}{FILE_MANIFEST_SUFFIX} unreadable: {exc}"
+        entry = manifest.get("files", {}).get(path.name) if isinstance(manifest, dict) else None
+        if not isinstance(entry, dict):
+            return f"{path.name}{FILE_MANIFEST_SUFFIX} does not list {path.name}"
+        _verify_crc32(path.parent, path.name, entry)
+    except _Invalid as exc:
+        return str(exc)
+    return None
 
 
 def why_unverified(path: str | os.PathLike[str], markers: Iterable[str] = ()) -> str | None:

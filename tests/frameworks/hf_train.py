@@ -1,9 +1,9 @@
 """A Hugging Face Trainer job as a user writes it, with gpuwatch's one line (and HF's own resume).
 
 A tiny GPT-2 built from its config on the CPU (gloo under torchrun), random tokens. Besides the
-documented line it has only the test's instruments: `StepLog` writes each step's loss to the job's
-own log (`--log`, one file per rank: "pid step loss"), and slows the steps (`--step-sleep`) so a
-test can strike at a step.
+documented line it has only the test's instruments: `StepLog` writes each finished step to the job's
+own log (`--log`, one file per rank: "step PID N" at the step's end, "loss PID N LOSS" once HF
+logged it), and slows the steps (`--step-sleep`) so a test can strike at a step.
 
     gpuwatch launch -- tests/frameworks/hf_train.py --out DIR --log LOG [--steps N] [--save-steps N]
 """
@@ -34,7 +34,7 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 
 class StepLog(TrainerCallback):  # type: ignore[misc]
-    """The job's own step log: "pid step loss" per logged step, flushed; and a sleep per step."""
+    """The job's own step log, flushed line by line; and a sleep per step."""
 
     def __init__(self, path: str, sleep_s: float) -> None:
         self.file = open(f"{path}.rank{os.environ.get('RANK', '0')}", "a")  # noqa: SIM115
@@ -42,10 +42,12 @@ class StepLog(TrainerCallback):  # type: ignore[misc]
 
     def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
         if logs and "loss" in logs:
-            self.file.write(f"{os.getpid()} {state.global_step} {logs['loss']}\n")
+            self.file.write(f"loss {os.getpid()} {state.global_step} {logs['loss']}\n")
             self.file.flush()
 
     def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        self.file.write(f"step {os.getpid()} {state.global_step}\n")  # before gpuwatch's callback (listed first)
+        self.file.flush()
         time.sleep(self.sleep_s)
 
 
@@ -82,7 +84,7 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=RandomTokens(4096, 32, config.vocab_size),
-        callbacks=[GpuwatchCallback(), StepLog(options.log, options.step_sleep)],  # the one line: GpuwatchCallback()
+        callbacks=[StepLog(options.log, options.step_sleep), GpuwatchCallback()],  # the one line: GpuwatchCallback()
     )
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
 

@@ -1,8 +1,8 @@
 """What the framework tests share: a user script under `gpuwatch launch` with the sim daemon, and its step log.
 
-Each script (hf_train.py, lightning_train.py) writes the job's own step log, one file per rank,
-"pid step loss" per step; the steps lost to a fault are read from it: the furthest step the first
-launch finished against the step the next launch resumed from.
+Each script (hf_train.py, lightning_train.py) writes the job's own step log, one file per rank:
+"step PID N" when step N finished, "loss PID N LOSS"; the steps lost to a fault are read from it: the
+furthest step the first launch finished against the step the next launch resumed from.
 """
 
 from __future__ import annotations
@@ -22,27 +22,36 @@ TIMEOUT_S = 240  # two launches, each importing a framework on a loaded 2-core m
 
 @dataclass(frozen=True)
 class StepLog:
-    """One rank's step log, split by launch (pid) in order."""
+    """One rank's step log: the steps each launch (pid) finished, in order, and each step's last loss."""
 
-    launches: list[list[tuple[int, float]]]
+    launches: list[list[int]]
+    losses: dict[int, float]
 
     @classmethod
     def read(cls, path: Path) -> StepLog:
-        launches: dict[int, list[tuple[int, float]]] = {}
+        launches: dict[int, list[int]] = {}
+        losses: dict[int, float] = {}
         for line in path.read_text().splitlines():
-            pid, step, loss = line.split()
-            launches.setdefault(int(pid), []).append((int(step), float(loss)))
-        return cls(list(launches.values()))
+            kind, pid, step, *loss = line.split()
+            if kind == "step":
+                launches.setdefault(int(pid), []).append(int(step))
+            else:
+                losses[int(step)] = float(loss[0])
+        return cls(list(launches.values()), losses)
 
-    def lost(self) -> int:
-        """Steps the first launch finished that the second did again."""
-        furthest = max(step for step, _ in self.launches[0])
-        resumed_from = self.launches[1][0][0] - 1
-        return furthest - resumed_from
+    @property
+    def furthest(self) -> int:
+        """The furthest step the first launch finished."""
+        return max(self.launches[0])
 
     @property
     def resumed_from(self) -> int:
-        return self.launches[1][0][0] - 1
+        """The step the second launch resumed from (its first step, less one)."""
+        return self.launches[1][0] - 1
+
+    def lost(self) -> int:
+        """Steps the first launch finished that the second did again."""
+        return self.furthest - self.resumed_from
 
 
 def launch(node: Node, script: str, out: Path, *args: str, max_restarts: int = 2) -> subprocess.Popen[str]:
