@@ -84,4 +84,5 @@ def test_lightning_under_in_place_is_refused_before_it_trains_alone(node: Node, 
         .splitlines()[-1]
         .startswith("gpuwatch launch: error: every worker ended before any joined the job: ")
     )
-    assert not list(tmp_path.glob("out.log.rank*")) and not list(out.glob("*.ckpt"))  # not one step alone
+    assert not list(out.glob("*.ckpt"))  # not one step alone, not one checkpoint
+    assert all(log.read_text() == "" for log in tmp_path.glob("out.log.rank*"))
