@@ -10,15 +10,15 @@ logged it), and slows the steps (`--step-sleep`) so a test can strike at a step.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from gpuwatch.frameworks.hf import GpuwatchCallback
+from tests.frameworks.tiny import job_options, tiny_gpt2
 
 
 class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -52,18 +52,9 @@ class StepLog(TrainerCallback):  # type: ignore[misc]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--log", required=True)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--save-steps", type=int, default=50)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
-    options = parser.parse_args()
-
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32)
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    options = job_options()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config)
+    model = tiny_gpt2()
     args = TrainingArguments(
         output_dir=options.out,
         max_steps=options.steps,
@@ -83,7 +74,7 @@ def main() -> None:
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=RandomTokens(4096, 32, config.vocab_size),
+        train_dataset=RandomTokens(4096, 32, model.config.vocab_size),
         callbacks=[StepLog(options.log, options.step_sleep), GpuwatchCallback()],  # the one line: GpuwatchCallback()
     )
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))

@@ -10,7 +10,6 @@ the steps (`--step-sleep`) so a test can strike at a step.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -18,17 +17,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from gpuwatch.frameworks.lightning import GpuwatchLightning
+from tests.frameworks.tiny import job_options, tiny_gpt2
 
 
 class TinyGPT(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32)
-        config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-        self.model = GPT2LMHeadModel(config)
+        self.model = tiny_gpt2()
 
     def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
@@ -53,13 +50,7 @@ class StepLog(pl.Callback):  # type: ignore[misc]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--log", required=True)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--save-steps", type=int, default=50)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
-    options = parser.parse_args()
+    options = job_options()
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (4096, 32), generator=torch.Generator().manual_seed(0))
