@@ -101,11 +101,14 @@ class TrainingHooks:
     def failure(self, exc: BaseException) -> None:
         """A step failed with `exc`: rescue and exit 75 when a peer's failure caused it; else return.
 
+        An exit (SystemExit, our own `exit_for_resume` among them) or an interrupt is no failure.
+
         Raises:
             SystemExit: 75 after a rescue.
         """
         self.link._block_entered_t = None
-        self.link._rescue_or_return(exc, self.save)
+        if isinstance(exc, Exception):
+            self.link._rescue_or_return(exc, self.save)
 
     def install_excepthook(self) -> None:
         """Run `failure` on an error that leaves the program (a framework with no exception hook of its own)."""
