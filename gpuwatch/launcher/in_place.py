@@ -166,6 +166,7 @@ class Supervisor:
         self._daemon_down = False
         self._server: StoreServer | None = None
         self._coordinator: threading.Thread | None = None
+        self._join_watch: JoinWatch | None = None  # until a worker joins: made when the store is open
 
     def run(self) -> int:
         """Run the job until it finishes; 0 on success.
@@ -379,7 +380,8 @@ class Supervisor:
 
     def _refuse_a_job_that_never_joins(self) -> None:
         """Stop (exit 2) a job that is not an in-place job: it must not train as one-rank jobs, nor be replaced."""
-        why = None if self.finished else self._join_watch.refusal(len(self._live()))
+        watch = self._join_watch
+        why = None if self.finished or watch is None else watch.refusal(len(self._live()))
         if why is not None:
             self._terminate_workers()
             raise InPlaceStopped(2, why)
