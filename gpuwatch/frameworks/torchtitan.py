@@ -26,7 +26,7 @@ import importlib
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torchtitan.trainer import Trainer
@@ -42,6 +42,10 @@ STEP_PATTERN = r"step-(\d+)"
 
 class GpuwatchTrainer(Trainer):
     """torchtitan's Trainer with gpuwatch's stop, sealed DCP checkpoints and verified resume."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        """torchtitan's own config; declared here so that `build()` makes a GpuwatchTrainer (its owner)."""
 
     def __init__(self, config: Any) -> None:
         refuse_in_place("torchtitan")
