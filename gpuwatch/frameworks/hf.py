@@ -105,15 +105,15 @@ class GpuwatchCallback(TrainerCallback):
             held = None if self._state is None else self._state.global_step
             log.error("gpuwatch: no rescue: the trainer holds step %s, not the last completed step %d", held, step)
             return
+        model, optimizer, scheduler = (self._objects.get(k) for k in ("model", "optimizer", "lr_scheduler"))
+        if model is None:
+            log.error("gpuwatch: no rescue: the trainer gave no model")
+            return
         torch = sys.modules["torch"]
         output = _output_dir(self._args)
         tmp = output / f".tmp-checkpoint-{step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model, optimizer, scheduler = (self._objects.get(k) for k in ("model", "optimizer", "lr_scheduler"))
-        if model is None:
-            log.error("gpuwatch: no rescue: the trainer gave no model")
-            return
         model.save_pretrained(tmp, is_main_process=True)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
