@@ -21,12 +21,14 @@ Checkpoint directories the framework writes are sealed and verified by gpuwatch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -108,7 +110,8 @@ class TrainingHooks:
         """
         self.link._block_entered_t = None
         if isinstance(exc, Exception):
-            self.link._rescue_or_return(exc, self.save)
+            with _term_signal_held(self.link):
+                self.link._rescue_or_return(exc, self.save)
 
     def install_excepthook(self) -> None:
         """Run `failure` on an error that leaves the program (a framework with no exception hook of its own)."""
@@ -140,6 +143,30 @@ class TrainingHooks:
             sys.excepthook = self._previous_excepthook
         self._previous_excepthook = None
         self.link.close()
+
+
+@contextlib.contextmanager
+def _term_signal_held(link: TrainerLink) -> Iterator[None]:
+    """While a rescue saves, the term signal (torchrun's teardown) only waits: the framework's own handler
+    would run a collective with the dead peer (Lightning broadcasts in its SIGTERM handler) and break the save.
+    When the rescue does not exit, the handler is put back and a signal that arrived meanwhile is sent again."""
+    signum = link._term_signal
+    if signum is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = signal.signal(signum, lambda number, _frame: arrived.append(number))
+    leaving = False
+    try:
+        yield
+    except SystemExit:
+        leaving = True  # rescued: the process exits 75 now, the signal may keep waiting
+        raise
+    finally:
+        if not leaving:
+            signal.signal(signum, previous)
+            if arrived:
+                os.kill(os.getpid(), signum)
 
 
 def _initialized_dist() -> Any:

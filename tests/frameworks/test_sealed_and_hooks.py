@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,8 +101,10 @@ def test_a_one_file_checkpoint_is_sealed_beside_it(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def link(tmp_path: Path) -> TrainerLink:
-    return TrainerLink(tmp_path, report_interval_s=3600.0, gpu_uuid="GPU-test")
+def link(tmp_path: Path) -> Iterator[TrainerLink]:
+    previous = signal.getsignal(signal.SIGTERM)
+    yield TrainerLink(tmp_path, report_interval_s=3600.0, gpu_uuid="GPU-test")
+    signal.signal(signal.SIGTERM, previous)  # a rescue leaves SIGTERM waiting: its process is about to exit
 
 
 def test_one_process_stops_at_the_step_it_was_asked_and_only_then(link: TrainerLink) -> None:
@@ -145,3 +148,29 @@ def test_after_torchruns_sigterm_the_finished_step_is_rescued_not_killed(link: T
     with pytest.raises(SystemExit) as done:
         hooks.end_step(5)
     assert (done.value.code, saved) == (75, [5])
+
+
+def test_torchruns_sigterm_during_the_rescue_save_waits_instead_of_running_the_frameworks_handler(
+    tmp_path: Path,
+) -> None:
+    def lightnings(_signum: int, _frame: object) -> None:  # Lightning broadcasts in its SIGTERM handler
+        raise RuntimeError("[gloo] Connection reset by peer")
+
+    previous = signal.signal(signal.SIGTERM, lightnings)
+    try:
+        link = TrainerLink(tmp_path, report_interval_s=3600.0, gpu_uuid="GPU-test")  # chains to it
+        saved: list[int] = []
+
+        def save(step: int) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)  # torchrun tears the group down mid-save
+            for _ in range(1000):  # bytecode for the handler to run between
+                pass
+            saved.append(step)
+
+        hooks = TrainingHooks(link, save=save)
+        hooks.end_step(9)
+        with pytest.raises(SystemExit) as done:
+            hooks.failure(RuntimeError("[gloo] Connection closed by peer"))
+        assert (done.value.code, saved) == (75, [9])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
