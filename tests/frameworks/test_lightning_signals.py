@@ -17,6 +17,7 @@ import pytest
 from tests.helpers import REPO
 
 pytest.importorskip("lightning")
+pytestmark = pytest.mark.slow  # a Lightning fit in a child process
 
 JOB = """
 import os, signal, sys
