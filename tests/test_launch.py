@@ -141,7 +141,7 @@ def test_stop_for_resume_relaunches_on_the_gpus_left_with_resume_set() -> None:
     log_dir = argv1[argv1.index("--log-dir") + 1]
     assert argv1[1:] == [
         "-m", "gpuwatch.launcher.local_rendezvous", "--max-restarts", "0", "--nproc-per-node", "2",
-        "--log-dir", log_dir, "--tee", "2", "--nnodes", "1", "-m", "train", "--lr", "3",
+        "--log-dir", log_dir, "--tee", "2", "--nnodes", "1", "-m", "--", "train", "--lr", "3",
     ]  # fmt: skip
     assert argv1[0] == sys.executable
     assert env1["CUDA_VISIBLE_DEVICES"] == "GPU-000,GPU-111" and "GPUWATCH_RESUME" not in env1
@@ -218,7 +218,7 @@ def test_a_nonzero_exit_relaunches_on_the_gpus_left() -> None:
     assert Launcher(plan(), daemon, torchrun, lines.append).run() == 0
 
     assert lines[1] == (
-        "gpuwatch launch: relaunch 1/3: rank 1 on GPU 1 (GPU-111) exited 7 before its first step, "
+        "gpuwatch launch: relaunch 1/3: rank 1 on GPU 1 (GPU-111) exited 7 (no rank reports its steps), "
         "daemon: GPU 1 quarantined: xid 79; GPU 1 (GPU-111) left, quarantined: xid 79"
     )
     assert torchrun.calls[1][1]["CUDA_VISIBLE_DEVICES"] == "GPU-000"
@@ -256,7 +256,7 @@ def test_crashes_count_against_max_restarts() -> None:
 
     assert (stopped.value.code, str(stopped.value)) == (
         3,
-        "the job crashed (rank 0 on GPU 0 (GPU-000) killed by SIGKILL before its first step, daemon: no finding "
+        "the job crashed (rank 0 on GPU 0 (GPU-000) killed by SIGKILL (no rank reports its steps), daemon: no finding "
         "on GPU 0), but --max-restarts 0 is used up",
     )
 
@@ -272,7 +272,7 @@ def test_an_unreachable_daemon_relaunches_on_the_same_gpus_and_says_so() -> None
         "gpuwatch launch: cannot reach the gpuwatch daemon at http://127.0.0.1:9835: refused: "
         "relaunching on the same GPUs"
     )
-    assert "killed by SIGKILL before its first step, daemon not reachable" in lines[2]
+    assert "killed by SIGKILL (no rank reports its steps), daemon not reachable" in lines[2]
     assert [c[1]["CUDA_VISIBLE_DEVICES"] for c in torchrun.calls] == ["GPU-000,GPU-111"] * 3  # no crash-loop verdict
 
 
@@ -280,10 +280,10 @@ def test_a_failure_torchrun_does_not_name_points_at_the_log(tmp_path: Path) -> N
     torchrun = FakeTorchrun(Run(2), Run(2))
     lines: list[str] = []
 
-    with pytest.raises(LaunchStopped, match="crashed twice before its first step"):
+    with pytest.raises(LaunchStopped, match=r"crashed twice \(no rank reports its steps\)"):
         Launcher(plan(), FakeDaemon([gpu(0)]), torchrun, lines.append).run()
     assert lines[1] == (
-        "gpuwatch launch: relaunch 1/3: torchrun exited 2 before its first step, no worker named: "
+        "gpuwatch launch: relaunch 1/3: torchrun exited 2 (no rank reports its steps), no worker named: "
         f"see its full output in {next(tmp_path.glob('gpuwatch-launch-job-7-*.log'))}"
     )
 

@@ -59,6 +59,7 @@ from gpuwatch.inplace.protocol import (
 )
 from gpuwatch.inplace.relay import RELAY_ENV, NodeRelay, node_relay
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
+from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S, JoinWatch
 from gpuwatch.spares.pool import Spare, SparePool
 from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
 
@@ -112,6 +113,7 @@ class InPlacePlan:
     nnodes: str | None = None  # "N" or "MIN:MAX": the first generation waits for MIN launchers
     daemon_poll_s: float = 1.0
     secret_file: str | None = None  # the job's secret (needed with an endpoint); None: a new one, this node only
+    join_within_s: float = DEFAULT_JOIN_WITHIN_S  # a job none of whose workers joined by then is refused (exit 2)
 
 
 @dataclass
@@ -166,6 +168,7 @@ class Supervisor:
         self._server: StoreServer | None = None
         self._relay: NodeRelay | None = None  # the node's one watcher of the job's store, for its ranks
         self._coordinator: threading.Thread | None = None
+        self._join_watch: JoinWatch | None = None  # until a worker joins: made when the store is open
 
     def run(self) -> int:
         """Run the job until it finishes; 0 on success.
@@ -206,6 +209,7 @@ class Supervisor:
             + ("" if hosting else f", store at {address}")
         )
         append_event(self.store, NODE, node=self.node, workers=want)
+        self._join_watch = JoinWatch(self.store, self.plan.join_within_s)
         for rank, gpu in enumerate(chosen):
             self._start(gpu, rank=rank, world=want)
         if self.spares is not None:
@@ -364,6 +368,7 @@ class Supervisor:
                     self._exited(*self._exits.get_nowait())
             if self._received is not None:
                 return self._shut_down()
+            self._refuse_a_job_that_never_joins()
             if self._coordinator is not None and not self._coordinator.is_alive():
                 self._terminate_workers()
                 raise InPlaceStopped(EXIT_STOPPED, "the job's coordinator ended: the job stops (its ranks would wait)")
@@ -379,6 +384,14 @@ class Supervisor:
                 self._grow()
                 if not self._live() and not self.finished and not self._replacement_due() and self._job_has_no_member():
                     raise InPlaceStopped(EXIT_STOPPED, "no rank of the job is left and no usable GPU to restart on")
+
+    def _refuse_a_job_that_never_joins(self) -> None:
+        """Stop (exit 2) a job that is not an in-place job: it must not train as one-rank jobs, nor be replaced."""
+        watch = self._join_watch
+        why = None if self.finished or watch is None else watch.refusal(len(self._live()))
+        if why is not None:
+            self._terminate_workers()
+            raise InPlaceStopped(2, why)
 
     def _exited(self, worker: _Worker, code: int, began: bool = False) -> None:
         """Publish the exit at once (the survivors wait for it), then decide about the GPU.

@@ -55,13 +55,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from gpuwatch.base.command_error import OneLineCommand, fail
+from gpuwatch.base.command_error import fail
 from gpuwatch.config import load
 from gpuwatch.errors import GpuwatchError
 from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
 from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
+from gpuwatch.launcher.job_args import LaunchCommand, torchrun_job_args
 from gpuwatch.launcher.job_check import missing_job
+from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S
 from gpuwatch.launcher.limits import raise_descriptor_limit
 from gpuwatch.launcher.local_rendezvous import BACKEND as LOCAL_BACKEND
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
@@ -286,6 +288,7 @@ class ProgressWatch:
         self.on_first_step = on_first_step
         self.furthest: int | None = None
         self.first_step: int | None = None
+        self.reported = False  # a rank opened a step page (a TrainerLink): without one, no step is known
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-launch-progress", daemon=True)
 
@@ -310,6 +313,7 @@ class ProgressWatch:
             return
         for name in names:
             page = _read_own_page(self.launch_dir / name) if step_page_pid(name) is not None else None
+            self.reported = self.reported or page is not None
             if page is None or page.step is None:
                 continue
             if self.furthest is None or page.step > self.furthest:
@@ -404,9 +408,10 @@ class Launcher:
                     what = "the job stopped for resume"
                     cause = None
                 else:
-                    cause = self._crash_cause(failure, outcome.rc, chosen, everything, progress.furthest)
+                    at = _when(progress.furthest, progress.reported)
+                    cause = self._crash_cause(failure, outcome.rc, chosen, everything, at)
                     what = f"the job crashed ({cause})"
-                    self._stop_a_crash_loop(last_crash, progress.furthest, chosen, everything)
+                    self._stop_a_crash_loop(last_crash, progress.furthest, chosen, everything, at)
                     last_crash = _Crash(progress.furthest)
                 if launch >= self.plan.max_restarts:
                     raise LaunchStopped(EXIT_STOPPED, f"{what}, but --max-restarts {self.plan.max_restarts} is used up")
@@ -439,10 +444,10 @@ class Launcher:
         rc: int,
         chosen: list[Gpu],
         everything: list[Gpu] | None,
-        furthest: int | None,
+        at: str,
     ) -> str:
         """ "rank 1 on GPU 1 (GPU-…) killed by SIGKILL after step 37, daemon: no finding on GPU 1"."""
-        at = f" after step {furthest}" if furthest is not None else " before its first step"
+        at = f" {at}"
         if failure is None:
             return f"torchrun exited {rc}{at}, no worker named: see its full output in {self._log}"
         gpu = chosen[failure.local_rank] if failure.local_rank < len(chosen) else None
@@ -462,6 +467,7 @@ class Launcher:
         furthest: int | None,
         chosen: list[Gpu],
         everything: list[Gpu] | None,
+        at: str,
     ) -> None:
         """Stop (exit 3) when this crash repeats the last one's step with no hardware finding: a software fault.
 
@@ -472,7 +478,7 @@ class Launcher:
         before = -1 if last_crash.furthest is None else last_crash.furthest
         if (-1 if furthest is None else furthest) > before:
             return
-        at = f"at step {furthest}" if furthest is not None else "before its first step"
+        at = at.replace("after step", "at step")
         indices = ",".join(str(g.index) for g in chosen)
         raise LaunchStopped(
             EXIT_STOPPED,
@@ -501,7 +507,7 @@ class Launcher:
             str(log_dir),
             *TEE_ARGS,
             *self.plan.rendezvous,
-            *self.plan.command,
+            *torchrun_job_args(self.plan.command),
         ]
 
     def _env(self, chosen: list[Gpu], error_file: Path, launch_dir: Path, *, resume: bool) -> dict[str, str]:
@@ -517,6 +523,13 @@ class Launcher:
         if resume:
             env["GPUWATCH_RESUME"] = "1"
         return env
+
+
+def _when(furthest: int | None, reported: bool) -> str:
+    """ "after step 37", "before its first step", or what is known when no rank reports its steps (no TrainerLink)."""
+    if furthest is not None:
+        return f"after step {furthest}"
+    return "before its first step" if reported else "(no rank reports its steps)"
 
 
 def _torchrun_log(job_id: str) -> str:
@@ -599,7 +612,7 @@ class _Nproc(click.ParamType):
 
 
 @click.command(
-    cls=OneLineCommand, context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+    cls=LaunchCommand, context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
 )
 @click.option("--nproc-per-node", "nproc", type=_Nproc(), default="auto", show_default=True, help="Ranks per launch.")
 @click.option("--min-nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Stop below this.")
@@ -627,6 +640,13 @@ class _Nproc(click.ParamType):
     help="--in-place with --rdzv-endpoint: your file (mode 600) holding the job's secret, the same on every node.",
 )
 @click.option(
+    "--join-within",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_JOIN_WITHIN_S,
+    show_default=True,
+    help="--in-place: refuse the job (exit 2) when none of its workers joined it (InPlaceJob) by then, in seconds.",
+)
+@click.option(
     "--spares",
     type=click.IntRange(min=0),
     help="Warm standby workers (--in-place only; default trainer.spares).",
@@ -645,6 +665,7 @@ def launch(
     in_place: bool,
     inplace_secret_file: str | None,
     spares: int | None,
+    join_within: float,
     **rendezvous: Any,
 ) -> None:
     """Run a torchrun job on this node's usable GPUs; relaunch it on the rest when gpuwatch takes one.
@@ -707,6 +728,7 @@ def launch(
             in_place_plan = InPlacePlan(
                 job_id, command, ranks_dir, nproc, min_nproc, max_restarts,
                 rendezvous["rdzv_endpoint"], rendezvous["nnodes"], secret_file=inplace_secret_file,
+                join_within_s=join_within,
             )  # fmt: skip
             try:
                 echo = lambda line: click.echo(line, err=True)  # noqa: E731

@@ -25,6 +25,7 @@ TEE_ARGS = ("--tee", "2")  # workers' stderr to torchrun's, prefixed, and to per
 _WORKER_LINE = re.compile(rb"^\[[^\]\d]+(\d+)\]:")  # [default0]: (its role, its local rank); not the summary's [0]:
 _ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Fault|Interrupt)\b|\berror\b|\bfailed\b", re.IGNORECASE)
 _TAIL_BYTES = 64 * 1024
+_TRACEBACK = "Traceback (most recent call last):"
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class TorchrunOutput:
         self.terminal = terminal
         self.own_tail = bytearray()  # torchrun's own lines, the last _TAIL_BYTES
         self.last_error: dict[int, str] = {}  # local rank → its last error line
+        self._in_traceback: set[int] = set()  # local ranks whose traceback's frames are coming
         self._partial = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -101,9 +103,15 @@ class TorchrunOutput:
             self.own_tail += line + b"\n"
             del self.own_tail[:-_TAIL_BYTES]
             return False
-        text = line[worker.end() :].decode(errors="replace").strip()
-        if _ERROR_LINE.search(text):
-            self.last_error[int(worker.group(1))] = text[:300]
+        raw = line[worker.end() :].decode(errors="replace")
+        text, rank = raw.strip(), int(worker.group(1))
+        if rank in self._in_traceback and text and not raw[:1].isspace():
+            self._in_traceback.discard(rank)  # the first line after the frames: the exception, whatever its name
+            self.last_error[rank] = text[:300]
+        elif text.startswith(_TRACEBACK):
+            self._in_traceback.add(rank)
+        elif _ERROR_LINE.search(text):
+            self.last_error[rank] = text[:300]
         return True
 
     def failures(self) -> tuple[Failure, ...]:

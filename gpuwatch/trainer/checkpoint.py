@@ -194,7 +194,12 @@ def save_checkpoint(
 
 
 def commit_checkpoint(
-    directory: str | os.PathLike[str], step: int, temp_dir: str | os.PathLike[str], *, keep: int = 3
+    directory: str | os.PathLike[str],
+    step: int,
+    temp_dir: str | os.PathLike[str],
+    *,
+    keep: int = 3,
+    single_writer: bool = False,
 ) -> Path:
     """Turn a filled temp dir (from `new_temp_dir`) into the verified checkpoint of `step`.
 
@@ -207,6 +212,8 @@ def commit_checkpoint(
         step: the training step the state belongs to.
         temp_dir: the directory holding the written files.
         keep: how many checkpoints to keep.
+        single_writer: a survivor's commit (as in save_checkpoint): a verified checkpoint of `step`
+            already in place (another survivor's) is kept, and other writers' temp dirs of `step` too.
 
     Returns:
         The checkpoint's directory, `<directory>/step-<N:08d>`.
@@ -217,7 +224,7 @@ def commit_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, not {keep}")
-    return _commit(Path(directory), step, Path(temp_dir), keep, state_file=None)
+    return _commit(Path(directory), step, Path(temp_dir), keep, state_file=None, single_writer=single_writer)
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> str | None:
