@@ -164,10 +164,15 @@ def test_the_quick_start_daemon_and_the_demo_run_as_written(tmp_path: Path) -> N
 
 
 def _run_the_demo(checkout: Path, scratch: str, env: dict[str, str], url: str) -> None:
-    """The demo's lines as written, pasted into one shell (torch from wherever pip is configured to take it): the
-    job resumes on the GPUs left without losing a step, and GPU 1 is back in service at the end."""
+    """The demo's lines as written, pasted into one shell, but torch from wherever pip is configured to take it (the
+    README's CPU index may be out of reach here): the job resumes on the GPUs left without losing a step, and GPU 1
+    is back in service at the end."""
     lines = demo()
-    assert lines[0] == ".venv/bin/pip install torch numpy" and "kill -0 $! && " in lines[2]
+    cpu_build = (
+        ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu && .venv/bin/pip install numpy"
+    )
+    assert lines[0] == cpu_build and "kill -0 $! && " in lines[2]
+    lines[0] = ".venv/bin/pip install torch numpy"
     done = subprocess.run(
         ["bash", "-c", "\n".join(lines).replace("/tmp/gpuwatch", scratch)],
         cwd=checkout,
