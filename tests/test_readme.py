@@ -19,6 +19,7 @@ import pytest
 
 from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
+from tests.helpers import start_sim_node
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -126,6 +127,23 @@ def test_every_command_and_option_the_readme_names_exists() -> None:
                 assert option in known, (code, option)
                 checked += 1
     assert checked > 30, checked  # not vacuous
+
+
+def test_the_demo_node_spends_its_breaker_budget_in_15_minutes(tmp_path: Path) -> None:
+    """What the README says of the demo node: GPU 5 is quarantined at once and GPU 3 once degraded for 15 minutes;
+    after that the node's circuit breaker refuses the quarantine a drill's fault calls for."""
+    node = start_sim_node(tmp_path, "demo")
+    try:
+        node.run_for(14 * 60)
+        assert node.gpu(5)["quarantined"] and (node.gpu(3)["state"], node.gpu(3)["quarantined"]) == ("degraded", False)
+        node.run_for(2 * 60)
+        assert node.gpu(3)["quarantined"]
+        drill = {"event": "xid", "xid": 79, "duration_s": 600}  # `gpuwatch drill --inject 'gpu=0,preset=xid79'`
+        assert node.client.post("/v1/gpus/0/inject", json=drill, headers=node.auth).status_code == 200
+        node.run_for(30)
+        assert (node.gpu(0)["state"], node.gpu(0)["quarantined"]) == ("unhealthy", False)
+    finally:
+        node.close()
 
 
 @pytest.mark.slow
