@@ -6,8 +6,8 @@ importing this module never needs a driver. Every pynvml exception is mapped onc
 
 Costs measured on an H200 (docs/performance.md §Peers on the same H200) decide which call reads what:
 the per-sample fields cost about 60 µs per GPU in all, while PCIe replays (170 µs), violation counters
-(0.64 ms) and energy (3.1 ms) are read only when the caller asks for a slow sample, and max clocks (1.5
-ms) only at open.
+(0.64 ms) and energy (3.1 ms) are read only when the caller asks for a slow sample, and max clocks
+(1.5 ms) only at open.
 Of the per-sample reads, those a rule judges over a long window or that change only after a fault seen
 at once (PCIe link, ECC aggregates, row remapping, the process list) follow the read plan (nvml_plan.py).
 
