@@ -12,7 +12,7 @@ from typing import Any
 
 
 class Health(str, enum.Enum):
-    """A GPU's health state (DESIGN.md contract). Ordered by `rank`: worse is higher."""
+    """A GPU's health state (docs/rules.md §States and findings). Ordered by `rank`: worse is higher."""
 
     UNKNOWN = "unknown"
     HEALTHY = "healthy"
@@ -63,7 +63,7 @@ class Action(str, enum.Enum):
 ERROR_KINDS = ("gpu_lost", "reset_required", "unknown")
 EVENT_KINDS = ("xid", "ecc_dbe", "ecc_sbe")
 
-# NVML clocks-event reason bits (nvml.h nvmlClocksEventReason*; dcgm.md §4.5).
+# NVML clocks-event reason bits (nvml.h nvmlClocksEventReason*; docs/hardware-facts.md §Clocks-event reasons).
 REASON_GPU_IDLE = 0x1
 REASON_APP_CLOCKS = 0x2
 REASON_SW_POWER_CAP = 0x4

@@ -19,6 +19,7 @@ import pytest
 
 from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
+from tests.helpers import start_sim_node
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -128,6 +129,23 @@ def test_every_command_and_option_the_readme_names_exists() -> None:
     assert checked > 30, checked  # not vacuous
 
 
+def test_the_demo_node_spends_its_breaker_budget_in_15_minutes(tmp_path: Path) -> None:
+    """What the README says of the demo node: GPU 5 is quarantined at once and GPU 3 once degraded for 15 minutes;
+    after that the node's circuit breaker refuses the quarantine a drill's fault calls for."""
+    node = start_sim_node(tmp_path, "demo")
+    try:
+        node.run_for(14 * 60)
+        assert node.gpu(5)["quarantined"] and (node.gpu(3)["state"], node.gpu(3)["quarantined"]) == ("degraded", False)
+        node.run_for(2 * 60)
+        assert node.gpu(3)["quarantined"]
+        drill = {"event": "xid", "xid": 79, "duration_s": 600}  # `gpuwatch drill --inject 'gpu=0,preset=xid79'`
+        assert node.client.post("/v1/gpus/0/inject", json=drill, headers=node.auth).status_code == 200
+        node.run_for(30)
+        assert (node.gpu(0)["state"], node.gpu(0)["quarantined"]) == ("unhealthy", False)
+    finally:
+        node.close()
+
+
 @pytest.mark.slow
 def test_the_quick_start_daemon_and_the_demo_run_as_written(tmp_path: Path) -> None:
     """The first line in a fresh copy of the checkout (its own venv, from the package index as a user's would
@@ -164,10 +182,15 @@ def test_the_quick_start_daemon_and_the_demo_run_as_written(tmp_path: Path) -> N
 
 
 def _run_the_demo(checkout: Path, scratch: str, env: dict[str, str], url: str) -> None:
-    """The demo's lines as written, pasted into one shell (torch from wherever pip is configured to take it): the
-    job resumes on the GPUs left without losing a step, and GPU 1 is back in service at the end."""
+    """The demo's lines as written, pasted into one shell, but torch from wherever pip is configured to take it (the
+    README's CPU index may be out of reach here): the job resumes on the GPUs left without losing a step, and GPU 1
+    is back in service at the end."""
     lines = demo()
-    assert lines[0] == ".venv/bin/pip install torch numpy" and "kill -0 $! && " in lines[2]
+    cpu_build = (
+        ".venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu && .venv/bin/pip install numpy"
+    )
+    assert lines[0] == cpu_build and "kill -0 $! && " in lines[2]
+    lines[0] = ".venv/bin/pip install torch numpy"
     done = subprocess.run(
         ["bash", "-c", "\n".join(lines).replace("/tmp/gpuwatch", scratch)],
         cwd=checkout,

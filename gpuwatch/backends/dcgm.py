@@ -1,10 +1,10 @@
 """The DCGM backend: reads GPUs from a DCGM host engine's field cache through DCGM's own bindings.
 
-DCGM's Python bindings ship with DCGM, not on PyPI (dcgm.md §2.1), so open() puts the configured
+DCGM's Python bindings ship with DCGM, not on PyPI (docs/hardware-facts.md §DCGM), so open() puts the configured
 binding folders (`tools.dcgm_bindings`) on sys.path and imports them only then. It connects to a
 standalone nv-hostengine on localhost when one runs and otherwise starts an embedded host engine in
-this process (dcgm.md §2.2). Fields are named by numeric id only: DCGM 4.6 renamed the identifiers
-but kept the ids (dcgm.md §1.1). Every DCGMError is mapped once, in `_map_error`.
+this process (docs/hardware-facts.md §DCGM). Fields are named by numeric id only: DCGM 4.6 renamed the identifiers
+but kept the ids (dcgm_fields.h). Every DCGMError is mapped once, in `_map_error`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gpuwatch.model import GpuError, GpuEvent, GpuSample, GpuStatic
 
 log = logging.getLogger("gpuwatch.backends.dcgm")
 
-# ref. dcgm.md §1.2 (dcgm_fields.h): GpuSample field -> DCGM field id.
+# ref. dcgm_fields.h (docs/hardware-facts.md §DCGM): GpuSample field -> DCGM field id.
 SAMPLE_FIELDS: dict[str, int] = {
     "sm_clock_mhz": 100,
     "mem_clock_mhz": 101,
@@ -39,7 +39,7 @@ SAMPLE_FIELDS: dict[str, int] = {
     "pcie_replay": 202,
     "util_gpu_pct": 203,
     "util_mem_pct": 204,
-    "violation_power_ns": 240,  # ns since DCGM 4.1 (dcgm.md §1.4)
+    "violation_power_ns": 240,  # ns since DCGM 4.1 (dcgm_fields.h)
     "violation_thermal_ns": 241,
     "memory_used_bytes": 252,  # MiB
     "ecc_sbe_volatile": 310,
@@ -57,7 +57,7 @@ SAMPLE_FIELDS: dict[str, int] = {
     "pcie_correctable_errors": 1501,  # DCGM 4.4.2+
     "recovery_action": 1523,  # DCGM 4.5+ (not DCGM's 230, which is the XID)
 }
-# ref. dcgm.md §1.2: GpuStatic field (plus the NVML index) -> DCGM field id, read once at open.
+# ref. dcgm_fields.h: GpuStatic field (plus the NVML index) -> DCGM field id, read once at open.
 STATIC_FIELDS: dict[str, int] = {
     "name": 50,
     "nvml_index": 52,
@@ -74,17 +74,17 @@ STATIC_FIELDS: dict[str, int] = {
     "pcie_link_gen_max": 235,
     "pcie_link_width_max": 236,
 }
-# ref. dcgm.md §1.2: the value is the XID number of the latest XID, not a count.
+# ref. dcgm_fields.h: the value is the XID number of the latest XID, not a count.
 XID_FIELD = 230
 
-# ref. dcgm.md §1.4 (dcgm_structs.h / dcgmvalue.py): values at or above a BLANK are sentinels,
+# ref. dcgm_structs.h / dcgmvalue.py: values at or above a BLANK are sentinels,
 # the int32 ones (BLANK..BLANK+3) can also arrive in int64 fields.
 _INT64_BLANK = 0x7FFFFFFFFFFFFFF0
 _INT32_BLANK = 0x7FFFFFF0
 _FP64_BLANK = 140737488355328.0
 _MIB = 1024 * 1024
 _MAX_PSTATE = 15
-# ref. dcgm.md §2.2: nv-hostengine listens on 127.0.0.1:5555 by default.
+# ref. dcgm_structs.h DCGM_HE_PORT_NUMBER: nv-hostengine listens on 127.0.0.1:5555 by default.
 _HOSTENGINE = "127.0.0.1"
 _CONNECT_TIMEOUT_MS = 1000
 _XID_POLL_S = 0.5
@@ -245,7 +245,7 @@ class DcgmBackend:
     def wait_events(self, timeout_s: float) -> list[GpuEvent | GpuError]:
         """Poll field 230 for new XIDs until one arrives or `timeout_s` passes.
 
-        The host engine records an XID as its NVML event arrives (dcgm.md §4.2); a new timestamp on
+        The host engine records an XID as its NVML event arrives (DcgmCacheManager.cpp); a new timestamp on
         the latest value is a new XID. Two XIDs on one GPU within one poll show as the later one.
         A GPU that cannot be read is reported once as a GpuError until it reads again.
         """

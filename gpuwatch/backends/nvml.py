@@ -4,9 +4,10 @@ pynvml is imported lazily in open() (or injected as a module-shaped object for t
 importing this module never needs a driver. Every pynvml exception is mapped once, in
 `_map_error`, into `gpuwatch.errors`; nothing above this module sees an NVMLError.
 
-Costs measured on an H200 (DESIGN.md) decide which call reads what: the per-sample fields cost
-about 60 µs per GPU in all, while PCIe replays (170 µs), violation counters (0.64 ms) and energy
-(3.1 ms) are read only when the caller asks for a slow sample, and max clocks (1.5 ms) only at open.
+Costs measured on an H200 (docs/performance.md §Peers on the same H200) decide which call reads what:
+the per-sample fields cost about 60 µs per GPU in all, while PCIe replays (170 µs), violation counters
+(0.64 ms) and energy (3.1 ms) are read only when the caller asks for a slow sample, and max clocks
+(1.5 ms) only at open.
 Of the per-sample reads, those a rule judges over a long window or that change only after a fault seen
 at once (PCIe link, ECC aggregates, row remapping, the process list) follow the read plan (nvml_plan.py).
 
@@ -328,7 +329,7 @@ class NvmlBackend:
         return found
 
     def _read_slow(self, gpu: _Gpu, handle: Any) -> dict[str, Any]:
-        """The costly counters (DESIGN.md: PCIe 0.17 ms, violations 0.64, energy 3.1), read on slow samples only."""
+        """The costly counters (docs/performance.md: PCIe 0.17 ms, violations 0.64, energy 3.1): slow samples only."""
         nvml = self._nvml
         read = functools.partial(self._read, gpu)
         # ref. nvml.h nvmlViolationTime_t: violationTime is in nanoseconds.

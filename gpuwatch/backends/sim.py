@@ -2,9 +2,10 @@
 
 Deterministic: a sample is a function of the seed, the GPU index and the time since the timeline
 started (plus counters accumulated by earlier samples), so tests, demos and the golden /metrics repeat
-exactly. The numbers come from shared/traces/h200-healthy-workload.jsonl and the facts in DESIGN.md:
-a capped H200 runs 1425–1515 MHz with reason 0x4 at up to ~690 W, and a healthy 2-rank DDP job swings
-290–682 W at 100% utilization as compute and all-reduce phases alternate.
+exactly. The numbers come from tests/data/h200-healthy-workload.jsonl and the measurements in
+docs/hardware-facts.md §A healthy H200, measured: a capped H200 runs 1425–1515 MHz with reason 0x4 at up
+to ~690 W, and a healthy 2-rank DDP job swings 290–682 W at 100% utilization as compute and all-reduce
+phases alternate.
 """
 
 from __future__ import annotations

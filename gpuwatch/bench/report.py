@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-# The peers' figures DESIGN.md measured on an H200 ("Facts measured on a real H200"): the bench compares
+# The peers' figures measured on an H200 (docs/performance.md §Peers on the same H200): the bench compares
 # with them when it cannot run the peer itself, and says so next to the figure.
 REFERENCE = {
     "nvml_floor_us": 59.0,
@@ -23,7 +23,7 @@ REFERENCE = {
     "nvitop_rss_mb": 63.0,
     "nvidia_smi_call_ms": 26.0,
 }
-REFERENCE_SOURCE = "DESIGN.md, H200"
+REFERENCE_SOURCE = "docs/performance.md, H200"
 
 
 class Skip(Exception):

@@ -1,10 +1,10 @@
 """Taking a GPU out of service for a reset or a PCIe re-plug, and bringing it back.
 
-Order (DESIGN.md, dcgm.md §6): quarantine through the API so trainers checkpoint and leave; wait
-for them; refuse if any process is left (daemon and nvidia-smi agree); ask the daemon to let go of
-its NVML handles (a reset fails while any client holds one); do the deed; hand the handles back
-(always, even when the deed failed); see the GPU read again; after `drills.burn_in_s` clean,
-release the quarantine the drill took.
+Order (docs/drills.md; why: docs/hardware-facts.md §Fault injection): quarantine through the API so
+trainers checkpoint and leave; wait for them; refuse if any process is left (daemon and nvidia-smi
+agree); ask the daemon to let go of its NVML handles (a reset fails while any client holds one); do the
+deed; hand the handles back (always, even when the deed failed); see the GPU read again; after
+`drills.burn_in_s` clean, release the quarantine the drill took.
 """
 
 from __future__ import annotations

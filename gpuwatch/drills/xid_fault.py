@@ -8,19 +8,19 @@ This file ships inside the package, so an installed wheel has it: `gpuwatch dril
 by its path. It imports only the standard library (and pynvml, cupy or torch when it runs), so it also
 runs as a plain script.
 
-What happens: a child process, pinned to the GPU through CUDA_VISIBLE_DEVICES=<its UUID>, launches
-a one-thread kernel that stores to an unmapped address. The GPU's MMU faults, the driver logs
-`NVRM: Xid (PCI:...): 31, pid=..., name=python3, ...`, NVML's event set delivers XID 31, and the
-driver tears down that process's CUDA context, so the child fails its synchronize and exits.
-XID 31 is an application fault (dcgm.md §4.1: RESTART_APP, NONFATAL): no setting of the card
-changes, no other process's memory is touched and no reset follows, so it is harmless to the card.
-That makes it the one real XID a drill can raise on a healthy GPU.
+What happens: a child process, pinned to the GPU through CUDA_VISIBLE_DEVICES=<its UUID>, launches a
+one-thread kernel that stores to an unmapped address. The GPU's MMU faults, the driver logs `NVRM: Xid
+(PCI:...): 31, pid=..., name=python3, ...`, NVML's event set delivers XID 31, and the driver tears down
+that process's CUDA context, so the child fails its synchronize and exits. XID 31 is an application
+fault (NVIDIA's XID catalog: RESTART_APP, NONFATAL; docs/hardware-facts.md): no setting of the card
+changes, no other process's memory is touched and no reset follows, so it is harmless to the card. That
+makes it the one real XID a drill can raise on a healthy GPU.
 
 How the store is made, and why the address faults: gpuwatch/trainer/xid.py (the same store the
 fault-rank drill makes inside a training rank through TrainerLink(allow_drills=True)).
 
-Guards (DESIGN.md): nothing runs without --yes; a GPU that has any process on it is refused (NVML
-is asked, so a GPU it cannot see is refused too).
+Guards (docs/drills.md, Safety): nothing runs without --yes; a GPU that has any process on it is refused
+(NVML is asked, so a GPU it cannot see is refused too).
 
 Output: one JSON line on stdout, {"gpu", "pid", "started_t", "exited_t", "returncode"}, times in
 Unix seconds. The child's own output goes to stderr. Exit status: 0 when the child died of the fault

@@ -1,6 +1,6 @@
 """NVIDIA XID codes as data: xid → (severity, action, short description).
 
-Source: shared/reference/dcgm.md §4.1, a digest of NVIDIA's XID catalog for Ampere and newer
+Source (docs/hardware-facts.md §The XID catalog): NVIDIA's XID catalog for Ampere and newer
 (https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html and its Xid-Catalog.xlsx,
 as mirrored by leptonai/gpud on 2025-10-29), cross-checked with NVIDIA NVSentinel's
 xiderrorsmapping.csv (FATAL / NONFATAL).

@@ -2,7 +2,8 @@
 
 A scrape never calls NVML: it reads the last Snapshot, and the text exposition is cached
 until the Snapshot (or a drill/incident record) changes, so concurrent scrapes cost a dict
-lookup. Names follow DESIGN.md: base units, `_total` on counters, labels `gpu` and `uuid`.
+lookup. Names follow docs/metrics.md (Prometheus's naming practices): base units, `_total` on counters,
+labels `gpu` and `uuid`.
 """
 
 from __future__ import annotations

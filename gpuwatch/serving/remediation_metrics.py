@@ -1,6 +1,6 @@
 """The trainer and incident metric families, from remediation's last judgement and incident record.
 
-Labels follow DESIGN.md: `gpu`, `uuid`, plus `rank` and `job_id` (not `job`: Prometheus' own target
+Labels follow docs/metrics.md: `gpu`, `uuid`, plus `rank` and `job_id` (not `job`: Prometheus' own target
 label would win over it).
 """
 

@@ -1,7 +1,8 @@
 """SM clocks and clocks-event ("throttle") reasons.
 
 A low clock alone proves nothing: a healthy H200 at full load runs 1425–1515 of 1980 MHz with
-reason 0x4 (SW power cap), and an idle one drops to 345 MHz with 0x1 (DESIGN.md, measured). So:
+reason 0x4 (SW power cap), and an idle one drops to 345 MHz with 0x1 (docs/hardware-facts.md §A healthy
+H200, measured). So:
 
 * each fault bit (HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake 0x80) has its
   own rule, degraded when the bit is active for `throttle_duty` of `clock_window_s`;

@@ -1,12 +1,13 @@
 """Power instability that nothing benign explains.
 
 Power swings are normal: a healthy 2-rank DDP job on H200s swings 290–682 W (std 42 W) at 100%
-utilization as compute and all-reduce phases alternate (DESIGN.md, measured). Spread, variance or
-a minimum power therefore say nothing about the card. What does: a GPU kept busy
-(util ≥ `power_min_util_pct`) whose power collapses far below its limit (< `power_unstable_drop_ratio`
-× limit) while its SM clock collapses too (< `clock_low_ratio` × max), with no benign clocks-event
-reason (idle, app clocks, SW power cap, sync boost) to explain it. In a healthy all-reduce phase
-power falls but the clock rises to its maximum, and a capped or idle card says so with 0x4 or 0x1.
+utilization as compute and all-reduce phases alternate (docs/hardware-facts.md §A healthy H200,
+measured). Spread, variance or a minimum power therefore say nothing about the card. What does: a GPU
+kept busy (util ≥ `power_min_util_pct`) whose power collapses far below its limit (<
+`power_unstable_drop_ratio` × limit) while its SM clock collapses too (< `clock_low_ratio` × max), with
+no benign clocks-event reason (idle, app clocks, SW power cap, sync boost) to explain it. In a healthy
+all-reduce phase power falls but the clock rises to its maximum, and a capped or idle card says so with
+0x4 or 0x1.
 
 A collapse that holds is `sm_clock_low_unexplained` or a `clocks_*` rule. This rule catches the
 intermittent form those duty-based rules miss: the card keeps dropping out and recovering under a

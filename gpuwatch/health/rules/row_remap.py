@@ -2,7 +2,7 @@
 
 Both are flags of the latest reading, cleared only by a GPU reset or never: a pending remap
 "will happen at the next GPU reset", so the card must be reset before it is trusted; a remap
-failure means the bank ran out of spare rows, an RMA case (dcgm.md §4.4; NVSentinel maps
+failure means the bank ran out of spare rows, an RMA case (docs/hardware-facts.md §Row remapping; NVSentinel maps
 DCGM_FR_PENDING_ROW_REMAP to RESET_GPU and DCGM_FR_ROW_REMAP_FAILURE to field diagnostics).
 """
 
