@@ -67,6 +67,7 @@ from gpuwatch.trainer.contract import (
     quarantined_in,
 )
 from gpuwatch.trainer.link import TrainerLink
+from gpuwatch.trainer.standby import wait_for_rank
 
 log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
@@ -134,6 +135,7 @@ class InPlaceJob:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         ddp_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        wait_for_rank()  # a standby (gpuwatch.spares) ran the script up to here and learns its rank now
         address, self.member = os.environ.get(STORE_ENV), os.environ.get(MEMBER_ENV)
         secret_file = os.environ.get(SECRET_FILE_ENV)
         if not address or not self.member or not secret_file:

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from gpuwatch.inplace.job import InPlaceJob, _first_line, _is_collective_failure, _is_cuda_fault
 from gpuwatch.inplace.protocol import NODE_ENV, Generation, latest_generation, read_generation
 from gpuwatch.snapshots import HostSnapshot
+from gpuwatch.trainer.standby import wait_for_rank
 
 T = TypeVar("T")
 _WAIT_S = 0.005
@@ -74,6 +75,7 @@ class ShardedJob(InPlaceJob):
         load: Callable[[], int | None] | None = None,
         **kwargs: Any,
     ) -> None:
+        wait_for_rank()  # a standby (gpuwatch.spares) ran the script up to here and learns its rank now
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive number of steps, not {every!r}")
         self._state_fn = state or self._default_state
