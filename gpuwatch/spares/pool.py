@@ -16,9 +16,10 @@ standby that ends before its join (the script failed, no room for a second copy 
 standby off for this pool, in one line.
 
 A second pipe carries the rank's last word: the runner writes the job's exit code there (`exit N`) when
-the job ends by itself, before the process begins to exit. So once a rank's exit has begun, `last_word` tells a rank that ended (0, 75, an error) from one that was
-killed (no word): the launcher replaces a killed rank then, not seconds later when the kernel and the
-driver have freed its memory (a process is reaped only after that).
+the job ends by itself, before the process begins to exit. So once a rank's exit has begun, `last_word`
+tells a rank that ended (0, 75, an error) from one that was killed (no word): the launcher replaces a
+killed rank then, not seconds later when the kernel and the driver have freed its memory (a process is
+reaped only after that).
 """
 
 from __future__ import annotations
