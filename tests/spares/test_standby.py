@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 K = 4
 STEPS = 40
 NEXT_STEP_S = 3.0
-LOOP_ARGS = ("--steps", str(STEPS), "--every", str(K), "--step-sleep", "0.05", "--index-items", "3000000")
+LOOP_ARGS = ("--steps", str(STEPS), "--every", str(K), "--step-sleep", "0.05", "--index-items", "3000000", "--checksum")
 
 
 @contextlib.contextmanager
@@ -149,11 +149,31 @@ def test_a_frozen_rank_killed_after_its_hang_is_replaced_exactly(
     _exact(lines, one_rank_reference)
 
 
-def test_a_three_rank_sharded_job_comes_back_exactly_through_the_standby(tmp_path: Path) -> None:
+def test_a_three_rank_sharded_job_comes_back_through_the_standby_with_the_state_it_saved(tmp_path: Path) -> None:
+    """Every rank rolls back to the snapshot and the standby restores the lost rank's: the first step after the
+    recovery computes the uninterrupted run's loss on every rank, and the replicas agree at every step after.
+
+    Later steps agree to float32 rounding only: each generation wraps the model in a new DistributedDataParallel,
+    whose first backward reduces the gradients in its initial bucket layout (the parameters' order) where an
+    uninterrupted run uses the layout it rebuilt after its first step (the order gradients became ready), so the
+    ring all-reduce adds in another order at that one step (the in-place engine's, with or without a standby)."""
     reference = _reference(tmp_path / "reference", 3, 3)
-    lines, incident, err, victim, at, standby = _recovered(tmp_path / "faulted", 3, (), "kill", ranks=3, rank=1)
+    lines, incident, _err, victim, at, standby = _recovered(tmp_path / "faulted", 3, (), "kill", ranks=3, rank=1)
     _check(lines, victim, at, standby, rank=1)
-    _exact(lines, reference)
+    got = losses(lines)
+    assert set(got) == set(reference)
+    resumed = next(ln["step"] for ln in lines if ln["pid"] == standby)
+    exact = {key for key in got if key[0] <= resumed}
+    assert all(got[key] == reference[key] for key in exact), {k: (got[k], reference[k]) for k in exact}
+    for key in set(got) - exact:
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a in got[key] for b in reference[key]), (
+            key,
+            got[key],
+            reference[key],
+        )
+    for step in range(resumed, STEPS + 1):
+        sums = {ln["checksum"] for ln in lines if ln["step"] == step and ln["t"] > at}
+        assert len(sums) == 1, (step, sums)  # every rank holds the same parameters
     assert incident["path"] == "spare", incident
 
 

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--read-rank-early", action="store_true")
+    parser.add_argument("--checksum", action="store_true", help="log the parameters' sum (float64) at every step")
     parser.add_argument("--allow-drills", action="store_true")
     parser.add_argument("--gate", help="from step 10 on, step only while this file exists (a test's pause)")
     args = parser.parse_args(argv)
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             link.step(job.step, loss)
             line: dict[str, Any] = {"t": time.time(), "pid": os.getpid(), "rank": job.rank, "world": job.world_size}
             line.update(generation=job.generation, step=job.step, loss=loss)
+            if args.checksum:
+                line["checksum"] = sum(float(p.double().sum()) for p in model.parameters())
             if first:
                 change = job.last_change
                 line.update(setup_s=setup_s, started=STARTED, source=change.source if change else None)
