@@ -36,6 +36,7 @@ AT_JOIN_ANY_GPU = b"a"  # at the join without a CUDA context: it may take a rank
 
 _real_exit = os._exit  # the runner wraps os._exit to say the job's exit code; a stopped standby was no job
 _lock = threading.Lock()
+_PLUMBING = ("os", "_collections_abc", "collections.abc", __name__)  # frames between a script and its read
 _state: dict[str, Any] = {}  # armed: held keys, ready fd; handed: set once the rank's environment is in
 
 
@@ -92,7 +93,7 @@ def _say_ready() -> None:
 def _reader() -> tuple[str, str]:
     """Where a held-back key was read: `file:line` and the module of the first frame outside os and this module."""
     frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_globals.get("__name__") in ("os", "_collections_abc", __name__):
+    while frame.f_back is not None and frame.f_globals.get("__name__") in _PLUMBING:
         frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}", str(frame.f_globals.get("__name__", ""))
 
