@@ -49,7 +49,8 @@ def test_a_standby_runs_the_set_up_waits_at_the_join_and_learns_its_rank_at_the_
         tmp_path,
         "out.write('set-up done\\n'); out.flush()\n"
         "wait_for_rank()\n"
-        "out.write(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} waited {os.environ['GPUWATCH_SPARE_WARM_S']}\\n\")\n",
+        "env = os.environ\n"
+        "out.write(f\"rank {env['RANK']} of {env['WORLD_SIZE']} waited {env['GPUWATCH_SPARE_WARM_S']}\\n\")\n",
     )
     lines: list[str] = []
     pool = _pool(tmp_path, script, lines)
