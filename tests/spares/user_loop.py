@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--gib", type=float, default=0.0, help="size the model to this much fp32 (overrides --layers)")
+    parser.add_argument(
+        "--gib", type=float, default=0.0, help="size the state (fp32 parameters and AdamW's two moments) to this much"
+    )
     parser.add_argument("--index-items", type=int, default=4_000_000, help="the data index's size (its set-up cost)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpuwatch.trainer import TrainerLink
 
     torch.manual_seed(args.seed)
-    layers = args.layers if args.gib <= 0 else max(1, round(args.gib * 2**30 / 4 / (args.width * (args.width + 1))))
+    layers = args.layers if args.gib <= 0 else max(1, round(args.gib * 2**30 / 12 / (args.width * (args.width + 1))))
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(layers)])  # default init
     device = torch.device(args.device)
     model = model.to(device)
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if first:
                 change = job.last_change
                 line.update(setup_s=setup_s, started=STARTED, source=change.source if change else None)
+                line["join_parts"] = change.parts if change else None  # where the join's seconds went
                 line["spare_warm_s"] = os.environ.get("GPUWATCH_SPARE_WARM_S")
                 first = False
             log.write(json.dumps(line) + "\n")
