@@ -12,6 +12,8 @@ daemon's incident agrees with the log.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -149,6 +151,32 @@ def test_a_frozen_rank_killed_after_its_hang_is_replaced_exactly(
     _exact(lines, one_rank_reference)
 
 
+def test_a_second_fault_before_the_next_standby_is_ready_takes_the_best_that_is_ready(
+    tmp_path: Path, one_rank_reference: dict[tuple[int, int], set[float]]
+) -> None:
+    """The standby that took the rank is lost at once, while the spare started behind it is still importing
+    torch or running the set-up: that spare takes the rank all the same (the launcher's line says how far it
+    was), not a cold start, and the job still finishes with every step and the uninterrupted run's losses."""
+    with _run(tmp_path, 1, ("--spares", "1")) as (_node, run):
+        run.wait_for("the rank at the gate", lambda ls: any(ln["step"] >= 10 for ln in ls))
+        standby = wait_for_standby(run)
+        open_gate(tmp_path)
+        victim, _at = fault_short_of_snapshot(run, 0, K)
+        run.wait_for("the standby's first step", lambda ls: any(ln["pid"] == standby for ln in ls), 60)
+        assert not waiting_standbys(run)  # the next one is not at the join yet
+        os.kill(standby, signal.SIGKILL)
+        run.wait_for("a third process's step", lambda ls: len({ln["pid"] for ln in ls}) == 3, 120)
+        _, err = run.output(120)
+    assert run.process.returncode == 0, err
+    lines = run.steps()
+    took = [line for line in err.splitlines() if "takes n0.g0." in line]
+    assert len(took) == 2 and "a standby at the job's join" in took[0], took
+    assert "still starting" in took[1] or "warm, without the job's set-up" in took[1], took
+    _, missing = redone_and_missing(rank_log(lines, 0))
+    assert not missing and max(ln["step"] for ln in lines) == STEPS
+    _exact(lines, one_rank_reference)
+
+
 def test_a_three_rank_sharded_job_comes_back_through_the_standby_with_the_state_it_saved(tmp_path: Path) -> None:
     """Every rank rolls back to the snapshot and the standby restores the lost rank's: the first step after the
     recovery computes the uninterrupted run's loss on every rank, and the replicas agree at every step after.
@@ -205,7 +233,5 @@ def _sockets(pid: int) -> list[str]:
 
 
 def test_the_sockets_helper_sees_a_socket() -> None:
-    import os
-
     with socket.socket() as s:
         assert f"socket:[{os.fstat(s.fileno()).st_ino}]" in _sockets(os.getpid())

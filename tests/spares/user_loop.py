@@ -30,6 +30,7 @@ STARTED = time.time()
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Set up, join the job, train --steps steps; 0 at the end."""
     parser = argparse.ArgumentParser(prog="user_loop.py")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--steps", type=int, default=100)
