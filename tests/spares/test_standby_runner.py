@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.launcher.in_place import InPlacePlan, Supervisor, _Worker
 from gpuwatch.spares.pool import Spare, SparePool
 from tests.helpers import launch_env
 
@@ -131,3 +132,29 @@ def test_a_hand_over_takes_the_standby_at_the_join_then_a_warm_spare_then_one_st
             spare.process.kill()
             spare.process.wait()
             spare.close()
+
+
+def test_where_the_gpu_has_no_room_beside_its_rank_the_spare_is_no_standby_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    pool = SparePool(1, {}, standby=True, echo=lines.append)
+    supervisor = Supervisor(InPlacePlan("job", ("train.py",), str(tmp_path)), list, echo=lines.append, spares=pool)
+    supervisor.node, supervisor.address, supervisor.secret_file = 0, "127.0.0.1:1", str(tmp_path / "secret")
+    rank = subprocess.Popen(["sleep", "30"])
+    supervisor.workers = [_Worker("n0.g0.0", 0, GPU, rank)]  # type: ignore[arg-type]
+    pool.standby_for(["train.py"], supervisor._standby_env, HELD)
+    try:
+        monkeypatch.setattr(pool, "room_for", lambda gpu, pid: pid != rank.pid)  # NVML: not beside that rank
+        assert pool._standby_env(GPU) is None
+        assert lines == [
+            "gpuwatch launch: in place: GPU 0: no room beside the rank for a standby of the job:"
+            " a spare waits there without the job's set-up"
+        ]
+        monkeypatch.setattr(pool, "room_for", lambda gpu, pid: True)
+        env = pool._standby_env(GPU)
+        assert env is not None and env["CUDA_VISIBLE_DEVICES"] == GPU and env["GPUWATCH_SPARE_ARGV"] == '["train.py"]'
+        assert not {"RANK", "WORLD_SIZE", "GPUWATCH_INPLACE_MEMBER"} & set(env)
+    finally:
+        rank.kill()
+        rank.wait()
