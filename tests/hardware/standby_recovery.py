@@ -2,6 +2,7 @@
 """A standby spare against today's spare on one GPU: fault → the loop's next step, from the loop's own log.
 
     python tests/hardware/standby_recovery.py --device cuda --out standby.json      # one H100/H200, ~5 min
+    python tests/hardware/standby_recovery.py --device cuda --gib 16                # one size: under 4 min
     python tests/hardware/standby_recovery.py --device cpu --small                  # the same chain on the CPU
 
 A user's loop (tests/spares/user_loop.py: `nn.Sequential` of 4096x4096 fp32 Linear layers built on the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,10 +85,11 @@ def _one_launch(
     work.mkdir(parents=True)
     logs = work / "steps"
     env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
-    env.update(GPUWATCH_SNAPSHOT_ROOT=str(work / "shm"), GPUWATCH_TRAINER_SPARE_STANDBY=str(kind == "standby").lower())
+    # The host snapshots in memory (tmpfs), removed after the launch: 16 GiB of state keeps up to 32 GiB there.
+    shm = Path(tempfile.mkdtemp(prefix="gpuwatch-standby-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    env.update(GPUWATCH_SNAPSHOT_ROOT=str(shm), GPUWATCH_TRAINER_SPARE_STANDBY=str(kind == "standby").lower())
     if args.device == "cuda":
         env["GPUWATCH_TRAINER_SPARE_CUDA_CONTEXT"] = "true"
-    (work / "shm").mkdir()
     width = "512" if args.small else "4096"
     loop = [str(LOOP), "--log-dir", str(logs), "--steps", "1000000", "--every", str(EVERY), "--gib", str(gib)]
     loop += ["--width", width, "--device", args.device, "--allow-drills", "--step-sleep", "0.02"]
@@ -114,6 +117,7 @@ def _one_launch(
         except subprocess.TimeoutExpired:
             launch.kill()
         log.close()
+        shutil.rmtree(shm, ignore_errors=True)
         row["launch_log_tail"] = (work / "launch.log").read_text()[-1500:]
     return row
 
