@@ -59,7 +59,7 @@ from gpuwatch.inplace.protocol import (
 )
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
 from gpuwatch.spares.pool import Spare, SparePool
-from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV, SPARE_WARM_S_ENV
+from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV, SPARE_STAGE_ENV, SPARE_WARM_S_ENV
 
 EXIT_STOPPED = 3
 
@@ -86,7 +86,13 @@ _EXIT_POLL_S = 0.005  # how often a spare-run worker's /proc/PID/stat is read fo
 _PF_EXITING = 0x4
 _NO_WORD = -1  # the code published for a worker whose exit began without its runner's word (killed)
 _STOP_GRACE_S = 30.0
-STANDBY_HELD = ("RANK", "WORLD_SIZE", MEMBER_ENV, SPARE_WARM_S_ENV)  # what a standby learns at the hand-over
+STANDBY_HELD = (
+    "RANK",
+    "WORLD_SIZE",
+    MEMBER_ENV,
+    SPARE_WARM_S_ENV,
+    SPARE_STAGE_ENV,
+)  # what a standby learns at the hand-over
 _STAGES = {
     "standby": "a standby at the job's join",
     "warm": "warm, without the job's set-up",

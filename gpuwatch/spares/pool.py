@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpuwatch.trainer.contract import SPARE_STAGE_ENV
 from gpuwatch.trainer.standby import AT_JOIN, AT_JOIN_ANY_GPU, HELD_ENV, READY_FD_ENV
 
 STANDBY_ARGV_ENV = "GPUWATCH_SPARE_ARGV"  # a standby's command (JSON): run at once, up to the job's join
@@ -183,7 +184,7 @@ class SparePool:
         ready = {"standby": 2, "warm": 1, "starting": 0}
         spare = max(fits, key=lambda s: (ready[s.stage()], s.gpu == gpu, -s.started))
         self.spares.remove(spare)
-        if not _order(spare, argv, env):  # it died just now
+        if not _order(spare, argv, {**env, SPARE_STAGE_ENV: spare.stage()}):  # it died just now
             spare.close()
             self._add(self._spawn(spare.gpu))
             return self.hand_over(argv, env, gpu)

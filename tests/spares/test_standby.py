@@ -127,7 +127,7 @@ def test_a_killed_one_rank_loop_is_back_from_its_standby_sooner_than_its_own_set
     gap, redone = _check(lines, victim, at, standby)
     _exact(lines, one_rank_reference)
     assert "a standby at the job's join" in err, err
-    assert incident["path"] == "spare", incident
+    assert incident["path"] == "spare" and incident["spare_stage"] == "standby", incident
     assert abs(incident["time_to_resume_s"] - gap) <= 0.5 and incident["steps_lost"] == redone, (incident, gap, redone)
     print(f"\none rank, SIGKILL: next step {gap:.2f} s, redone {redone}; incident {incident['time_to_resume_s']} s")
 
@@ -157,7 +157,7 @@ def test_a_second_fault_before_the_next_standby_is_ready_takes_the_best_that_is_
     """The standby that took the rank is lost at once, while the spare started behind it is still importing
     torch or running the set-up: that spare takes the rank all the same (the launcher's line says how far it
     was), not a cold start, and the job still finishes with every step and the uninterrupted run's losses."""
-    with _run(tmp_path, 1, ("--spares", "1")) as (_node, run):
+    with _run(tmp_path, 1, ("--spares", "1")) as (node, run):
         run.wait_for("the rank at the gate", lambda ls: any(ln["step"] >= 10 for ln in ls))
         standby = wait_for_standby(run)
         open_gate(tmp_path)
@@ -167,11 +167,13 @@ def test_a_second_fault_before_the_next_standby_is_ready_takes_the_best_that_is_
         os.kill(standby, signal.SIGKILL)
         run.wait_for("a third process's step", lambda ls: len({ln["pid"] for ln in ls}) == 3, 120)
         _, err = run.output(120)
+        first, second = _resumed_incident(node, victim), _resumed_incident(node, standby)
     assert run.process.returncode == 0, err
     lines = run.steps()
     took = [line for line in err.splitlines() if "takes n0.g0." in line]
     assert len(took) == 2 and "a standby at the job's join" in took[0], took
     assert "still starting" in took[1] or "warm, without the job's set-up" in took[1], took
+    assert first["spare_stage"] == "standby" and second["spare_stage"] in ("warm", "starting"), (first, second)
     _, missing = redone_and_missing(rank_log(lines, 0))
     assert not missing and max(ln["step"] for ln in lines) == STEPS
     _exact(lines, one_rank_reference)
