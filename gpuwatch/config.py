@@ -112,6 +112,7 @@ class TrainerConfig:
     restart_hung_jobs: bool = True  # stop a hung job (stop signal, SIGTERM, SIGKILL) so its launcher relaunches it
     spares: int = 0  # warm standby workers per node that gpuwatch launch --in-place keeps (gpuwatch.spares)
     spare_cuda_context: bool = False  # each spare also creates its CUDA context (GPU memory) while it waits
+    spare_standby: bool = True  # each spare runs the job's own set-up and waits at its join (docs/spares.md)
 
 
 @dataclass(frozen=True)

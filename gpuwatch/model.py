@@ -234,6 +234,7 @@ class TrainerInfo:
     stop_requested: bool | None = None
     allow_drills: bool | None = None
     spare: bool | None = None  # this process took its rank over as a warm spare
+    spare_stage: str | None = None  # how far that spare was: standby (the job's set-up done) or warm
     recovery: str | None = None  # how the job recovers: relaunch, or in_place (its survivors go on)
     ended: str | None = None
     pause: str | None = None  # the long pause the loop declared and is in (a checkpoint, an eval pass, a compile)

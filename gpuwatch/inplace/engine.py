@@ -64,6 +64,7 @@ from gpuwatch.trainer.contract import (
 )
 from gpuwatch.trainer.faults import Fault, classify, first_line
 from gpuwatch.trainer.link import TrainerLink
+from gpuwatch.trainer.standby import wait_for_rank
 
 log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
@@ -179,6 +180,7 @@ class StepEngine:
         collective_timeout_s: float = 30.0,
         membership_timeout_s: float = 600.0,
     ) -> None:
+        wait_for_rank()  # a standby (gpuwatch.spares) ran the script up to here and learns its rank now
         address, self.member = os.environ.get(STORE_ENV), os.environ.get(MEMBER_ENV)
         secret_file = os.environ.get(SECRET_FILE_ENV)
         if not address or not self.member or not secret_file:

@@ -61,7 +61,7 @@ from gpuwatch.inplace.relay import RELAY_ENV, NodeRelay, node_relay
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S, JoinWatch
 from gpuwatch.spares.pool import Spare, SparePool
-from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV
+from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV, SPARE_STAGE_ENV, SPARE_WARM_S_ENV
 
 EXIT_STOPPED = 3
 
@@ -88,6 +88,18 @@ _EXIT_POLL_S = 0.005  # how often a spare-run worker's /proc/PID/stat is read fo
 _PF_EXITING = 0x4
 _NO_WORD = -1  # the code published for a worker whose exit began without its runner's word (killed)
 _STOP_GRACE_S = 30.0
+STANDBY_HELD = (
+    "RANK",
+    "WORLD_SIZE",
+    MEMBER_ENV,
+    SPARE_WARM_S_ENV,
+    SPARE_STAGE_ENV,
+)  # what a standby learns at the hand-over
+_STAGES = {
+    "standby": "a standby at the job's join",
+    "warm": "warm, without the job's set-up",
+    "starting": "still starting",
+}
 _STORE_TIMEOUT = datetime.timedelta(seconds=600)
 
 
@@ -214,6 +226,8 @@ class Supervisor:
             self._start(gpu, rank=rank, world=want)
         if self.spares is not None:
             self.spares.env = _worker_env(os.environ)
+            if self.spares.standby:
+                self.spares.standby_for(self.plan.command, self._standby_env, STANDBY_HELD)
             self.spares.start([g.uuid for g in chosen])
         coordinator = None
         if hosting:
@@ -300,19 +314,8 @@ class Supervisor:
         self.gpus.rank_of[uuid] = (rank, world)
         member = f"n{self.node}.g{index}.{self._count}"
         self._count += 1
-        env = _worker_env(os.environ)
-        env.update(
-            CUDA_VISIBLE_DEVICES=uuid,
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-        )
-        env[NODE_ENV] = str(self.node)
-        env[RUNTIME_DIR_ENV] = self.plan.runtime_dir
-        env[JOB_ENV] = self.plan.job_id
-        env[STORE_ENV] = self.address
-        env[SECRET_FILE_ENV] = self.secret_file
+        env = self._rank_env(uuid)
+        env.update(RANK=str(rank), WORLD_SIZE=str(world))
         env[MEMBER_ENV] = member
         if self._relay is not None:
             env[RELAY_ENV] = str(self._relay.path)
@@ -320,8 +323,10 @@ class Supervisor:
         if self.spares is not None and self.spares.count:
             runner = self.spares.hand_over(self.plan.command, env, uuid) if replacement else None
             if runner is not None:
-                pid = runner.process.pid
-                self.echo(f"gpuwatch launch: in place: a spare (pid {pid}) takes {member}'s place on GPU {index}")
+                pid, how = runner.process.pid, _STAGES[runner.stage()]
+                self.echo(
+                    f"gpuwatch launch: in place: a spare (pid {pid}, {how}) takes {member}'s place on GPU {index}"
+                )
             else:
                 runner = self.spares.run_now(self.plan.command, env)
         try:
@@ -338,6 +343,29 @@ class Supervisor:
         waiter.start()
         if runner is not None:
             threading.Thread(target=self._watch_exit, args=(worker,), daemon=True).start()
+
+    def _rank_env(self, uuid: str) -> dict[str, str]:
+        """The environment of a rank on GPU `uuid`, without its own keys (RANK, WORLD_SIZE, member id)."""
+        env = _worker_env(os.environ)
+        env.update(CUDA_VISIBLE_DEVICES=uuid, LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        env[NODE_ENV] = str(self.node)
+        env[RUNTIME_DIR_ENV] = self.plan.runtime_dir
+        env[JOB_ENV] = self.plan.job_id
+        env[STORE_ENV] = self.address
+        env[SECRET_FILE_ENV] = self.secret_file
+        return env
+
+    def _standby_env(self, uuid: str) -> dict[str, str] | None:
+        """A standby's environment on GPU `uuid` (the pool holds the rank's own keys back); None where the GPU
+        has no room for a second copy of what its live rank holds (NVML's free memory; a CPU job always has)."""
+        live = [w for w in self._live() if w.uuid == uuid]
+        if self.spares is not None and live and not self.spares.room_for(uuid, live[0].process.pid):
+            self.echo(
+                f"gpuwatch launch: in place: GPU {live[0].index}: no room beside the rank for a standby of the job:"
+                " a spare waits there without the job's set-up"
+            )
+            return None
+        return self._rank_env(uuid)
 
     def _watch_exit(self, worker: _Worker) -> None:
         """A worker under the spare's runner is taken for dead at once (its reap comes when its memory is
@@ -442,6 +470,9 @@ class Supervisor:
         room = len(gpus) if self.plan.nproc is None else self.plan.nproc - len(busy)
         if self.spares is not None:
             self._move_replacements(gpus, busy)
+        # A lost rank's replacement comes first (a spare, its standby, waits for it there): a free GPU gets a
+        # new worker only with room left beside the replacements still due.
+        due = {g.uuid for g in gpus if g.uuid in self.gpus.replace_at and self.restarts < self.plan.max_restarts}
         for gpu in gpus:
             uuid = gpu.uuid
             if uuid in busy or room <= 0:
@@ -457,6 +488,7 @@ class Supervisor:
                 if uuid in self._await_reap or not self._room(uuid, gpu.index):
                     continue
                 del self.gpus.replace_at[uuid]
+                due.discard(uuid)
                 self.restarts += 1
                 why = f"replacement {self.restarts}/{self.plan.max_restarts}"
                 self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")
@@ -466,6 +498,8 @@ class Supervisor:
                 continue
             elif uuid in self.gpus.used:
                 continue  # its worker finished
+            elif room <= len(due):
+                continue
             else:
                 why = "usable"
             self.echo(f"gpuwatch launch: in place: GPU {gpu.index} ({uuid}) {why}: a rank joins")

@@ -732,7 +732,8 @@ def launch(
             )  # fmt: skip
             try:
                 echo = lambda line: click.echo(line, err=True)  # noqa: E731
-                pool = SparePool(spare_count, os.environ, cuda=config.trainer.spare_cuda_context, echo=echo)
+                cuda, standby = config.trainer.spare_cuda_context, config.trainer.spare_standby
+                pool = SparePool(spare_count, os.environ, cuda=cuda, standby=standby, echo=echo)
                 code = Supervisor(in_place_plan, gpu_views, echo=echo, spares=pool if spare_count else None).run()
             except InPlaceStopped as exc:
                 raise LaunchStopped(exc.code, str(exc)) from None

@@ -83,6 +83,7 @@ class Incident:
     time_to_stop_s: float | None = None
     time_to_resume_s: float | None = None
     steps_lost: int | None = None
+    spare_stage: str | None = None  # path spare: how far the spare was at its hand-over (standby, warm)
     stopped_t: float | None = None
     next_step_t: float | None = None
     id: int = 0
@@ -137,6 +138,7 @@ class Incident:
             "time_to_stop_s": self.time_to_stop_s,
             "time_to_resume_s": self.time_to_resume_s,
             "steps_lost": self.steps_lost,
+            "spare_stage": self.spare_stage,
             "last_step": self.last_step,
             "resumed_step": self.resumed_step,
         }

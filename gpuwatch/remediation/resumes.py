@@ -106,6 +106,7 @@ class ResumeWatches:
         incident.resumed(min(starts), min(r.first_step_t or r.updated_t or 0.0 for r in new))
         if any(r.spare for r in new):
             incident.path = PATH_SPARE
+            incident.spare_stage = next((r.spare_stage for r in new if r.spare), None)
         return True
 
     def _survivors_went_on(self, incident: Incident, mine: list[Report]) -> bool:
@@ -118,8 +119,10 @@ class ResumeWatches:
             return False
         first = min(going, key=lambda r: r.step_t or 0.0)
         incident.resumed(min(r.step or 0 for r in going) - 1, first.step_t or 0.0)
-        if any(_took_part(r.info, incident) for r in mine):
+        spares = [r.info for r in mine if _took_part(r.info, incident)]
+        if spares:
             incident.path = PATH_SPARE
+            incident.spare_stage = spares[0].spare_stage
         return True
 
     def _give_up_oldest(self, uid: int | None) -> None:

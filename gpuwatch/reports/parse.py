@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from gpuwatch.model import TrainerInfo
-from gpuwatch.trainer.contract import ENDED_VALUES, RECOVERY_VALUES
+from gpuwatch.trainer.contract import ENDED_VALUES, RECOVERY_VALUES, SPARE_STAGES
 
 _MAX_INT = 1 << 62
 _MAX_TEXT = 256
@@ -83,6 +83,7 @@ _FIELDS: dict[str, Any] = {
     "stop_requested": _flag,
     "allow_drills": _flag,
     "spare": _flag,
+    "spare_stage": _one_of(SPARE_STAGES),
     "recovery": _one_of(RECOVERY_VALUES),
     "ended": _one_of(ENDED_VALUES),
     "pause": _text,

@@ -184,6 +184,7 @@ class Trainer(Body):
     stop_requested: Omittable[bool] = None
     allow_drills: Omittable[bool] = None
     spare: Omittable[bool] = None
+    spare_stage: Omittable[str] = None
     recovery: Omittable[str] = None
     ended: Omittable[str] = None
     pause: Omittable[str] = None
@@ -359,6 +360,7 @@ class Incident(Stored):
     time_to_stop_s: float | None = None
     time_to_resume_s: float | None = None  # next_step_t - began_t
     steps_lost: int | None = None
+    spare_stage: str | None = None  # path spare: how far the spare was (standby, warm)
     last_step: int | None = None
     resumed_step: int | None = None
 

@@ -5,6 +5,8 @@ A replacement's cold start (a new interpreter, `import torch`, the CUDA context)
 seconds between a rank's loss and the job's next step; a spare has paid it in advance. The launcher
 keeps N of them per node (`gpuwatch launch --in-place --spares N`); when a rank must be replaced it
 hands one the rank's command and environment (`SparePool.hand_over`) and starts another behind it.
+By default each spare is a standby: it runs the job's own command at once, up to where the script
+joins the job (gpuwatch.trainer.standby), so the job's set-up is paid before the fault too.
 
 * `gpuwatch.spares.worker`: the spare process (`python -m gpuwatch.spares.worker`);
 * `gpuwatch.spares.pool`: the launcher's side, `SparePool`, and each rank's last word;

@@ -7,11 +7,19 @@ started behind it at once. A spare that holds a CUDA context (cuda=True) was sta
 is only handed a rank of that GPU; one without a context takes a rank of any GPU. `run_now` starts a
 job's first ranks under the same runner, without the wait.
 
-A second pipe carries the rank's last word: the runner writes the job's exit code there (`exit N`)
-when the job ends by itself, before the process begins to exit. So once a rank's exit has
-begun, `last_word` tells a rank that ended (0, 75, an error) from one that was killed (no word): the
-launcher replaces a killed rank then, not seconds later when the kernel and the driver have freed
-its memory (a process is reaped only after that).
+With standby on (`standby_for`), each spare is started for one GPU and runs the job's own command at
+once, up to the job's join (gpuwatch.trainer.standby): it says `1` on its ready pipe when warm and `j`
+when it waits at the join, its set-up done (`a`: done without a CUDA context, so it may take a rank of
+any GPU; the hand-over's CUDA_VISIBLE_DEVICES is read when the script first uses CUDA). A hand-over
+takes the best that is ready: a standby at the join, then a warm spare, then one still starting. A
+standby that ends before its join (the script failed, no room for a second copy of the model) turns
+standby off for this pool, in one line.
+
+A second pipe carries the rank's last word: the runner writes the job's exit code there (`exit N`) when
+the job ends by itself, before the process begins to exit. So once a rank's exit has begun, `last_word`
+tells a rank that ended (0, 75, an error) from one that was killed (no word): the launcher replaces a
+killed rank then, not seconds later when the kernel and the driver have freed its memory (a process is
+reaped only after that).
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the spare writes one byte there once it is warm, and closes it
+from gpuwatch.trainer.contract import SPARE_STAGE_ENV
+from gpuwatch.trainer.standby import AT_JOIN, AT_JOIN_ANY_GPU, HELD_ENV, READY_FD_ENV
+
+STANDBY_ARGV_ENV = "GPUWATCH_SPARE_ARGV"  # a standby's command (JSON): run at once, up to the job's join
 WORD_FD_ENV = "GPUWATCH_SPARE_WORD_FD"  # the runner writes the job's exit code there as the job ends by itself
 NOW_ENV = "GPUWATCH_SPARE_NOW"  # "1": run the order at once, without the warm-up (a job's first ranks)
 WORD = b"exit "  # the last word's prefix: b"exit N\n", N the job's exit code
@@ -45,15 +56,30 @@ class Spare:
     gpu: str | None
     started: float
     warm: bool = False
+    standby: bool = False  # it runs the job's command up to the join
+    at_join: bool = False  # a standby that waits at the job's join, its set-up done
+    any_gpu: bool = False  # ... and made no CUDA context there: it takes a rank of any GPU
     heard: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)  # last_word on a watcher thread, close on another
 
     def is_warm(self) -> bool:
         """Whether it finished its warm-up (imported torch, created its context); never blocks."""
-        if not self.warm and self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
-            self.warm = bool(os.read(self.ready_fd, 1))
-            self._close_ready()
+        self._read_ready()
         return self.warm
+
+    def stage(self) -> str:
+        """How far it is: `standby` (at the job's join), `warm` (torch imported), `starting`; never blocks."""
+        self._read_ready()
+        return "standby" if self.at_join else "warm" if self.warm else "starting"
+
+    def _read_ready(self) -> None:
+        while self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
+            said = os.read(self.ready_fd, 16)
+            self.warm = self.warm or bool(said)
+            self.any_gpu = self.any_gpu or AT_JOIN_ANY_GPU in said
+            self.at_join = self.at_join or self.any_gpu or AT_JOIN in said
+            if not said or not self.standby or self.at_join:
+                self._close_ready()
 
     def last_word(self) -> int | None:
         """The job's exit code as its runner said it before the process began to exit; None: no word (yet).
@@ -102,6 +128,7 @@ class SparePool:
         count: how many spares to keep (0: none; hand_over then always returns None).
         env: the environment spares start with (the launcher's, as its workers get it, without a rank's own keys).
         cuda: whether each spare creates its CUDA context (on the GPU it is started for) while it waits.
+        standby: whether the launcher may make its spares standbys of the job (standby_for).
         python: the interpreter (the job's).
         echo: one line per event worth saying (a spare that died while waiting).
     """
@@ -112,44 +139,57 @@ class SparePool:
         env: Mapping[str, str],
         *,
         cuda: bool = False,
+        standby: bool = False,
         python: str = sys.executable,
         echo: Callable[[str], None] = print,
     ) -> None:
         if count < 0:
             raise ValueError(f"the number of spares must not be negative, not {count}")
         self.count, self.cuda, self.python, self.echo = count, cuda, python, echo
+        self.standby = standby
         self.env = dict(env)
         self.spares: list[Spare] = []
         self.handed_over = 0
+        self._standby: tuple[list[str], Callable[[str], dict[str, str] | None], list[str]] | None = None
+
+    def standby_for(
+        self, command: Sequence[str], env_of: Callable[[str], dict[str, str] | None], held: Sequence[str]
+    ) -> None:
+        """Make every spare from now on a standby of the job's `command`: `env_of(gpu)` is the environment a
+        rank of that GPU gets without the `held` keys (None: no standby there), which only the hand-over gives."""
+        self._standby = (list(command), env_of, list(held))
 
     def start(self, gpus: Sequence[str]) -> None:
-        """Start the spares; with cuda, spread over `gpus` (uuids) in turn. NVML is set up here, not at the
-        first fault (room_for)."""
+        """Start the spares; with cuda or standby, spread over `gpus` (uuids) in turn. NVML is set up here, not
+        at the first fault (room_for)."""
         from gpuwatch.spares.room import prepare
 
         prepare()
+        bound = self.cuda or self._standby is not None
         for i in range(self.count):
-            self._add(self._spawn(gpus[i % len(gpus)] if self.cuda and gpus else None))
+            self._add(self._spawn(gpus[i % len(gpus)] if bound and gpus else None))
 
     def hand_over(self, argv: Sequence[str], env: Mapping[str, str], gpu: str) -> Spare | None:
         """Give the rank (`python ARGV` with `env`, on GPU `gpu`) to a spare; the spare, or None when none fits.
 
-        A warm spare is taken before one still warming up (which is still further along than a cold
-        start); a spare bound to another GPU's context is left alone. A new spare starts behind it.
+        The best that is ready is taken: a standby at the job's join, then a warm spare, then one still
+        warming up (which is still further along than a cold start); a spare bound to another GPU is
+        left alone. A new spare starts behind it.
         The caller owns the spare from then on (its `last_word`, and `close` once it is reaped).
         """
         self._drop_dead()
-        fits = [s for s in self.spares if s.gpu in (None, gpu)]
+        fits = [s for s in self.spares if s.gpu in (None, gpu) or (s.stage() == "standby" and s.any_gpu)]
         if not fits:
             return None
-        spare = max(fits, key=lambda s: (s.is_warm(), s.gpu == gpu, -s.started))
+        ready = {"standby": 2, "warm": 1, "starting": 0}
+        spare = max(fits, key=lambda s: (ready[s.stage()], s.gpu == gpu, -s.started))
         self.spares.remove(spare)
-        if not _order(spare, argv, env):  # it died just now
+        if not _order(spare, argv, {**env, SPARE_STAGE_ENV: spare.stage()}):  # it died just now
             spare.close()
             self._add(self._spawn(spare.gpu))
             return self.hand_over(argv, env, gpu)
         self.handed_over += 1
-        self._add(self._spawn(spare.gpu))
+        self._add(self._spawn(gpu))  # a standby behind it on the GPU that just took a rank
         return spare
 
     def run_now(self, argv: Sequence[str], env: Mapping[str, str]) -> Spare | None:
@@ -193,11 +233,16 @@ class SparePool:
             self.spares.append(spare)
 
     def _spawn(self, gpu: str | None, env: Mapping[str, str] | None = None) -> Spare | None:
-        (read_fd, write_fd), (word_fd, say_fd) = os.pipe(), os.pipe()
-        env = dict(self.env if env is None else env)
-        env[READY_FD_ENV], env[WORD_FD_ENV] = str(write_fd), str(say_fd)
+        standby = self._standby_env(gpu) if env is None else None
+        env = dict(standby or (self.env if env is None else env))
+        if standby is None and not self.cuda:
+            gpu = None  # a plain spare without a context takes a rank of any GPU
         if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"], env[CUDA_ENV] = gpu, "1"
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+            if self.cuda:
+                env[CUDA_ENV] = "1"
+        (read_fd, write_fd), (word_fd, say_fd) = os.pipe(), os.pipe()
+        env[READY_FD_ENV], env[WORD_FD_ENV] = str(write_fd), str(say_fd)
         try:
             process = subprocess.Popen(
                 [self.python, "-m", "gpuwatch.spares.worker"],
@@ -214,12 +259,31 @@ class SparePool:
         finally:
             os.close(write_fd)
             os.close(say_fd)
-        return Spare(process, read_fd, word_fd, gpu, time.monotonic())
+        return Spare(process, read_fd, word_fd, gpu, time.monotonic(), standby=standby is not None)
+
+    def _standby_env(self, gpu: str | None) -> dict[str, str] | None:
+        """A standby's environment on `gpu`: the rank's without the held keys, and the job's command."""
+        if self._standby is None or gpu is None:
+            return None
+        command, env_of, held = self._standby
+        env = env_of(gpu)
+        if env is None:
+            return None
+        env = {k: v for k, v in env.items() if k not in held}
+        env[STANDBY_ARGV_ENV], env[HELD_ENV] = json.dumps(command), ",".join(held)
+        return env
 
     def _drop_dead(self) -> None:
         for spare in [s for s in self.spares if s.process.poll() is not None]:
             code = spare.process.returncode
-            self.echo(f"gpuwatch launch: a spare (pid {spare.process.pid}) ended while waiting (exit {code})")
+            if spare.standby and self._standby is not None:
+                self._standby = None
+                self.echo(
+                    f"gpuwatch launch: a standby (pid {spare.process.pid}) ended before the job's join (exit {code}):"
+                    " spares from now on wait without the job's set-up"
+                )
+            else:
+                self.echo(f"gpuwatch launch: a spare (pid {spare.process.pid}) ended while waiting (exit {code})")
             spare.close()
             self.spares.remove(spare)
             self._add(self._spawn(spare.gpu))

@@ -16,6 +16,10 @@ optimizer's kernels load once): the launcher then hands it only a rank of that G
 move to another GPU, and CUDA_VISIBLE_DEVICES is read once, when CUDA starts). With
 $GPUWATCH_SPARE_NOW=1 (a job's first ranks) it skips the warm-up and runs the order at once.
 
+A standby ($GPUWATCH_SPARE_ARGV, the job's command as JSON) runs the job's command right after its
+warm-up, with the rank's keys held back ($GPUWATCH_SPARE_HELD), and takes its hand-over where the
+script joins the job (gpuwatch.trainer.standby): the job's set-up is done before the fault.
+
 When the job ends by itself (returns, sys.exit, os._exit, an exception) the runner writes its exit
 code to its second pipe, $GPUWATCH_SPARE_WORD_FD (`exit N`), before the process begins to exit: a rank whose exit begins
 without that word was killed, and the launcher replaces it at once (gpuwatch.spares.pool).
@@ -30,8 +34,9 @@ import sys
 import time
 from typing import NoReturn
 
-from gpuwatch.spares.pool import CUDA_ENV, NOW_ENV, READY_FD_ENV, WORD, WORD_FD_ENV
+from gpuwatch.spares.pool import CUDA_ENV, NOW_ENV, STANDBY_ARGV_ENV, WORD, WORD_FD_ENV
 from gpuwatch.trainer.contract import SPARE_WARM_S_ENV
+from gpuwatch.trainer.standby import HELD_ENV, READY_FD_ENV, arm, take_over
 
 # What a rank of an in-place job imports besides torch: paid once, while nothing waits for it.
 _PRELOAD = (
@@ -52,12 +57,21 @@ def main() -> int:
     if not now:
         _warm_up(cuda=os.environ.get(CUDA_ENV) == "1")
     ready_fd, word_fd = _fd(READY_FD_ENV), _fd(WORD_FD_ENV)
+    standby = json.loads(os.environ.pop(STANDBY_ARGV_ENV, "null"))
+    held = [k for k in os.environ.pop(HELD_ENV, "").split(",") if k]
     if ready_fd is not None:
         if not now:
             _say(ready_fd, b"1")
-        os.close(ready_fd)
+        if standby and not now:
+            os.set_inheritable(ready_fd, False)  # kept for the join's byte (gpuwatch.trainer.standby)
+        else:
+            os.close(ready_fd)
     if word_fd is not None:
         os.set_inheritable(word_fd, False)  # the job's own subprocesses never hold it
+    if standby and not now:  # a standby: the job's own set-up now, its rank at the join
+        os.environ.pop(CUDA_ENV, None)
+        arm(held, ready_fd)
+        return _run_and_say([str(a) for a in standby], word_fd)
     warm_at = time.monotonic()
     line = sys.stdin.buffer.readline()
     if not line.strip():
@@ -67,7 +81,7 @@ def main() -> int:
     if not now:  # a spare took the rank over (its report says so); a first rank was only run by the runner
         env[SPARE_WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
     env.pop(CUDA_ENV, None)
-    _take_over(env)
+    take_over(env)
     return _run_and_say(argv, word_fd)
 
 
@@ -94,15 +108,6 @@ def _warm_up(*, cuda: bool) -> None:
         layer(torch.ones(2, 8, device="cuda")).sum().backward()
         torch.optim.Adam(layer.parameters()).step()
         torch.cuda.synchronize()
-
-
-def _take_over(env: dict[str, str]) -> None:
-    """Become the rank: its environment, no terminal input (a worker started by the launcher has none either)."""
-    os.environ.clear()
-    os.environ.update(env)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
 
 
 def _run_and_say(argv: list[str], word_fd: int | None) -> int:

@@ -61,6 +61,8 @@ RECOVERY_RELAUNCH = "relaunch"  # a fault stops the job; it comes back through a
 RECOVERY_IN_PLACE = "in_place"  # the surviving ranks re-form without the rank that left and keep training
 RECOVERY_VALUES = (RECOVERY_RELAUNCH, RECOVERY_IN_PLACE)
 SPARE_WARM_S_ENV = "GPUWATCH_SPARE_WARM_S"
+SPARE_STAGE_ENV = "GPUWATCH_SPARE_STAGE"  # how far a spare was at its hand-over: SPARE_STAGES
+SPARE_STAGES = ("standby", "warm", "starting")  # the job's set-up done up to its join; torch imported; neither
 """Set in a rank's environment when a warm spare took the rank over (gpuwatch.spares): the seconds it waited warm.
 A rank with it reports `spare: true`, so the daemon records that a spare brought its job back."""
 
@@ -157,6 +159,7 @@ class TrainerReport(AllocatorFigures):
     stop_requested: bool
     allow_drills: bool  # the rank accepts the fault-rank drill
     spare: bool  # this process took its rank over as a warm spare (SPARE_WARM_S_ENV)
+    spare_stage: str | None  # ... and how far it was then (SPARE_STAGE_ENV): standby, warm or starting
     recovery: str  # RECOVERY_RELAUNCH, or RECOVERY_IN_PLACE: its job's survivors go on when it leaves
     ended: str | None  # null while the process runs, else how it ended (ENDED_*)
     pause: str | None  # the pause the loop declared and is in (TrainerLink.pause), else null

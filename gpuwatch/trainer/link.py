@@ -60,6 +60,7 @@ from gpuwatch.trainer.contract import (
     REPORT_SOCKET,
     REPORTS_REQUIRED_ENV,
     RUNTIME_DIR_ENV,
+    SPARE_STAGE_ENV,
     SPARE_WARM_S_ENV,
     STATUS_FILE,
     STEP_SLOT,
@@ -130,6 +131,7 @@ class TrainerLink:
         self.abort_after_s = abort_after_s
         self.allow_drills = allow_drills
         self.spare = SPARE_WARM_S_ENV in os.environ  # a warm spare took this rank over (gpuwatch.spares)
+        self.spare_stage = os.environ.get(SPARE_STAGE_ENV) if self.spare else None  # standby or warm
         self.pid = os.getpid()
         self.rank = _env_int("RANK")
         self.local_rank = _env_int("LOCAL_RANK")
@@ -600,6 +602,7 @@ class TrainerLink:
             "stop_requested": self._stop_requested,
             "allow_drills": self.allow_drills,
             "spare": self.spare,
+            "spare_stage": self.spare_stage,
             "recovery": self.recovery,
             "ended": self._ended,
             "pause": self._pause,

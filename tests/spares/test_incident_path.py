@@ -24,9 +24,11 @@ def _incident(path: str) -> Incident:
     return incident
 
 
-def _report(pid: int, step: int, first_step: int, first_step_t: float, *, spare: bool) -> Report:
+def _report(
+    pid: int, step: int, first_step: int, first_step_t: float, *, spare: bool, stage: str | None = None
+) -> Report:
     info = TrainerInfo(pid=pid, job_id=JOB[1], step=step, step_t=KILLED + 2, first_step=first_step,
-                       first_step_t=first_step_t, spare=spare, recovery="in_place")  # fmt: skip
+                       first_step_t=first_step_t, spare=spare, spare_stage=stage, recovery="in_place")  # fmt: skip
     return Report(info, JOB[0], alive=True)
 
 
@@ -61,3 +63,10 @@ def test_in_place_the_path_is_spare_only_when_the_spare_took_the_next_step(spare
     survivor = _report(5, LAST + 3, 1, 10.0, spare=False)
     spare = _report(8, LAST + 3, spare_first_step, KILLED + 0.5, spare=True)
     assert _watch(_incident(PATH_IN_PLACE), [survivor, spare]) == path
+
+
+@pytest.mark.parametrize("stage", ["standby", "warm", "starting"])
+def test_the_incident_says_how_far_the_spare_that_brought_the_job_back_was(stage: str) -> None:
+    incident = _incident(PATH_RELAUNCH)
+    assert _watch(incident, [_report(8, 42, 38, KILLED + 1, spare=True, stage=stage)]) == "spare"
+    assert incident.spare_stage == stage and incident.body()["spare_stage"] == stage

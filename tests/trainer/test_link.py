@@ -26,7 +26,7 @@ CONTRACT_FIELDS = {
     "t", "pid", "rank", "local_rank", "world_size", "local_world_size", "job_id", "gpu_uuid", "step", "step_t",
     "first_step_t", "recovery", "uid",
     "step_time_s", "grad_norm", "grad_norm_var", "reserved_bytes", "allocated_bytes", "inactive_split_bytes",
-    "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "spare", "ended",
+    "num_alloc_retries", "num_ooms", "stop_requested", "first_step", "allow_drills", "spare", "spare_stage", "ended",
     "step_time_p99_s", "pause", "pause_until",
 }  # fmt: skip
 FAST = 0.02

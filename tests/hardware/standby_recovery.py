@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""A standby spare against today's spare on one GPU: fault → the loop's next step, from the loop's own log.
+
+    python tests/hardware/standby_recovery.py --device cuda --out standby.json      # one H100/H200, ~5 min
+    python tests/hardware/standby_recovery.py --device cuda --gib 16                # one size: under 4 min
+    python tests/hardware/standby_recovery.py --device cpu --small                  # the same chain on the CPU
+
+A user's loop (tests/spares/user_loop.py: `nn.Sequential` of 4096x4096 fp32 Linear layers built on the
+CPU with torch's default init, then `.to(device)`; AdamW; a data index built before the job object;
+`ShardedJob` with a host snapshot every 8 steps) runs under `gpuwatch launch --in-place --spares 1`
+with the daemon (nvml on a GPU, sim on the CPU) at its default config but a 1 s sample interval. For
+each state size (parameters and AdamW's moments: 4 and 16 GiB) and each kind of spare (`standby`: the
+spare ran the script up to its join; `spare`: today's, which imported torch and made its CUDA
+context, trainer.spare_standby = false) one launch takes three faults in turn, each once the next
+spare is ready: kill -9 of the rank, its own XID 31 (`gpuwatch drill --fault-rank 0`; GPU only) and
+SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stopped rank). The fault's
+time is the kill's, or for a drill the rank's last step before it (the fault came after it: this
+errs long by less than a step). The cold start is the first rank's own start → its first step in the
+same run. Prints a markdown table, then the whole result as JSON (--out: also to that file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, run as a script
+
+from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until  # noqa: E402
+from tests.hardware.hang_drill import spare_warm  # noqa: E402
+
+LOOP = Path(__file__).resolve().parents[1] / "spares" / "user_loop.py"
+EVERY = 8
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--small", action="store_true", help="CPU sizes: 0.02 and 0.06 GiB, a 512 wide model")
+    parser.add_argument("--gib", type=float, nargs="+", help="state sizes (default 4 16; --small 0.02 0.06)")
+    parser.add_argument("--kinds", nargs="+", default=["standby", "spare"], choices=("standby", "spare"))
+    parser.add_argument("--faults", nargs="+", help="default kill xid stop (cuda), kill stop (cpu)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    sizes = args.gib or ([0.02, 0.06] if args.small else [4.0, 16.0])
+    faults = args.faults or (["kill", "xid", "stop"] if args.device == "cuda" else ["kill", "stop"])
+    work = Path(tempfile.mkdtemp(prefix="gpuwatch-standby-"))
+    sim = ["--sim-gpus", "1", "--sim-scenario", "healthy"] if args.device == "cpu" else []
+    daemon = DaemonProcess(work / "node", *sim, "--interval", "1", backend="sim" if sim else "nvml")
+    rows: list[dict[str, Any]] = []
+    try:
+        daemon.start()
+        for gib in sizes:
+            for kind in args.kinds:
+                rows.append(_one_launch(daemon, work / f"{kind}-{gib}", gib, kind, faults, args))
+        rows_incidents = daemon.get("/v1/incidents?limit=50")["incidents"]
+        for row in rows:
+            for fault in row["faults"]:
+                found = [i for i in rows_incidents if fault.get("victim") in {r["pid"] for r in i["ranks"]}]
+                if found:
+                    fault["incident"] = {k: found[0].get(k) for k in ("kind", "path", "time_to_resume_s", "steps_lost")}
+    finally:
+        daemon.stop()
+    print(_table(rows, faults))
+    text = json.dumps({"device": args.device, "every": EVERY, "rows": rows}, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0 if all(f.get("next_step_s") is not None for row in rows for f in row["faults"]) else 1
+
+
+def _one_launch(
+    daemon: DaemonProcess, work: Path, gib: float, kind: str, faults: list[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    logs = work / "steps"
+    env = child_env(("GPUWATCH_", "TORCHELASTIC_"))
+    # The host snapshots in memory (tmpfs), removed after the launch: 16 GiB of state keeps up to 32 GiB there.
+    shm = Path(tempfile.mkdtemp(prefix="gpuwatch-standby-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    env.update(GPUWATCH_SNAPSHOT_ROOT=str(shm), GPUWATCH_TRAINER_SPARE_STANDBY=str(kind == "standby").lower())
+    if args.device == "cuda":
+        env["GPUWATCH_TRAINER_SPARE_CUDA_CONTEXT"] = "true"
+    width = "512" if args.small else "4096"
+    loop = [str(LOOP), "--log-dir", str(logs), "--steps", "1000000", "--every", str(EVERY), "--gib", str(gib)]
+    loop += ["--width", width, "--device", args.device, "--allow-drills", "--step-sleep", "0.02"]
+    launch_args = ["launch", "--runtime-dir", str(daemon.runtime_dir), "--in-place", "--spares", "1"]
+    log = open(work / "launch.log", "w")  # noqa: SIM115  # the launcher's, for as long as it runs
+    launch = subprocess.Popen(
+        [*daemon.command(*launch_args), "--", *loop], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    row: dict[str, Any] = {"gib": gib, "kind": kind, "faults": []}
+    try:
+        wait_until("the first step", lambda: bool(_lines(logs)), 600, 0.2)
+        first = min(_lines(logs), key=lambda ln: ln["t"])
+        row["cold_start_s"] = round(first["t"] - first["started"], 2)
+        row["setup_s"] = round(first["setup_s"], 2)
+        for fault in faults:
+            wait_until(f"a ready {kind}", lambda: _ready(kind, logs), 600, 0.2)
+            row.setdefault("spare_memory", _spare_memory(kind, logs))
+            row["faults"].append(_fault(daemon, logs, fault, env))
+    except Exception as exc:  # one launch's failure is said in its row; the others still run
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        launch.send_signal(signal.SIGTERM)
+        try:
+            launch.wait(60)
+        except subprocess.TimeoutExpired:
+            launch.kill()
+        log.close()
+        shutil.rmtree(shm, ignore_errors=True)
+        row["launch_log_tail"] = (work / "launch.log").read_text()[-1500:]
+    return row
+
+
+def _ready(kind: str, logs: Path) -> bool:
+    """standby: a process finished the loop's set-up (its setup file) and took no step yet; spare: a warm spare."""
+    if kind == "spare":
+        return spare_warm()
+    stepped = {ln["pid"] for ln in _lines(logs)}
+    waiting = [p for p in logs.glob("setup.*.json") if int(p.name.split(".")[1]) not in stepped]
+    return any(Path(f"/proc/{p.name.split('.')[1]}").exists() for p in waiting)
+
+
+def _spare_memory(kind: str, logs: Path) -> dict[str, Any]:
+    """What the waiting spare holds: its resident host memory (/proc) and its GPU memory (NVML, when there)."""
+    if kind == "standby":
+        stepped = {ln["pid"] for ln in _lines(logs)}
+        pids = [int(p.name.split(".")[1]) for p in logs.glob("setup.*.json")]
+        pids = [pid for pid in pids if pid not in stepped and Path(f"/proc/{pid}").exists()]
+    else:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_waiting_spare(int(p))]
+    if not pids:
+        return {}
+    pid = pids[0]
+    found: dict[str, Any] = {"pid": pid}
+    try:
+        rss = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+        found["host_rss_mib"] = round(int(rss.split()[1]) / 1024)
+    except (OSError, StopIteration):
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == pid and process.usedGpuMemory is not None:
+                found["gpu_mib"] = round(process.usedGpuMemory / 2**20)
+    except Exception as exc:  # no NVML (the CPU run), or another PID namespace
+        found["gpu"] = f"not read: {type(exc).__name__}"
+    return found
+
+
+def _is_waiting_spare(pid: int) -> bool:
+    try:
+        if b"gpuwatch.spares.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        return b"GPUWATCH_SPARE_NOW" not in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
+def _fault(daemon: DaemonProcess, logs: Path, fault: str, env: dict[str, str]) -> dict[str, Any]:
+    time.sleep(1.0)  # the standby from its set-up file to its join
+    victim = max(_lines(logs), key=lambda ln: ln["t"])["pid"]
+    drill = None
+    if fault == "kill":
+        at = time.time()
+        os.kill(victim, signal.SIGKILL)
+    else:
+        wait_until("the rank listed on GPU 0", lambda: _listed(daemon, victim), 60, 0.2)
+        flag = "--fault-rank" if fault == "xid" else "--hang-rank"
+        drill = subprocess.Popen(
+            daemon.command("drill", flag, "0", "--yes", "--json"),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    wait_until(
+        "the next step",
+        lambda: any(ln["pid"] != victim for ln in _lines(logs) if ln["t"] > _last(logs, victim)),
+        300,
+        0.05,
+    )
+    if drill is not None:
+        drill.wait(300)
+    if fault != "kill":
+        at = _last(logs, victim)  # the fault came after the rank's last step
+    lines = _lines(logs)
+    after = min((ln for ln in lines if ln["pid"] != victim and ln["t"] > at), key=lambda ln: ln["t"])
+    last = max(ln["step"] for ln in lines if ln["pid"] == victim)
+    return {
+        "fault": fault,
+        "victim": victim,
+        "next_step_s": round(after["t"] - at, 2),
+        "steps_redone": last - (after["step"] - 1),
+        "waited_as_spare_s": after.get("spare_warm_s"),
+        "join_parts": after.get("join_parts"),  # the replacement's join: rendezvous, group, state (s)
+    }
+
+
+def _listed(daemon: DaemonProcess, pid: int) -> bool:
+    trainers = daemon.get("/v1/gpus/0").get("trainers") or []
+    return any(t.get("pid") == pid for t in trainers)
+
+
+def _last(logs: Path, pid: int) -> float:
+    return max((ln["t"] for ln in _lines(logs) if ln["pid"] == pid), default=0.0)
+
+
+def _lines(logs: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in logs.glob("steps.*.jsonl"):
+        found += [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return found
+
+
+def _table(rows: list[dict[str, Any]], faults: list[str]) -> str:
+    names = {"kill": "kill -9", "xid": "own XID 31", "stop": "SIGSTOP"}
+    out = [
+        "| state | spare | "
+        + " | ".join(names[f] for f in faults)
+        + " | cold start to its first step | set-up | the waiting spare holds (host, GPU) |",
+        "| --- | --- | " + " | ".join("---" for _ in faults) + " | --- | --- | --- |",
+    ]
+    for row in rows:
+        by = {f["fault"]: f for f in row["faults"]}
+        cells = [
+            f"{by[f]['next_step_s']:.2f} s ({by[f]['steps_redone']} redone)" if f in by else row.get("error", "")[:40]
+            for f in faults
+        ]
+        out.append(
+            f"| {row['gib']:g} GiB | {row['kind']} | " + " | ".join(cells)
+            + f" | {row.get('cold_start_s', '')} s | {row.get('setup_s', '')} s | {_memory(row)} |"
+        )  # fmt: skip
+    return "\n".join(out)
+
+
+def _memory(row: dict[str, Any]) -> str:
+    held = row.get("spare_memory") or {}
+    return f"{held.get('host_rss_mib', '?')} MiB, {held.get('gpu_mib', '-')} MiB"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

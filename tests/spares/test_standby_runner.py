@@ -1,0 +1,160 @@
+"""The standby's runner and the pool's choice: a standby runs the job's script up to its join, learns its rank only
+at the hand-over, and a hand-over takes the best that is ready (a standby at the join, a warm spare, one starting)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.launcher.in_place import InPlacePlan, Supervisor, _Worker
+from gpuwatch.spares.pool import Spare, SparePool
+from tests.helpers import launch_env
+
+HELD = ["RANK", "WORLD_SIZE", "GPUWATCH_SPARE_WARM_S"]
+GPU = "GPU-standby-test"
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys\n"
+        "from gpuwatch.trainer.standby import wait_for_rank\n"
+        f"out = open({str(tmp_path / 'out.txt')!r}, 'a')\n" + body
+    )
+    return script
+
+
+def _pool(tmp_path: Path, script: Path, lines: list[str]) -> SparePool:
+    pool = SparePool(1, launch_env(), standby=True, echo=lines.append)
+    # the rank environment of the GPU: RANK is there, but held back until the hand-over
+    pool.standby_for([str(script)], lambda gpu: {**launch_env(), "RANK": "9", "WORLD_SIZE": "9"}, HELD)
+    pool.start([GPU])
+    return pool
+
+
+def _until(what: str, check: object, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_standby_runs_the_set_up_waits_at_the_join_and_learns_its_rank_at_the_hand_over(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "out.write('set-up done\\n'); out.flush()\n"
+        "wait_for_rank()\n"
+        "env = os.environ\n"
+        "out.write(f\"rank {env['RANK']} of {env['WORLD_SIZE']} waited {env['GPUWATCH_SPARE_WARM_S']}\\n\")\n",
+    )
+    lines: list[str] = []
+    pool = _pool(tmp_path, script, lines)
+    try:
+        (standby,) = pool.spares
+        _until("the standby at the join", lambda: standby.stage() == "standby")
+        assert (tmp_path / "out.txt").read_text() == "set-up done\n"  # ran once, waits
+        assert standby.any_gpu  # no CUDA context made: it may take a rank of any GPU
+        env = {**launch_env(), "RANK": "3", "WORLD_SIZE": "4"}
+        assert pool.hand_over([str(script)], env, "GPU-other") is standby
+        assert standby.process.wait(timeout=30) == 0
+        said = (tmp_path / "out.txt").read_text().splitlines()
+        assert said[0] == "set-up done" and said[1].startswith("rank 3 of 4 waited "), said
+        assert len(pool.spares) == 1 and pool.spares[0] is not standby  # another behind it
+    finally:
+        pool.close()
+    assert not lines, lines
+
+
+@pytest.mark.slow
+def test_a_script_that_reads_rank_before_the_join_waits_there_and_says_where(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "rank = os.environ.get('RANK')\nout.write(f'rank {rank}\\n')\nwait_for_rank()\n")
+    pool = _pool(tmp_path, script, [])
+    try:
+        (standby,) = pool.spares
+        _until("the standby waits", lambda: standby.stage() == "standby")
+        assert not (tmp_path / "out.txt").read_text()  # the read waits for the hand-over
+        pool.hand_over([str(script)], {**launch_env(), "RANK": "2"}, GPU)
+        assert standby.process.wait(timeout=30) == 0
+        assert (tmp_path / "out.txt").read_text() == "rank 2\n"
+    finally:
+        pool.close()
+    err = capfd.readouterr().err
+    assert f"the job reads RANK before it joins the job ({script}:4)" in err, err
+
+
+@pytest.mark.slow
+def test_a_standby_that_ends_before_the_join_turns_standby_off_in_one_line(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sys.exit(3)\n")
+    lines: list[str] = []
+    pool = _pool(tmp_path, script, lines)
+    try:
+        (standby,) = pool.spares
+        standby.process.wait(timeout=60)
+        replacement = pool.hand_over([sys.executable, "-c", "pass"], launch_env(), GPU)
+        assert replacement is not None and not replacement.standby
+        assert len(lines) == 1 and "ended before the job's join (exit 3)" in lines[0], lines
+        assert not pool.spares[0].standby
+    finally:
+        pool.close()
+
+
+def _fake(said: bytes, started: float, *, standby: bool = True) -> Spare:
+    process = subprocess.Popen(["sleep", "30"], stdin=subprocess.PIPE)
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, said)
+    os.close(write_fd)
+    word_fd, say_fd = os.pipe()
+    os.close(say_fd)
+    return Spare(process, read_fd, word_fd, GPU, started, standby=standby)
+
+
+def test_a_hand_over_takes_the_standby_at_the_join_then_a_warm_spare_then_one_starting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = SparePool(3, {}, echo=lambda _: None)
+    monkeypatch.setattr(pool, "_spawn", lambda *_args, **_kw: None)
+    starting, warm, standby = _fake(b"", 1.0), _fake(b"1", 2.0), _fake(b"1j", 3.0)  # the oldest first
+    pool.spares = [starting, warm, standby]
+    try:
+        order = [pool.hand_over(["job.py"], {}, GPU) for _ in range(3)]
+        assert order == [standby, warm, starting]
+        assert [s.stage() for s in order] == ["standby", "warm", "starting"]
+    finally:
+        for spare in (starting, warm, standby):
+            spare.process.kill()
+            spare.process.wait()
+            spare.close()
+
+
+def test_where_the_gpu_has_no_room_beside_its_rank_the_spare_is_no_standby_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    pool = SparePool(1, {}, standby=True, echo=lines.append)
+    supervisor = Supervisor(InPlacePlan("job", ("train.py",), str(tmp_path)), list, echo=lines.append, spares=pool)
+    supervisor.node, supervisor.address, supervisor.secret_file = 0, "127.0.0.1:1", str(tmp_path / "secret")
+    rank = subprocess.Popen(["sleep", "30"])
+    supervisor.workers = [_Worker("n0.g0.0", 0, GPU, rank)]  # type: ignore[arg-type]
+    pool.standby_for(["train.py"], supervisor._standby_env, HELD)
+    try:
+        monkeypatch.setattr(pool, "room_for", lambda gpu, pid: pid != rank.pid)  # NVML: not beside that rank
+        assert pool._standby_env(GPU) is None
+        assert lines == [
+            "gpuwatch launch: in place: GPU 0: no room beside the rank for a standby of the job:"
+            " a spare waits there without the job's set-up"
+        ]
+        monkeypatch.setattr(pool, "room_for", lambda gpu, pid: True)
+        env = pool._standby_env(GPU)
+        assert env is not None and env["CUDA_VISIBLE_DEVICES"] == GPU and env["GPUWATCH_SPARE_ARGV"] == '["train.py"]'
+        assert not {"RANK", "WORLD_SIZE", "GPUWATCH_INPLACE_MEMBER"} & set(env)
+    finally:
+        rank.kill()
+        rank.wait()
