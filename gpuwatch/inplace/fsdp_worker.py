@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dp = int(os.environ.get("WORLD_SIZE", "1")) // args.tp
 
     def build(mesh: Any, init: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         return _build(mesh, init, args.width, args.layers, args.tp, device)
@@ -60,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     link = TrainerLink(report_interval_s=1.0)
     with link, log_path.open("a") as log:
-        mesh_shape = (dp, args.tp) if args.tp > 1 else None
+        # A 2-D mesh's shape needs the world size before the join (a standby then waits at this read);
+        # a 1-D mesh is the job's whole group, known at the join.
+        mesh_shape = (int(os.environ.get("WORLD_SIZE", "1")) // args.tp, args.tp) if args.tp > 1 else None
         names = ("dp", "tp") if args.tp > 1 else None
         job = FSDPJob(
             build, link, every=args.every, mesh_shape=mesh_shape, mesh_dim_names=names,
