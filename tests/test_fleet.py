@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpuwatch.base.clock import ManualClock
 from gpuwatch.bench.daemon_process import free_port, wait_until
 from gpuwatch.cluster.fleet import (
-    DRAINED_NODES_1H,
+    DRAINED_NODES_1H_QUERY,
     JITTER,
     MAX_ANSWER_BYTES,
     QUARANTINED_SHARE,
@@ -155,11 +155,11 @@ def test_a_fleet_of_nodes_asks_precomputed_numbers_and_drifts_apart(prometheus: 
     """The drained count over the default hour is the recording rule (not every node's max_over_time of every
     node's hour), and the reads are spread: nodes started together do not ask in step for ever."""
     config = FleetConfig(prometheus_url=prometheus.url)
-    assert drained_nodes_query(config.window_s) == DRAINED_NODES_1H
+    assert drained_nodes_query(config.window_s) == DRAINED_NODES_1H_QUERY
     assert "max_over_time" in drained_nodes_query(600)  # another window: the query itself
-    prometheus.answer(DRAINED_NODES_1H, 2)
+    prometheus.answer(DRAINED_NODES_1H_QUERY, 2)
     breaker = FleetBreaker(config)
-    assert breaker.allow_drain() is None and prometheus.queries == [DRAINED_NODES_1H]
+    assert breaker.allow_drain() is None and prometheus.queries == [DRAINED_NODES_1H_QUERY]
     periods = [FleetBreaker(config).period_s for _ in range(200)]
     assert all(config.cache_s <= p <= config.cache_s * (1 + JITTER) for p in periods)
     assert max(periods) - min(periods) > config.cache_s * JITTER / 2, "every node reads at the same period"

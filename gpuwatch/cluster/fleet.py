@@ -7,8 +7,9 @@ condemning cards on 40 nodes at once; Prometheus, which scrapes every node, can.
   `fleet:gpuwatch_gpus_quarantined:ratio` (dashboards/prometheus/gpuwatch-recording.yml);
 * how many nodes gpuwatch drained in Slurm within `fleet.window_s`: the recording rule
   `fleet:gpuwatch_slurm_drained_nodes:count1h` for the default hour (computed once for the fleet,
-  not once per node that asks: over every node's hour of samples it is the costly one), the query
-  itself for any other window.
+  not once per node that asks: over every node's hour of samples it is the costly one), or the nodes
+  drained now where more (the hour's rule runs every 30 s: a burst of drains within them counts), the
+  query itself for any other window.
 
 Beyond `fleet.max_quarantined_share` an automatic quarantine is refused; beyond
 `fleet.max_drained_nodes` a drain is. Prometheus unreachable: `on_unreachable = "open"` lets the
@@ -48,7 +49,10 @@ from gpuwatch.errors import GpuwatchError
 log = logging.getLogger("gpuwatch.fleet")
 
 QUARANTINED_SHARE = "fleet:gpuwatch_gpus_quarantined:ratio"
-DRAINED_NODES_1H = "fleet:gpuwatch_slurm_drained_nodes:count1h"
+# The hour's count (the recording rule fleet:gpuwatch_slurm_drained_nodes:count1h) is evaluated every 30 s;
+# the nodes drained now (the breaker group's sum, evaluated with the share) cover a burst of drains within
+# those 30 s. The larger of the two records.
+DRAINED_NODES_1H_QUERY = 'max({__name__=~"fleet:gpuwatch_slurm_drained_nodes:(count1h|sum)"})'
 MIN_PERIOD_S = 1.0  # the share is read no more often, whatever cache_s says (0 is allowed)
 JITTER = 0.25  # each period is cache_s times 1 to 1 + JITTER
 UNREACHABLE_RETRY_S = 5.0  # after a failure, the share is read again no sooner
@@ -60,7 +64,7 @@ def drained_nodes_query(window_s: float) -> str:
     """Nodes whose gpuwatch_slurm_drained was 1 at any time within the window (0 when none): the recording
     rule for the default hour, the query itself for another window."""
     if int(window_s) == 3600:
-        return DRAINED_NODES_1H
+        return DRAINED_NODES_1H_QUERY
     return f"count(max_over_time(gpuwatch_slurm_drained[{int(window_s)}s]) == 1) or vector(0)"
 
 
