@@ -15,6 +15,10 @@ import click
 
 from gpuwatch.base.command_error import OneLineCommand, command_name, fail
 
+# The one-node rendezvous torchrun runs with (gpuwatch.launcher.local_rendezvous registers it under this
+# name). Here, torch-free, so that `gpuwatch launch` starts without torch and says what is missing.
+LOCAL_RENDEZVOUS = "gpuwatch-local"
+
 MODULE_FLAGS = frozenset({"-m", "--module"})
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gpuwatch.inplace.protocol import JOIN, read_events
-
 DEFAULT_JOIN_WITHIN_S = 120.0
 _READ_EVERY_S = 0.2  # the store's event log, read this often until the first join
 WHAT_TO_RUN = (
@@ -40,6 +38,10 @@ class JoinWatch:
         if self.joined or (live_workers and now < self._next_read):
             return None
         self._next_read = now + _READ_EVERY_S
+        # Here, not at the top: gpuwatch.inplace imports torch, and `gpuwatch launch` (which reads this
+        # module's default) must start, and say what is missing, in a Python without it.
+        from gpuwatch.inplace.protocol import JOIN, read_events
+
         events = read_events(self.store, self._seen)
         self._seen += len(events)
         if any(isinstance(e, dict) and e.get("kind") == JOIN for e in events):

@@ -61,11 +61,10 @@ from gpuwatch.errors import GpuwatchError
 from gpuwatch.launcher.daemon_dir import runtime_dir_for_ranks
 from gpuwatch.launcher.daemon_gpus import in_place_views, usable
 from gpuwatch.launcher.gpu_watch import QuarantineWatch, StopSwitch
-from gpuwatch.launcher.job_args import LaunchCommand, torchrun_job_args
+from gpuwatch.launcher.job_args import LOCAL_RENDEZVOUS, LaunchCommand, torchrun_job_args
 from gpuwatch.launcher.job_check import missing_job
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S
 from gpuwatch.launcher.limits import raise_descriptor_limit
-from gpuwatch.launcher.local_rendezvous import BACKEND as LOCAL_BACKEND
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
@@ -149,7 +148,7 @@ def rendezvous_args(
         raise click.UsageError("--standalone cannot be combined with --nnodes or rendezvous options")
     conf = ("--rdzv-conf", rdzv_conf) if rdzv_conf else ()
     if not custom:
-        local = ("--rdzv-backend", LOCAL_BACKEND, "--rdzv-endpoint", "127.0.0.1:0")
+        local = ("--rdzv-backend", LOCAL_RENDEZVOUS, "--rdzv-endpoint", "127.0.0.1:0")
         return ("--nnodes", "1", *local, "--rdzv-id", job_id, *conf)
     args = [arg for flag, value in given.items() if value is not None for arg in (flag, str(value))]
     return (*(("--nnodes", nnodes) if nnodes else ()), *args, "--rdzv-id", job_id, *conf)

@@ -26,7 +26,9 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-BACKEND = "gpuwatch-local"
+from gpuwatch.launcher.job_args import LOCAL_RENDEZVOUS
+
+BACKEND = LOCAL_RENDEZVOUS
 _HOST = "127.0.0.1"
 
 
