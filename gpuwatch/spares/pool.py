@@ -203,10 +203,11 @@ class SparePool:
 
     def room_for(self, gpu: str, pid: int) -> bool:
         """Whether GPU `gpu` has room for a replacement while process `pid` (the rank it replaces) still holds
-        its memory there (gpuwatch.spares.room)."""
+        its memory there (gpuwatch.spares.room); a standby bound to that GPU brings what it already holds."""
         from gpuwatch.spares.room import room_beside
 
-        return room_beside(gpu, pid)
+        standbys = [s for s in self.spares if s.gpu == gpu and s.process.poll() is None and s.stage() == "standby"]
+        return room_beside(gpu, pid, taker=standbys[0].process.pid if standbys else None)
 
     def warm(self) -> int:
         """How many spares are warm now."""

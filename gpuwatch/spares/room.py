@@ -4,7 +4,9 @@ A killed rank's exit begins at once, but the kernel and the driver take seconds 
 (2.1 s for a rank with 16 GiB of state and its pinned snapshot slots on one H200): the launcher may
 hand its rank to a spare before that, but only where the replacement can allocate as much again
 beside it. NVML says the GPU's free memory and what the dying process holds; where NVML does not list
-the process (another PID namespace) the bound is everything in use on the GPU.
+the process (another PID namespace) the bound is everything in use on the GPU. A standby that takes the
+rank has already allocated part of that (the model its script built before the join): only the rest
+has to fit beside the dying rank.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ _nvml: list[Any] = []  # the pynvml module once initialised; empty: not tried ye
 _NO_NVML = object()
 
 
-def room_beside(uuid: str, pid: int) -> bool:
+def room_beside(uuid: str, pid: int, taker: int | None = None) -> bool:
     """True when GPU `uuid` has at least as much memory free as process `pid` holds there (or as is in use
-    when NVML does not list it), or when there is no GPU memory to wait for (no NVML driver, a GPU NVML does
-    not know: a CPU job); False when NVML cannot say."""
+    when NVML does not list it), less what process `taker` (the standby that takes the rank) already holds
+    there, or when there is no GPU memory to wait for (no NVML driver, a GPU NVML does not know: a CPU
+    job); False when NVML cannot say."""
     nvml = _init()
     if nvml is _NO_NVML:
         return True
@@ -30,9 +33,9 @@ def room_beside(uuid: str, pid: int) -> bool:
         except nvml.NVMLError_NotFound:
             return True
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        held = [p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid]
-        need = held[0] if held else memory.total - memory.free
-        return bool(memory.free >= need)
+        held = {p.pid: p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        need = held[pid] if pid in held else memory.total - memory.free
+        return bool(memory.free >= need - held.get(taker, 0))
     except nvml.NVMLError:
         return False
 

@@ -173,6 +173,8 @@ class _FakeNvml:
         (20, {7: 30}, False),  # a job using most of its GPU: wait until the dead rank's memory is freed
         (60, {}, True),  # the dying pid not listed (another PID namespace): bounded by all in use (40)
         (30, {}, False),
+        (20, {7: 30, 9: 12}, True),  # the standby (pid 9) that takes the rank already holds 12 of the 30
+        (20, {7: 30, 9: 8}, False),
     ],
 )
 def test_a_replacement_starts_beside_a_dying_rank_only_where_the_gpu_has_room(
@@ -181,7 +183,7 @@ def test_a_replacement_starts_beside_a_dying_rank_only_where_the_gpu_has_room(
     from gpuwatch.spares import room as room_module
 
     monkeypatch.setattr(room_module, "_nvml", [_FakeNvml(100, free, pids)])
-    assert room_module.room_beside("GPU-a", 7) is room
+    assert room_module.room_beside("GPU-a", 7, taker=9) is room
     assert room_module.room_beside("GPU-bench-cpu-0", 7) is True  # no GPU NVML knows: no memory to wait for
 
 
