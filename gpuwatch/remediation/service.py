@@ -47,6 +47,7 @@ from gpuwatch.remediation.exits import ExitWatch
 from gpuwatch.remediation.faults import STARTED_SLACK_S, Fault, FaultTracker
 from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident, IncidentBook, Target
 from gpuwatch.remediation.judging import Hang, TrainerJudge
+from gpuwatch.remediation.onset import death_onset
 from gpuwatch.remediation.resumes import ResumeWatches
 from gpuwatch.remediation.stopping import JobStop
 from gpuwatch.trainer.contract import ENDED_ERROR
@@ -328,7 +329,7 @@ class Remediation:
             reason,
             rank.gpu,
             [] if in_place else peers,
-            began_t=cause.t if cause is not None else now,
+            began_t=cause.t if cause is not None else death_onset(report.info, now),
             t=now,
             dead=[dead],
             path=PATH_IN_PLACE if in_place else PATH_RELAUNCH,
