@@ -10,12 +10,13 @@ warm spare took the lost rank's place and the job's next step came with it: a on
 one). The path is set when the incident opens, from the ranks' `recovery`, and becomes `spare` when
 the job comes back through a process whose report says it took its rank over as a spare.
 
-The clocks, all Unix times: `began_t` when the fault began (the kill, the XID's own time, the
-last step of a hung job, the decision of a quarantine; a vanished rank's death: remediation.onset), `t` when the daemon knew (detected),
-`stopped_t` when the last stopped rank was gone, `next_step_t` when the job finished its next
-step. `time_to_resume_s` counts from `began_t`. Steps lost are the furthest step any of the job's
-ranks finished before the stop (their step pages: exact, even after a SIGKILL) minus the step it
-resumed from (the relaunch's `first_step - 1`; in place, the step before the survivors' next one).
+The clocks, all Unix times: `began_t` when the fault began (the kill, the XID's own time, the last
+step of a hung job, the decision of a quarantine; a vanished rank's death: remediation.onset), `t`
+when the daemon knew (detected), `stopped_t` when the last stopped rank was gone, `next_step_t` when
+the job finished its next step. `time_to_resume_s` counts from `began_t`. Steps lost are the
+furthest step any of the job's ranks finished before the stop (their step pages: exact, even after a
+SIGKILL) minus the step it resumed from (the relaunch's `first_step - 1`; in place, the step before
+the survivors' next one).
 """
 
 from __future__ import annotations
