@@ -76,6 +76,8 @@ class ProcFs:
         known = self._identities.get(key)
         if known is None:
             known = self._read_identity(pid, fields)
+            if not known.uids:  # status unreadable now (out of descriptors): read it again next time
+                return known
             if len(self._identities) >= _IDENTITY_CACHE_MAX:
                 self._identities.clear()
             self._identities[key] = known
