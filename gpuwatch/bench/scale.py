@@ -6,10 +6,14 @@ the ranks simulated by clients that speak its wire, eight to a node. With GPUWAT
 to the root of an older checkout, the same run is made against that checkout's store with the ranks
 doing what its job.py did (poll), for a before/after table.
 
+Local ranks (gpuwatch.bench.scale_node): one daemon with hundreds of ranks on its node, how long they
+take to be admitted and what a hang poll over them costs.
+
 Nodes (gpuwatch.bench.scale_fleet): a real Prometheus (`prometheus` on PATH) with the project's
 recording rules over synthetic node exports, asked what the breaker asks.
 
-GPUWATCH_BENCH_SCALE_RANKS and GPUWATCH_BENCH_SCALE_NODES (comma-separated counts) choose the sizes.
+GPUWATCH_BENCH_SCALE_RANKS, GPUWATCH_BENCH_SCALE_LOCAL_RANKS and GPUWATCH_BENCH_SCALE_NODES
+(comma-separated counts) choose the sizes.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ def run(ctx: Context) -> Section:
             results.append(figures)
             section.rows.extend(_rows(figures))
     section.figures["ranks"] = results
-    from gpuwatch.bench import scale_fleet
+    from gpuwatch.bench import scale_fleet, scale_node
+
+    section.figures["local_ranks"] = scale_node.rows(ctx, section)
 
     section.figures["nodes"] = scale_fleet.run(ctx, section)
     return section

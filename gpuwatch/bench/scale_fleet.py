@@ -66,6 +66,11 @@ def run(ctx: Context, section: Section) -> list[dict[str, Any]]:
                     Row(f"{label}: series", figures["series"]),
                     Row(f"{label}: Prometheus RSS", figures["rss_mb"], "MiB"),
                     Row(f"{label}: slowest rule group per evaluation", figures["slowest_group_s"], "s"),
+                    *(
+                        Row(f"{label}: rule group {name}, evaluation (of its interval)", f"{spent} s ({load:.1%})")
+                        for name, spent in figures["groups_s"].items()
+                        for load in [figures["group_load"][name]]
+                    ),
                     Row(f"{label}: the share, p50 / p99", _pair(figures["share_ms"]), "ms"),
                     Row(f"{label}: the drained count, p50 / p99", _pair(figures["drained_ms"]), "ms"),
                     Row(f"{label}: 50 drained asks at once, answered within 2 s", figures["burst_answered"]),
@@ -157,6 +162,7 @@ def measure_nodes(binary: str, nodes: int, rules: Path, drained: str | None) -> 
             time.sleep(SCRAPE_S)  # an evaluation after every series is in
             _wait(lambda: _evaluated(url), 120)
             groups = _groups(url)
+            intervals = _intervals(url)
             share = _timed(lambda: client.scalar(SHARE), 50)
             drained_query = drained or drained_nodes_query(3600)
             drained_ms = _timed(lambda: client.scalar(drained_query), 50)
@@ -169,6 +175,7 @@ def measure_nodes(binary: str, nodes: int, rules: Path, drained: str | None) -> 
                 "rss_mb": rss_mb(process.pid),
                 "groups_s": groups,
                 "slowest_group_s": max(groups.values()) if groups else None,
+                "group_load": {name: round(spent / intervals[name], 3) for name, spent in groups.items()},
                 "share_ms": share,
                 "drained_ms": drained_ms,
                 "drained_query": drained_query,
@@ -212,6 +219,11 @@ def _groups(url: str) -> dict[str, float]:
     second = named(_rules(url))
     times = {name: round(max(first.get(name, 0.0), second.get(name, 0.0)), 4) for name in second}
     return {name: spent for name, spent in times.items() if spent > 0}  # a group not run yet says nothing
+
+
+def _intervals(url: str) -> dict[str, float]:
+    """Each group's evaluation interval in seconds, named as `_groups` names them."""
+    return {f"{Path(g['file']).stem}:{g['name']}": float(g["interval"]) for g in _rules(url)}
 
 
 def _timed(ask: Any, times: int) -> dict[str, float]:

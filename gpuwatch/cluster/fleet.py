@@ -22,7 +22,8 @@ thread of its own (FleetBreaker.start) and a quarantine is judged on
 the last reading, never waited for: an XID is judged on the event thread, other faults on the
 sampling thread. The drained count (a costlier query, needed only for the rare drain) is asked
 when a drain is judged, on the drainer's own thread, which may wait. Each ask takes at most
-`timeout_s` in all (peer_http: whatever the server trickles), reads at most MAX_ANSWER_BYTES,
+`timeout_s` in all (peer_http: whatever the server trickles) over one kept-alive connection (made
+again after any error), reads at most MAX_ANSWER_BYTES,
 refuses JSON nested deeper than MAX_JSON_DEPTH and values that are not finite and non-negative (a
 share above 1); each of those, and any other error, counts as unreachable.
 """
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gpuwatch.cluster.peer_http import PeerError, get, loads
+from gpuwatch.cluster.peer_http import Peer, PeerError, loads
 from gpuwatch.config import FleetConfig
 from gpuwatch.errors import GpuwatchError
 
@@ -117,6 +118,8 @@ class Prometheus:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.peer = Peer(self.url)  # one kept-alive connection, asked again every cache_s
+        self._path = urllib.parse.urlsplit(self.url).path
 
     def scalar(self, expr: str, deadline_s: float | None = None) -> float:
         """The value of a query that returns one sample: finite and non-negative. Takes at most `deadline_s`
@@ -126,9 +129,9 @@ class Prometheus:
             FleetError: unreachable, too slow, too large, an error status, not exactly one sample (a missing
                 recording rule), or a value that is not a finite, non-negative number.
         """
-        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        target = f"{self._path}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
         try:
-            status, raw = get(url, self.timeout_s if deadline_s is None else deadline_s, MAX_ANSWER_BYTES)
+            status, raw = self.peer.get(target, self.timeout_s if deadline_s is None else deadline_s, MAX_ANSWER_BYTES)
             body = loads(raw, MAX_JSON_DEPTH)
         except PeerError as exc:
             raise FleetError(f"{self.url}: {exc}") from None

@@ -10,7 +10,8 @@
 Anything the daemon may signal must be a trainer (a report, or torchrun's variables in its
 environment). Reports come already attributed (gpuwatch.reports: the kernel names each sender's
 pid and uid), so one user cannot point the daemon at another user's process. The start time from
-/proc/PID/stat travels with each rank so a recycled PID is never signalled.
+/proc/PID/stat travels with each rank so a recycled PID is never signalled. A rank's identity and
+environment are read once (ProcFs.known_identity): a round reads each rank's stat, nothing more.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gpuwatch.base.procfs import Identity, ProcFs
 from gpuwatch.model import GpuStatus, TrainerInfo
@@ -86,23 +88,23 @@ def map_ranks(
     by_report = {report.pid: report for report in reports}
     ranks = []
     for pid in sorted({*on_gpus, *by_report}):
-        env = proc.environ(pid) or {}
+        identity = proc.known_identity(pid)  # read in full once per process, then only its stat
+        env = proc.environ(pid, identity.start_time if identity else None) or {}
         own_report = by_report.get(pid)
         if own_report is None and not ("RANK" in env or "LOCAL_RANK" in env):
             continue  # a CUDA process that is no trainer: never ours to signal
-        info = _merge(own_report or TrainerInfo(pid=pid), env)
-        own_gpu = _own_gpu(info, env, on_gpus.get(pid, []), gpus)
-        if own_gpu is not None:
-            info = replace(info, gpu_uuid=own_gpu.uuid)
+        base = own_report or TrainerInfo(pid=pid)
+        own_gpu = _own_gpu(base, env, on_gpus.get(pid, []), gpus)
         sources = [
             name for name, present in (("report", own_report), ("environ", env), ("nvml", on_gpus.get(pid))) if present
         ]
         index = own_gpu.index if own_gpu is not None else None
-        identity = proc.identity(pid)  # once per rank and round: /proc/PID/stat, status and exe
-        uid = info.uid if info.uid is not None else _uid(proc, pid, identity)  # a report's is the kernel's
+        uid = base.uid if base.uid is not None else _uid(proc, pid, identity)  # a report's is the kernel's
+        filled = _from_env(base, env)  # one replace per rank: a round maps every rank
+        info = replace(base, **filled, uid=uid, gpu_uuid=own_gpu.uuid if own_gpu is not None else base.gpu_uuid)
         ranks.append(
             Rank(
-                replace(info, uid=uid),
+                info,
                 index,
                 uid,
                 identity.start_time if identity else None,
@@ -157,16 +159,15 @@ def _own_gpu(
     return from_env
 
 
-def _merge(report: TrainerInfo, env: Mapping[str, str]) -> TrainerInfo:
-    """Fill what the report does not say from the environment."""
-    return replace(
-        report,
-        rank=_first(report.rank, env.get("RANK")),
-        local_rank=_first(report.local_rank, env.get("LOCAL_RANK")),
-        world_size=_first(report.world_size, env.get("WORLD_SIZE")),
-        local_world_size=_first(report.local_world_size, env.get("LOCAL_WORLD_SIZE")),
-        job_id=report.job_id or env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID") or None,
-    )
+def _from_env(report: TrainerInfo, env: Mapping[str, str]) -> dict[str, Any]:
+    """What the report does not say, filled from the environment (fields for `replace`)."""
+    return {
+        "rank": _first(report.rank, env.get("RANK")),
+        "local_rank": _first(report.local_rank, env.get("LOCAL_RANK")),
+        "world_size": _first(report.world_size, env.get("WORLD_SIZE")),
+        "local_world_size": _first(report.local_world_size, env.get("LOCAL_WORLD_SIZE")),
+        "job_id": report.job_id or env.get("TORCHELASTIC_RUN_ID") or env.get("GPUWATCH_JOB_ID") or None,
+    }
 
 
 def _first(value: int | None, fallback: str | None) -> int | None:

@@ -100,7 +100,7 @@ class ReportBoard:
                     return self._refused("node_limit", uid, "%d ranks here, the most: pid %d refused", MAX_RANKS, pid)
                 # Gone already (a short process's last words): kept as the report of a process that ended.
                 entry = self._entries[pid] = _Entry(pid, uid, start_time if start_time is not None else _GONE)
-                identity = self.proc.identity(pid)
+                identity = self.proc.known_identity(pid)
                 entry.exe = identity.exe if identity is not None else None
             elif entry.connected >= MAX_CONNECTIONS_PER_PID:
                 return self._refused("user_limit", uid, "pid %d (uid %d) is connected already", pid, uid)
@@ -216,25 +216,25 @@ class ReportBoard:
             return False
         if entry.exe is None:
             return True
-        identity = self.proc.identity(entry.pid)
-        return identity is None or identity.exe in (None, entry.exe)
+        exe = self.proc.exe(entry.pid)  # one readlink: no file is opened
+        return exe in (None, entry.exe)
 
     def _report(self, entry: _Entry, alive: bool) -> Report | None:
         info = entry.info
         if info is None:
             return None
         page = self._read_page(entry)
+        changes: dict[str, object] = {"uid": entry.uid}  # one replace: a round makes one per rank
         if page is not None and page.step is not None and (info.step is None or page.step >= info.step):
-            info = replace(
-                info,
+            changes.update(
                 step=page.step,
                 step_t=page.step_t,
                 first_step=page.first_step or info.first_step,
                 first_step_t=page.first_step_t or info.first_step_t,
             )
         if page is not None and page.pause_until != info.pause_until:  # the page changes as a pause begins and ends
-            info = replace(info, pause_until=page.pause_until, pause=info.pause or "a declared pause")
-        return Report(replace(info, uid=entry.uid), entry.uid, alive)
+            changes.update(pause_until=page.pause_until, pause=info.pause or "a declared pause")
+        return Report(replace(info, **changes), entry.uid, alive)  # type: ignore[arg-type]
 
     def _read_page(self, entry: _Entry) -> StepPage | None:
         fd = entry.page_fd

@@ -46,12 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwatch.base.unixsock import address as socket_address
-from gpuwatch.reports.board import ReportBoard
+from gpuwatch.reports.board import MAX_RANKS_PER_UID, ReportBoard
 from gpuwatch.trainer.contract import MAX_REPORT_BYTES, hello, hello_protocol
 
 log = logging.getLogger("gpuwatch.reports")
 
-ACCEPTS_PER_S, ACCEPT_BURST = 20.0, 64.0
+ACCEPTS_PER_S = 20.0
+ACCEPT_BURST = float(MAX_RANKS_PER_UID)  # a user's whole node of ranks starting together connects at once
 BACKLOG = 4096  # listen(2)'s queue (the kernel caps it at net.core.somaxconn, 4096 by default)
 STORM_CPU_SHARE = 0.25  # of one core, at most, spent accepting while a uid is refused for its connect rate
 _ACCEPTS_PER_WAKE = BACKLOG

@@ -190,9 +190,9 @@ class CountingProcFs(ProcFs):
         super().__init__()
         self.identities: dict[int, int] = {}
 
-    def identity(self, pid: int):  # type: ignore[no-untyped-def]
+    def _read_identity(self, pid: int, fields: list[str]):  # type: ignore[no-untyped-def]
         self.identities[pid] = self.identities.get(pid, 0) + 1
-        return super().identity(pid)
+        return super()._read_identity(pid, fields)
 
 
 def test_a_round_reads_each_ranks_identity_once(spawn: Spawn) -> None:
@@ -203,3 +203,5 @@ def test_a_round_reads_each_ranks_identity_once(spawn: Spawn) -> None:
     assert sorted(r.pid for r in ranks) == sorted(c.pid for c in children)
     assert all(r.uid == os.getuid() and r.start_time is not None for r in ranks)
     assert proc.identities == {c.pid: 1 for c in children}
+    map_ranks(gpus(), [TrainerInfo(pid=c.pid) for c in children], proc, use_pids=False)
+    assert proc.identities == {c.pid: 1 for c in children}  # the next round: known ranks, only their stat
