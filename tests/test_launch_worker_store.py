@@ -13,12 +13,15 @@ import pytest
 from gpuwatch.launcher.worker_plane import WORKER_SECRET_ENV, secured_job_args, write_secret
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # real worker processes (torch's import: seconds each on a loaded machine)
 from gpuwatch.inplace.jobstore import StoreServer  # noqa: E402  (needs torch)
 from gpuwatch.inplace.secret import read_secret  # noqa: E402
 
-JOB = """
+INIT = 'dist.init_process_group("gloo")'
+MESH = 'from torch.distributed.device_mesh import init_device_mesh; init_device_mesh("cpu", (2,))'
+JOB = f"""
 import sys, torch, torch.distributed as dist
-dist.init_process_group("gloo")
+{INIT}
 t = torch.ones(1); dist.all_reduce(t)
 print("sum", t.item(), "argv", sys.argv[1:], "path0", sys.path[0] == __import__("os").path.dirname(__file__))
 """
@@ -35,17 +38,18 @@ def _workers(argv: list[str], tmp_path: Path, port: int, secret: Path, world: in
     ]
 
 
-def test_env_init_meets_in_the_launchs_store_and_the_group_proves_itself(tmp_path: Path) -> None:
+@pytest.mark.parametrize("init", [INIT, MESH], ids=["init_process_group", "init_device_mesh"])
+def test_env_init_meets_in_the_launchs_store_and_the_group_proves_itself(tmp_path: Path, init: str) -> None:
     secret = write_secret(tmp_path / "secret")
-    (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "torch.py").write_text("raise SystemExit('the working directory was imported from')\n")
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "job.py").write_text(JOB)
+    (tmp_path / "sub" / "job.py").write_text(JOB.replace(INIT, init))
     server = StoreServer("127.0.0.1", 0, read_secret(secret))
     try:
         workers = _workers(["sub/job.py", "--lr", "3"], tmp_path, server.port, secret)
         outs = [w.communicate(timeout=120) for w in workers]
-        verdicts = [server.data.get(f"default_pg/proof/0/verdict/{r}") for r in (0, 1)]
+        keys = [f"default_pg/proof/0/verdict/{r}" for r in (0, 1)]
+        verdicts = [server.data.get(k) if server.data.check([k]) else None for k in keys]
     finally:
         server.close()
     for out, err in outs:

@@ -37,6 +37,7 @@ from gpuwatch.inplace.jobstore import JobStore
 from gpuwatch.inplace.secret import read_secret
 from gpuwatch.launcher.worker_plane import WORKER_SECRET_ENV
 
+_CALLERS = ("torch.distributed.distributed_c10d", "torch.distributed", "torch.distributed.device_mesh")
 _PREFIX = "default_pg"  # where torch's own init meets in its store: the first attempt's keys are torch's
 
 
@@ -72,8 +73,10 @@ def install(secret: bytes) -> None:
         )  # fmt: skip
         return None
 
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
+    for name in _CALLERS:  # the modules that hold the function under its own name (init_device_mesh's too)
+        module = importlib.import_module(name)
+        if getattr(module, "init_process_group", None) is original:
+            module.init_process_group = init_process_group  # type: ignore[attr-defined]
 
 
 def _env_rendezvous(
