@@ -15,14 +15,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.hardening.conftest import local_users
-from tests.hardening.test_rendezvous_pickle import family, listening
+from tests.hardening.test_rendezvous_pickle import attack_while_it_runs
 from tests.inplace.jobs import sim_node
 
 pytestmark = [
@@ -82,17 +81,11 @@ def test_another_user_can_neither_use_the_workers_store_nor_join_their_group(tmp
             str(tmp_path / "train.py"),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-        job = subprocess.Popen(command, cwd=tmp_path, env=env, **pipes)  # type: ignore[call-overload]
+        job = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
-            ports: list[tuple[str, int]] = []
-            deadline = time.monotonic() + 90
-            while not ports and time.monotonic() < deadline and job.poll() is None:
-                time.sleep(0.1)
-                ports = listening(family(job.pid))
-            attack = subprocess.Popen([sys.executable, "-c", MALLORY], stdin=subprocess.PIPE, **pipes)  # type: ignore[call-overload]
-            said, err = attack.communicate(json.dumps([mallory, [p for _, p in ports]]) + "\n", 120)
-            out, stderr = job.communicate(timeout=120)
+            ports, said, err, (out, stderr) = attack_while_it_runs(job, MALLORY, lambda ports: [mallory, ports])
         finally:
             if job.poll() is None:
                 job.kill()
