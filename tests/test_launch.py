@@ -35,6 +35,7 @@ from gpuwatch.launcher.launch import (
     usable,
 )
 from gpuwatch.launcher.torchrun_output import parse_failures
+from gpuwatch.launcher.worker_plane import WORKER_SECRET_ENV, write_secret
 from gpuwatch.serving.client import DaemonClient
 from gpuwatch.serving.wire import DaemonInfo, Gpu
 from gpuwatch.trainer.contract import LAUNCH_DIR_ENV, STEP_LAYOUT, STEP_PAGE_MAGIC, step_page_name
@@ -481,7 +482,8 @@ def _run_real_torchrun(tmp_path: Path, job: str, capfdbinary: pytest.CaptureFixt
     argv += ["--log-dir", str(tmp_path / "logs"), "--tee", "2", "--nnodes", "1"]
     argv += ["--rdzv-backend", "gpuwatch-local", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", "t", str(script)]
     log = tmp_path / "torchrun.log"
-    outcome = run_torchrun(argv, {**os.environ, "OMP_NUM_THREADS": "1"}, log_path=str(log))
+    secret = str(write_secret(tmp_path / "secret"))  # the one-node rendezvous's store proves it
+    outcome = run_torchrun(argv, {**os.environ, "OMP_NUM_THREADS": "1", WORKER_SECRET_ENV: secret}, log_path=str(log))
     assert b"ChildFailedError" in log.read_bytes()  # torchrun's whole account is in the log
     return outcome, capfdbinary.readouterr().err.decode()
 

@@ -26,6 +26,7 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ def form_group(
     secret: bytes,
     device: torch.device,
     label: str,
+    options: Mapping[str, Any] | None = None,
 ) -> int:
     """Initialise the default process group and make it prove itself; the attempt that held (0 first).
 
@@ -64,6 +66,7 @@ def form_group(
         store: the job's authenticated store; attempt 0's group meets under `prefix`, attempt N's under
             `prefix.N`, and the nonces and verdicts go under `prefix/proof`.
         label: what the log line calls the group (its generation).
+        options: more of init_process_group's arguments (group_name, pg_options, device_id).
 
     Raises:
         GroupProofError: no attempt's group proved itself (or a rank's verdict never came).
@@ -73,7 +76,9 @@ def form_group(
         proofs = dist.PrefixStore(f"{prefix}/proof/{attempt}", store)
         meet = dist.PrefixStore(f"{prefix}.{attempt}" if attempt else prefix, store)
         try:
-            dist.init_process_group(backend, store=meet, rank=rank, world_size=world, timeout=timeout)
+            dist.init_process_group(
+                backend, store=meet, rank=rank, world_size=world, timeout=timeout, **(options or {})
+            )
             problem = _prove(proofs, secret, rank, world, timeout, device)
         except Exception as exc:  # the group did not form, or a stranger's bytes broke the proof's exchange
             problem = f"no proof: {type(exc).__name__}: {_first_line(exc)[:300]}"

@@ -66,6 +66,7 @@ from gpuwatch.launcher.job_check import missing_job
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S
 from gpuwatch.launcher.limits import raise_descriptor_limit
 from gpuwatch.launcher.torchrun_output import TEE_ARGS, Failure, TorchrunOutput, failure_lines, say
+from gpuwatch.launcher.worker_plane import WORKER_SECRET_ENV, secured_job_args, write_secret
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
     LAUNCH_DIR_ENV,
@@ -506,7 +507,11 @@ class Launcher:
             str(log_dir),
             *TEE_ARGS,
             *self.plan.rendezvous,
-            *torchrun_job_args(self.plan.command),
+            *(
+                secured_job_args(self.plan.command, sys.executable)
+                if self._local
+                else torchrun_job_args(self.plan.command)
+            ),
         ]
 
     def _env(self, chosen: list[Gpu], error_file: Path, launch_dir: Path, *, resume: bool) -> dict[str, str]:
@@ -521,7 +526,13 @@ class Launcher:
         env[REPORTS_REQUIRED_ENV] = "1"  # the runtime dir is the daemon's: a rank that cannot report is an error
         if resume:
             env["GPUWATCH_RESUME"] = "1"
+        if self._local:  # the agent's store and the workers prove this launch's secret (gpuwatch.launcher.worker_plane)
+            env[WORKER_SECRET_ENV] = str(write_secret(error_file.parent / f"{launch_dir.name}.secret"))
         return env
+
+    @property
+    def _local(self) -> bool:
+        return LOCAL_RENDEZVOUS in self.plan.rendezvous
 
 
 def _when(furthest: int | None, reported: bool) -> str:

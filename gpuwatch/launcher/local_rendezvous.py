@@ -5,7 +5,10 @@ and answers anyone: another local user who writes a pickle there runs code as th
 the agent reads the state back. One node has no peer agent to meet, so its rendezvous needs no
 shared state at all: the `gpuwatch-local` backend registered here (through torch's rendezvous
 handler registry) is the one node's rank 0 of 1 at once, keeps no state, unpickles nothing, and
-hosts the workers' store on 127.0.0.1 only (a listening socket bound there, handed to TCPStore).
+hosts the workers' store on 127.0.0.1 only. That store is not torch's TCPStore (which answers every
+local user) but gpuwatch.inplace.jobstore's StoreServer: it closes another user's connection before a
+byte and serves only clients that prove the launch's secret (the file named by
+$GPUWATCH_WORKER_SECRET_FILE); the workers connect to it through gpuwatch.launcher.worker_store.
 
 Run as `python -m gpuwatch.launcher.local_rendezvous TORCHRUN-ARGS...`: torchrun itself, with the
 backend registered; every other backend works as under torchrun.
@@ -13,11 +16,10 @@ backend registered; every other backend works as under torchrun.
 
 from __future__ import annotations
 
-import datetime
-import socket
+import os
 import sys
 
-from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -26,7 +28,10 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from gpuwatch.inplace.jobstore import StoreServer
+from gpuwatch.inplace.secret import read_secret
 from gpuwatch.launcher.job_args import LOCAL_RENDEZVOUS
+from gpuwatch.launcher.worker_plane import WORKER_SECRET_ENV
 
 BACKEND = LOCAL_RENDEZVOUS
 _HOST = "127.0.0.1"
@@ -35,11 +40,10 @@ _HOST = "127.0.0.1"
 class LocalRendezvous(RendezvousHandler):
     """The rendezvous of a job on one node: this agent alone, the workers' store on loopback."""
 
-    def __init__(self, run_id: str, timeout: datetime.timedelta) -> None:
+    def __init__(self, run_id: str, secret: bytes) -> None:
         self._run_id = run_id
-        self._timeout = timeout
-        self._listener: socket.socket | None = None
-        self._store: TCPStore | None = None
+        self._secret = secret
+        self._server: StoreServer | None = None
         self._closed = False
 
     def get_backend(self) -> str:
@@ -50,18 +54,10 @@ class LocalRendezvous(RendezvousHandler):
         return True  # the workers connect to this store (MASTER_ADDR/PORT: 127.0.0.1 and its port)
 
     def next_rendezvous(self) -> RendezvousInfo:
-        if self._store is None:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind((_HOST, 0))  # never 0.0.0.0: TCPStore binds every interface when it binds itself
-            listener.listen(4096)
-            self._listener = listener
-            port = listener.getsockname()[1]
-            self._store = TCPStore(
-                _HOST, port, is_master=True, master_listen_fd=listener.fileno(),
-                wait_for_workers=False, timeout=self._timeout,
-            )  # fmt: skip
-        store: Store = PrefixStore(self._run_id, self._store)
-        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(_HOST, self._store.port))
+        if self._server is None:
+            self._server = StoreServer(_HOST, 0, self._secret)  # loopback only; the secret's holders only
+        store: Store = PrefixStore(self._run_id, self._server.data)
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(_HOST, self._server.port))
 
     def is_closed(self) -> bool:
         return self._closed
@@ -77,14 +73,18 @@ class LocalRendezvous(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._closed = True
+        if self._server is not None:
+            self._server.close()
         return True
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
     if params.max_nodes != 1:
         raise ValueError(f"the {BACKEND} rendezvous is for one node (--nnodes 1), not {params.max_nodes}")
-    timeout = datetime.timedelta(seconds=params.get_as_int("timeout", 900) or 900)
-    return LocalRendezvous(params.run_id, timeout)
+    secret_file = os.environ.get(WORKER_SECRET_ENV)
+    if not secret_file:
+        raise ValueError(f"the {BACKEND} rendezvous needs the launch's secret file in ${WORKER_SECRET_ENV}")
+    return LocalRendezvous(params.run_id, read_secret(secret_file))
 
 
 def register() -> None:

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +94,22 @@ def family(root: int) -> set[int]:
     return found
 
 
+def attack_while_it_runs(
+    job: subprocess.Popen[str], attack: str, payload: Callable[[list[int]], object]
+) -> tuple[list[tuple[str, int]], str, str, tuple[str, str]]:
+    """Once the launch listens, run `attack` (a root process that turns into mallory) with payload(ports)
+    as its one stdin line: the ports, what she said (stdout, stderr), and the job's (stdout, stderr)."""
+    ports: list[tuple[str, int]] = []
+    deadline = time.monotonic() + 90
+    while not ports and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.1)
+        ports = listening(family(job.pid))
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    hers = subprocess.Popen([sys.executable, "-c", attack], text=True, **pipes)  # type: ignore[call-overload]
+    said, err = hers.communicate(json.dumps(payload([p for _, p in ports])) + "\n", 120)
+    return ports, said, err, job.communicate(timeout=120)
+
+
 def test_a_pickle_written_to_the_launchs_rendezvous_runs_nothing(tmp_path: Path, mallory: int) -> None:
     (tmp_path / "train.py").write_text(TRAIN)
     marker = tmp_path / "ran-as-the-victim"
@@ -108,15 +124,9 @@ def test_a_pickle_written_to_the_launchs_rendezvous_runs_nothing(tmp_path: Path,
             command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         try:
-            ports: list[tuple[str, int]] = []
-            deadline = time.monotonic() + 90
-            while len(ports) < 1 and time.monotonic() < deadline and job.poll() is None:
-                time.sleep(0.2)
-                ports = listening(family(job.pid))
-            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-            attack = subprocess.Popen([sys.executable, "-c", MALLORY], text=True, **pipes)  # type: ignore[call-overload]
-            said, err = attack.communicate(json.dumps([mallory, [p for _, p in ports], JOB, str(marker)]) + "\n", 120)
-            _, stderr = job.communicate(timeout=120)
+            ports, said, err, (_, stderr) = attack_while_it_runs(
+                job, MALLORY, lambda ports: [mallory, ports, JOB, str(marker)]
+            )
         finally:
             if job.poll() is None:
                 job.kill()
