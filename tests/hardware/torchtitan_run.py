@@ -5,6 +5,7 @@
     python tests/hardware/torchtitan_run.py --device cuda --fault quarantine
     python tests/hardware/torchtitan_run.py --device cuda --nproc 1        # one GPU: SIGKILL of rank 0
     python tests/hardware/torchtitan_run.py --device cpu --small           # the same measurement, on the CPU
+    python tests/hardware/torchtitan_run.py --device cuda --nproc 1 --job hf-fsdp   # HF Trainer + FSDP2, one GPU
 
 On CUDA it starts a daemon (nvml, its own dirs under --workdir), writes the assets torchtitan's
 debug config reads from its working directory (`tests/assets/tokenizer`: a byte-level BPE tokenizer
@@ -26,6 +27,11 @@ relaunch, so with --nproc 1 it needs a machine of two GPUs or more. The whole ru
 so `--device cpu --small` measures the same way a Hugging Face Trainer job (tests/frameworks/hf_train.py,
 2 gloo ranks, the sim daemon): it checks this script, not torchtitan. It prints one JSON object,
 then a markdown table. Nothing on the GPUs is changed (the quarantine is the daemon's own record).
+
+`--job hf-fsdp` runs tests/frameworks/hf_train.py with FSDP2 through accelerate (`fsdp_config
+{"fsdp_version": 2}`) on the GPUs instead: accelerate applies FSDP only on accelerators (on the CPU
+the same arguments train with DDP), so this is where HF's FSDP path with gpuwatch's callback runs.
+Its kill resumes from HF's last (sharded, sealed) checkpoint: FSDP state has no survivor's rescue.
 
 What the GPU machine needs beside gpuwatch's own: torchtitan 0.3.0 and what it pulls in for
 python 3.12 (torchdata, torch_checkpointing, datasets<4.8, tokenizers, safetensors, tyro,
@@ -51,6 +57,11 @@ from gpuwatch.bench.daemon_process import DaemonProcess, child_env
 REPO = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"\bstep:\s*(\d+)\b")  # torchtitan's metrics line: "step:  12  loss: ..."
 HF_STEP_LINE = re.compile(r"^step (\d+) (\d+)$")  # tests/frameworks/hf_train.py's step log
+JOB_NAMES = {
+    "torchtitan": "torchtitan llama3_debugmodel",
+    "hf": "HF Trainer, hf_train.py (DDP)",
+    "hf-fsdp": "HF Trainer, hf_train.py (FSDP2 through accelerate)",
+}
 LAUNCH_LINE = re.compile(r"^gpuwatch launch: launch \d+ \(")  # each torchrun run of the launch
 
 
@@ -63,9 +74,13 @@ def main() -> int:
     parser.add_argument("--fault-at", type=int, default=70)
     parser.add_argument("--ckpt-every", type=int, default=50)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--job", choices=("torchtitan", "hf", "hf-fsdp"), help="default: torchtitan, hf on the CPU")
     parser.add_argument("--deadline", type=float, default=280.0, help="seconds for the whole run")
     parser.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     args = parser.parse_args()
+    args.job = args.job or ("torchtitan" if args.device == "cuda" else "hf")
+    if args.job != "hf" and args.device == "cpu":
+        parser.error(f"--job {args.job} needs --device cuda (it cannot run on a CPU: see the docstring)")
     if args.small:
         args.steps, args.fault_at = 110, 70
 
@@ -75,7 +90,7 @@ def main() -> int:
     sim = ["--sim-gpus", "2", "--sim-scenario", "healthy"] if args.device == "cpu" else []
     backend = "sim" if args.device == "cpu" else "nvml"
     with DaemonProcess(work, "--interval", "1", *sim, backend=backend) as daemon:
-        job = _hf_job(work, args) if args.device == "cpu" else _torchtitan_job(work, args)
+        job = _torchtitan_job(work, args) if args.job == "torchtitan" else _hf_job(work, args)
         command = daemon.command("launch", "--runtime-dir", str(daemon.runtime_dir), "--max-restarts", "2")
         log_path = work / "launch.log"
         started = time.time()
@@ -105,13 +120,13 @@ def main() -> int:
         if args.fault == "quarantine":
             subprocess.run(daemon.command("release", str(ranks[1]["gpu"])), check=False)
     text = log_path.read_text(errors="replace")
-    first_launch, second = _steps(text, work, args.device)
+    first_launch, second = _steps(text, work, args.job)
     incident = incidents[0] if incidents else {}
     furthest = max(first_launch) if first_launch else None
-    survivor_saves = args.fault == "quarantine" or (args.device == "cpu" and args.nproc > 1)  # HF's rescue
+    survivor_saves = args.fault == "quarantine" or (args.job == "hf" and args.nproc > 1)  # HF's rescue (DDP)
     expected = furthest if survivor_saves or furthest is None else furthest // args.ckpt_every * args.ckpt_every
     result = {
-        "framework": "torchtitan llama3_debugmodel" if args.device == "cuda" else "hf_train.py (CPU stand-in)",
+        "framework": JOB_NAMES[args.job],
         "device": args.device,
         "fault": args.fault,
         "nproc": args.nproc,
@@ -154,8 +169,10 @@ def _torchtitan_job(work: Path, args: argparse.Namespace) -> list[str]:
 def _hf_job(work: Path, args: argparse.Namespace) -> list[str]:
     out = work / "out"
     script = REPO / "tests" / "frameworks" / "hf_train.py"
+    devices = ["--cuda"] if args.device == "cuda" else []
+    fsdp = ["--fsdp"] if args.job == "hf-fsdp" else []
     return [str(script), "--out", str(out), "--log", str(work / "steps"), "--steps", str(args.steps),
-            "--save-steps", str(args.ckpt_every), "--step-sleep", "0.05"]  # fmt: skip
+            "--save-steps", str(args.ckpt_every), "--step-sleep", "0.05", *devices, *fsdp]  # fmt: skip
 
 
 def _write_assets(assets: Path) -> None:
@@ -192,10 +209,10 @@ def _wait_for_ranks(
     raise SystemExit(f"the ranks did not reach step {step} within --deadline: see its log")
 
 
-def _steps(text: str, work: Path, device: str) -> tuple[list[int], list[int]]:
+def _steps(text: str, work: Path, job: str) -> tuple[list[int], list[int]]:
     """The steps each of the first two launches finished, from the job's own log."""
     launches: list[list[int]] = []
-    if device == "cpu":
+    if job != "torchtitan":
         by_pid: dict[str, list[int]] = {}
         for line in (work / "steps.rank0").read_text().splitlines():
             match = HF_STEP_LINE.match(line)
