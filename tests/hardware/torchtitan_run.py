@@ -23,7 +23,7 @@ stops at one step, torchtitan saves it); a kill resumes from the newest checkpoi
 state is sharded: no survivor can save it alone, so the steps since --ckpt-every's last save are
 lost; with --nproc 1 there is no survivor at all). A quarantine needs a second usable GPU for the
 relaunch, so with --nproc 1 it needs a machine of two GPUs or more. The whole run is bounded by
---deadline (default 280 s). torchtitan cannot run on a CPU (it calls CUDA's set-device),
+--deadline (default 280 s; 600 s on a loaded CPU). torchtitan cannot run on a CPU (it calls CUDA's set-device),
 so `--device cpu --small` measures the same way a Hugging Face Trainer job (tests/frameworks/hf_train.py,
 2 gloo ranks, the sim daemon): it checks this script, not torchtitan. It prints one JSON object,
 then a markdown table. Nothing on the GPUs is changed (the quarantine is the daemon's own record).
@@ -75,12 +75,13 @@ def main() -> int:
     parser.add_argument("--ckpt-every", type=int, default=50)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--job", choices=("torchtitan", "hf", "hf-fsdp"), help="default: torchtitan, hf on the CPU")
-    parser.add_argument("--deadline", type=float, default=280.0, help="seconds for the whole run")
+    parser.add_argument("--deadline", type=float, help="seconds for the whole run; default 280, 600 on the CPU")
     parser.add_argument("--workdir", default=None, help="default: a fresh temporary directory")
     args = parser.parse_args()
     args.job = args.job or ("torchtitan" if args.device == "cuda" else "hf")
     if args.job != "hf" and args.device == "cpu":
         parser.error(f"--job {args.job} needs --device cuda (it cannot run on a CPU: see the docstring)")
+    args.deadline = args.deadline or (280.0 if args.device == "cuda" else 600.0)
     if args.small:
         args.steps, args.fault_at = 110, 70
 
