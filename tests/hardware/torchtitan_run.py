@@ -12,7 +12,7 @@ debug config reads from its working directory (`tests/assets/tokenizer`: a byte-
 trained here; `tests/assets/c4_test`: generated text), and runs
 
     gpuwatch launch -- -m torchtitan.train --module gpuwatch.frameworks.torchtitan --config llama3_debugmodel
-        --checkpoint.enable --checkpoint.interval 50 --training.steps 150 ...
+        --checkpoint.enable --checkpoint.interval 50 --training.steps 300 --metrics.log_freq 1 ...
 
 Once every rank passed --fault-at it SIGKILLs the last rank (rank 1; rank 0 with --nproc 1) or
 quarantines its GPU through the daemon (then releases it at the end), waits for `gpuwatch launch`
