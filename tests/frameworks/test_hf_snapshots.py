@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a real HF Trainer twice per test: about 30 s each on a loaded 2-core machine
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
