@@ -19,6 +19,7 @@ What the callback does with HF's own events:
   Not with FSDP or DeepSpeed: no rank holds the whole state (the job resumes from HF's last save).
 * `GpuwatchCallback(snapshot_every=K)`: host snapshots every K steps (gpuwatch.frameworks.hf_snapshot);
   at a resume the newest one newer than the newest verified `checkpoint-N` becomes `checkpoint-<step>`.
+  Not with FSDP or DeepSpeed (HF's sharded layout is not written from a snapshot).
 """
 
 from __future__ import annotations
@@ -71,10 +72,15 @@ class GpuwatchCallback(TrainerCallback):
         self._args = args
         if _shards_state(args):
             self.hooks.save = None
+            if self.snapshots is not None:
+                log.warning(
+                    "gpuwatch: no host snapshots with FSDP or DeepSpeed: HF's sharded layout is not written from one"
+                )
+                self.snapshots = None
         _output_dir(args).mkdir(parents=True, exist_ok=True)
         self.set_aside = set_aside_unverified(_output_dir(args), CHECKPOINT_PATTERN, INCOMPLETE_MARKERS)
         if self.snapshots is not None and kw.get("model") is not None:
-            self.snapshots.restore_into(_output_dir(args), kw["model"], replicated=not _shards_state(args))
+            self.snapshots.restore_into(_output_dir(args), kw["model"])
             dist = _initialized_dist()
             if dist is not None:
                 dist.barrier()  # the restored checkpoint-N is there before any rank looks
@@ -84,7 +90,7 @@ class GpuwatchCallback(TrainerCallback):
         self._objects = {name: kw.get(name) for name in ("model", "optimizer", "lr_scheduler")}
         self.hooks.install_excepthook()
         if self.snapshots is not None:
-            self.snapshots.start(self._objects, state, replicated=not _shards_state(args))
+            self.snapshots.start(self._objects, state)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self.hooks.begin_step()

@@ -57,7 +57,8 @@ def trainer_state_json(state: Any) -> str:
 
 
 class HfSnapshots:
-    """The callback's host snapshots: restore into `checkpoint-N` before HF looks, then one every K steps."""
+    """The callback's host snapshots of a data-parallel job (every rank holds the whole state): restore into
+    `checkpoint-N` before HF looks, then one every K steps."""
 
     def __init__(self, every: int, pattern: str, markers: tuple[str, ...], root: str | None = None) -> None:
         if every < 1:
@@ -66,14 +67,14 @@ class HfSnapshots:
         self.snapshot: HostSnapshot | None = None
         self.restored_step: int | None = None
 
-    def restore_into(self, output: Path, model: Any, replicated: bool) -> int | None:
+    def restore_into(self, output: Path, model: Any) -> int | None:
         """Write the newest host snapshot newer than the newest verified `checkpoint-N` as one; its step, or None.
 
         Every rank calls it (the snapshot's restore agrees across ranks); the lowest rank writes.
         """
         good, _ = newest_verified(output, self.pattern, self.markers)
         disk_step = _step_of(good)
-        reader = HostSnapshot(lambda: {}, every=self.every, replicated=replicated, root=self.root)
+        reader = HostSnapshot(lambda: {}, every=self.every, replicated=True, root=self.root)
         try:
             restored = reader.restore(at_least=None if disk_step is None else disk_step + 1)
             if restored is None:
@@ -90,7 +91,7 @@ class HfSnapshots:
         finally:
             reader.close(remove=False)
 
-    def start(self, objects: dict[str, Any], trainer_state: Any, replicated: bool) -> None:
+    def start(self, objects: dict[str, Any], trainer_state: Any) -> None:
         """Snapshots of the training objects HF built (model, optimizer, lr_scheduler) from now on."""
         model: Any = objects["model"]
         optimizer, scheduler = objects.get("optimizer"), objects.get("lr_scheduler")
@@ -105,7 +106,7 @@ class HfSnapshots:
             }
 
         self.snapshot = HostSnapshot(
-            state, every=self.every, optimizer=torch_optimizer, replicated=replicated, root=self.root
+            state, every=self.every, optimizer=torch_optimizer, replicated=True, root=self.root
         )
 
     def step(self, step: int) -> None:
