@@ -17,23 +17,24 @@ What the callback does with HF's own events:
   step's end after torchrun's SIGTERM): a survivor writes `checkpoint-N` of the last completed step
   in HF's own layout (model, optimizer, scheduler, trainer state), sealed, alone, and exits 75.
   Not with FSDP or DeepSpeed: no rank holds the whole state (the job resumes from HF's last save).
+* `GpuwatchCallback(snapshot_every=K)`: host snapshots every K steps (gpuwatch.frameworks.hf_snapshot);
+  at a resume the newest one newer than the newest verified `checkpoint-N` becomes `checkpoint-<step>`.
+  Not with FSDP or DeepSpeed (HF's sharded layout is not written from a snapshot).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from gpuwatch.frameworks.hf_snapshot import HfSnapshots, trainer_state_json, write_hf_checkpoint
 from gpuwatch.frameworks.in_place import refuse_in_place
 from gpuwatch.trainer.hooks import TrainingHooks, _initialized_dist
 from gpuwatch.trainer.link import TrainerLink
-from gpuwatch.trainer.sealed import commit_sealed, seal, set_aside_unverified
+from gpuwatch.trainer.sealed import seal, set_aside_unverified
 
 log = logging.getLogger("gpuwatch.frameworks")
 
@@ -46,10 +47,20 @@ class GpuwatchCallback(TrainerCallback):
 
     Args:
         link: the rank's TrainerLink; default: a new one, made here (on the main thread).
+        snapshot_every: take a host snapshot every this many steps, and resume from the newest one
+            when it is newer than the newest verified checkpoint; None: no snapshots.
+        snapshot_root: where snapshots live; default $GPUWATCH_SNAPSHOT_ROOT, else /dev/shm.
     """
 
-    def __init__(self, link: TrainerLink | None = None) -> None:
+    def __init__(
+        self, link: TrainerLink | None = None, *, snapshot_every: int | None = None, snapshot_root: str | None = None
+    ) -> None:
         self.hooks = TrainingHooks(link, save=self._rescue_save)
+        self.snapshots = (
+            None
+            if snapshot_every is None
+            else HfSnapshots(snapshot_every, CHECKPOINT_PATTERN, INCOMPLETE_MARKERS, snapshot_root)
+        )
         self.set_aside: list[tuple[str, str]] = []
         self._args: TrainingArguments | None = None
         self._state: TrainerState | None = None
@@ -61,13 +72,25 @@ class GpuwatchCallback(TrainerCallback):
         self._args = args
         if _shards_state(args):
             self.hooks.save = None
+            if self.snapshots is not None:
+                log.warning(
+                    "gpuwatch: no host snapshots with FSDP or DeepSpeed: HF's sharded layout is not written from one"
+                )
+                self.snapshots = None
         _output_dir(args).mkdir(parents=True, exist_ok=True)
         self.set_aside = set_aside_unverified(_output_dir(args), CHECKPOINT_PATTERN, INCOMPLETE_MARKERS)
+        if self.snapshots is not None and kw.get("model") is not None:
+            self.snapshots.restore_into(_output_dir(args), kw["model"])
+            dist = _initialized_dist()
+            if dist is not None:
+                dist.barrier()  # the restored checkpoint-N is there before any rank looks
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self._args, self._state = args, state
         self._objects = {name: kw.get(name) for name in ("model", "optimizer", "lr_scheduler")}
         self.hooks.install_excepthook()
+        if self.snapshots is not None:
+            self.snapshots.start(self._objects, state)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self.hooks.begin_step()
@@ -80,6 +103,8 @@ class GpuwatchCallback(TrainerCallback):
             self._loss = float(loss)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.snapshots is not None:
+            self.snapshots.step(state.global_step)
         if self.hooks.end_step(state.global_step, self._loss):
             control.should_save = True
             control.should_training_stop = True
@@ -94,9 +119,13 @@ class GpuwatchCallback(TrainerCallback):
         if self.hooks.stopping:
             if dist is not None:
                 dist.barrier()  # sealed before any rank leaves
+            if self.snapshots is not None:
+                self.snapshots.close(finished=False)
             self.hooks.exit_for_resume()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close(finished=True)
         self.hooks.close()
 
     def _rescue_save(self, step: int) -> None:
@@ -109,18 +138,12 @@ class GpuwatchCallback(TrainerCallback):
         if model is None:
             log.error("gpuwatch: no rescue: the trainer gave no model")
             return
-        torch = sys.modules["torch"]
-        output = _output_dir(self._args)
-        tmp = output / f".tmp-checkpoint-{step}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, is_main_process=True)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        self._state.save_to_json(str(tmp / "trainer_state.json"))
-        commit_sealed(tmp, output / f"checkpoint-{step}", step)
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        }
+        write_hf_checkpoint(_output_dir(self._args), step, model, state, trainer_state_json(self._state))
         log.warning("gpuwatch: rescued checkpoint-%d", step)
 
 

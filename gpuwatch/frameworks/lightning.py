@@ -9,6 +9,9 @@ What the callback does with Lightning's hooks:
 * `setup`: wraps the strategy's CheckpointIO (`VerifiedCheckpointIO`): every `.ckpt` Lightning
   saves is sealed (`<name>.ckpt.manifest.json` beside it), and a load of one that does not verify
   (cut short, changed, never sealed) loads the newest one in its directory that does, saying why.
+* `on_train_start`, a resume mid-epoch: the train loader goes on with the batch after the last one
+  trained, not the epoch's first (gpuwatch.frameworks.lightning_data), so the loss goes on as an
+  uninterrupted run's.
 * `on_train_start`, after Lightning set its own signal handlers: the TrainerLink's handlers chain to
   them, so Lightning's SLURM requeue (SIGUSR1) and SIGTERM handling keep working.
 * each batch: reports the step and takes part in the stop agreement; when every rank agreed it
@@ -33,6 +36,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from gpuwatch.frameworks.in_place import refuse_in_place
+from gpuwatch.frameworks.lightning_data import skip_trained_batches
 from gpuwatch.trainer.hooks import TrainingHooks
 from gpuwatch.trainer.link import TrainerLink
 from gpuwatch.trainer.sealed import FILE_MANIFEST_SUFFIX, seal_file, why_unverified_file
@@ -103,6 +107,7 @@ class GpuwatchLightning(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
+        skip_trained_batches(trainer)
         replicated = isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy))
         self.hooks = TrainingHooks(self._link, save=self._rescue_save if replicated else None)
 

@@ -6,12 +6,14 @@ own log (`--log`, one file per rank: "step PID N" at the step's end, "loss PID N
 logged it), and slows the steps (`--step-sleep`) so a test can strike at a step.
 
     gpuwatch launch -- tests/frameworks/hf_train.py --out DIR --log LOG [--steps N] [--save-steps N]
+        [--cuda [--fsdp]]
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -19,6 +21,11 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from gpuwatch.frameworks.hf import GpuwatchCallback
 from tests.frameworks.tiny import job_options, tiny_gpt2
+
+FSDP2: dict[str, Any] = {
+    "fsdp": "full_shard",
+    "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+}
 
 
 class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -65,8 +72,9 @@ def main() -> None:
         save_total_limit=3,
         logging_steps=1,
         report_to=[],
-        use_cpu=True,
-        ddp_backend="gloo",
+        use_cpu=not options.cuda,
+        ddp_backend="nccl" if options.cuda else "gloo",
+        **FSDP2 if options.fsdp else {},  # accelerate applies FSDP only on accelerators: on the CPU it is DDP
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,

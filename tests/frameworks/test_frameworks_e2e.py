@@ -68,6 +68,21 @@ def test_a_quarantine_or_a_killed_rank_loses_no_step(node: Node, tmp_path: Path,
     )
 
 
+@pytest.mark.parametrize("framework", sorted(SCRIPTS))
+def test_after_a_killed_rank_and_the_resume_every_logged_loss_equals_an_uninterrupted_runs(
+    node: Node, tmp_path: Path, framework: str
+) -> None:
+    jobs.finish(jobs.launch(node, SCRIPTS[framework], tmp_path / "plain", *ARGS))
+    plain = StepLog.read(tmp_path / "plain.log.rank0")
+    log, stderr = _strike_past_step_70(node, framework, tmp_path / "out", FAULTS["sigkill"][0])
+
+    assert log.lost() == 0 and log.launches[1][-1] == 110, stderr[-3000:]
+    assert sorted(log.losses) == sorted(plain.losses) == list(range(1, 111))
+    differ = {s: (log.losses[s], plain.losses[s]) for s in plain.losses if log.losses[s] != plain.losses[s]}
+    assert not differ, f"resumed from step {log.resumed_from}; losses that differ: {differ}"
+    print(f"\n{framework}: resumed from step {log.resumed_from}; every loss equals the uninterrupted run's")
+
+
 def _tear_hf(out: Path) -> list[str]:
     model = out / "checkpoint-60" / "model.safetensors"
     model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])  # cut in half: plain HF crashes on it

@@ -8,13 +8,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 
 def job_options() -> argparse.Namespace:
-    """--out DIR --log LOG [--steps N] [--save-steps N] [--step-sleep S]."""
+    """--out DIR --log LOG [--steps N] [--save-steps N] [--step-sleep S] [--cuda] [--fsdp]."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--log", required=True)
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--cuda", action="store_true", help="train on the rank's GPU (NCCL), not the CPU (gloo)")
+    parser.add_argument("--fsdp", action="store_true", help="HF only: FSDP2 through accelerate (needs --cuda)")
     return parser.parse_args()
 
 
