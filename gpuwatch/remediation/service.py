@@ -476,7 +476,7 @@ class Remediation:
             signal_now = signal.SIGKILL if kill_at_once else self.stop_signal
             self._stops.append(JobStop(incident, self.cfg, signal_now, self.proc))
         if recorded:
-            self._watches.watch(incident)
+            self._watches.watch(incident, self.runtime.read_reports() if self._watches else None)
         return incident
 
     def _path(self, targets: list[Target], dead: list[Target]) -> str:
@@ -530,7 +530,7 @@ class Remediation:
                 for target in incident.targets:  # the last steps they finished (their step pages)
                     incident.see_step(self._last_step(target))
                 stopped = all(t.ended != "running" for t in incident.targets)
-                incident.status = "stopped"
+                incident.status = "stopped" if incident.status == "stopping" else incident.status  # or interrupted
                 incident.time_to_stop_s = incident.since_decision() if stopped else None
                 incident.stopped_t = self.clock() if stopped else None
                 if incident.id:
