@@ -47,6 +47,7 @@ def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_pat
         seen = json.loads(result.read_text())
         assert seen["argv"] == [str(script), str(result), "x"] and seen["rank"] == "2", seen
         assert seen["main"] == "__main__" and seen["stdin"] == "" and float(seen["warm"]) >= 0, seen
+        pool.tick()  # the launcher's loop: the rank ended, so the spare owed behind it starts
         assert len(pool.spares) == 1 and pool.spares[0].process.pid != first  # the next one is starting
     finally:
         pool.close()
@@ -198,3 +199,44 @@ def test_a_first_rank_run_by_the_runner_is_no_spare(tmp_path: Path) -> None:
         rank.close()
     seen = json.loads(result.read_text())
     assert seen["main"] == "__main__" and seen["warm"] is None, seen
+
+
+STEPS_WHEN_TOLD = """import os, sys, time
+from gpuwatch.trainer.standby import first_step_done
+while not os.path.exists(sys.argv[1]):  # the rank restores its state
+    time.sleep(0.01)
+first_step_done()
+first_step_done()  # the engine calls it after every step: said once
+time.sleep(60)
+"""
+
+
+def test_the_spare_behind_a_rank_handed_over_starts_only_once_that_rank_stepped(tmp_path: Path) -> None:
+    """While the new rank restores, no spare's start-up competes with it for CPU and memory."""
+    script, go = tmp_path / "job.py", tmp_path / "go"
+    script.write_text(STEPS_WHEN_TOLD)
+    pool = SparePool(1, launch_env(), echo=lambda _: None)
+    pool.start(["GPU-0"])
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.warm():
+            assert time.monotonic() < deadline, "the spare did not get warm"
+            time.sleep(0.05)
+        spare = pool.hand_over([str(script), str(go)], launch_env(), "GPU-0")
+        assert spare is not None
+        for _ in range(20):  # two seconds of the launcher's ticks while the rank has not stepped
+            pool.tick()
+            assert pool.spares == [] and not spare.has_stepped()
+            time.sleep(0.1)
+        go.touch()
+        deadline = time.monotonic() + 60
+        while not pool.spares:
+            assert time.monotonic() < deadline, "no spare started behind the rank that stepped"
+            pool.tick()
+            time.sleep(0.05)
+        assert spare.has_stepped() and spare.process.poll() is None and len(pool.spares) == 1
+        spare.process.kill()
+        spare.process.wait()
+        spare.close()
+    finally:
+        pool.close()

@@ -65,6 +65,7 @@ def test_a_standby_runs_the_set_up_waits_at_the_join_and_learns_its_rank_at_the_
         assert standby.process.wait(timeout=30) == 0
         said = (tmp_path / "out.txt").read_text().splitlines()
         assert said[0] == "set-up done" and said[1].startswith("rank 3 of 4 waited "), said
+        pool.tick()  # the launcher's loop: the rank ended, so the spare owed behind it starts
         assert len(pool.spares) == 1 and pool.spares[0] is not standby  # another behind it
     finally:
         pool.close()
@@ -101,6 +102,8 @@ def test_a_standby_that_ends_before_the_join_turns_standby_off_in_one_line(tmp_p
         replacement = pool.hand_over([sys.executable, "-c", "pass"], launch_env(), GPU)
         assert replacement is not None and not replacement.standby
         assert len(lines) == 1 and "ended before the job's join (exit 3)" in lines[0], lines
+        replacement.process.wait(timeout=60)
+        pool.tick()  # the rank ended: the spare owed behind it starts
         assert not pool.spares[0].standby
     finally:
         pool.close()
