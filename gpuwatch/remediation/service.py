@@ -59,6 +59,7 @@ PENDING_POLL_S = 0.2  # how often an application XID waiting for its pid is look
 REPORT_POLL_S = 0.1  # how often stops and resume watches re-read the reports
 FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later ones to SLOW_POLL_S
 SLOW_POLL_S = 5.0
+UNPUBLISHED_DEATH_S = 10.0  # a report of a process never published that ended this recently is a death to act on
 HANG_POLL_S = 0.5  # how often the ranks' progress is judged between publishes (only while there are ranks)
 MAX_ACCOUNTED = 4096  # ranks whose end is handled, remembered against stale publishes; gone ones dropped beyond
 FAULT_LATE_S = 10.0  # a fault this close to a rank's death is what it died of
@@ -222,7 +223,9 @@ class Remediation:
         if self._last is None or now_mono < self._next_hang_poll:
             return
         self._next_hang_poll = now_mono + HANG_POLL_S
-        reports = [r.info for r in self.runtime.read_reports() if r.running]
+        every = self.runtime.read_reports()
+        self._deaths_unpublished(every)
+        reports = [r.info for r in every if r.running]
         if not reports and not self._known:
             return
         snapshot = self._last.snapshot
@@ -233,6 +236,22 @@ class Remediation:
         self._hangs_polled = set(hung)
         for hang in new:
             self._stop_for_hang(hang)
+
+    def _deaths_unpublished(self, reports: list[Report]) -> None:
+        """A rank that died before a publish listed it (killed within a second of its start) left only its report:
+        one that said no end, fresh, of a pid never known, is a death like one seen."""
+        now = self.clock()
+        for report in reports:
+            info = report.info
+            if report.alive or info.ended is not None or info.pid in self._known or info.pid in self._accounted:
+                continue
+            if now - (info.updated_t or 0.0) > UNPUBLISHED_DEATH_S:
+                continue  # an old report (the daemon started after it): not news
+            assert self._last is not None
+            snapshot = self._last.snapshot
+            for rank in map_ranks(snapshot.gpus, [info], self.proc, use_pids=False):
+                self._known[rank.pid] = rank
+                self._on_exit(rank.pid)
 
     # -- what starts a stop ---------------------------------------------------------------------
 
