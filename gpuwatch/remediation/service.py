@@ -60,6 +60,7 @@ REPORT_POLL_S = 0.1  # how often stops and resume watches re-read the reports
 FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later ones to SLOW_POLL_S
 SLOW_POLL_S = 5.0
 UNPUBLISHED_DEATH_S = 10.0  # a report of a process never published that ended this recently is a death to act on
+STOPPED_VERDICT_SLACK_S = 0.01  # judged this long after a stopped rank's limit: past it, never just short of it
 HANG_POLL_S = 0.5  # how often the ranks' progress is judged between publishes (only while there are ranks)
 MAX_ACCOUNTED = 4096  # ranks whose end is handled, remembered against stale publishes; gone ones dropped beyond
 FAULT_LATE_S = 10.0  # a fault this close to a rank's death is what it died of
@@ -232,6 +233,9 @@ class Remediation:
         mapped = map_ranks(snapshot.gpus, reports, self.proc, use_pids=snapshot.backend in PID_BACKENDS)
         ranks = [r for r in mapped if not self._accounted_for(r)]
         hung = self._judge.hangs(self.clock(), ranks, snapshot)
+        due = self._judge.stopped_verdict_in(self.clock())  # a stopped rank's verdict falls due before the next poll
+        if due is not None:
+            self._next_hang_poll = min(self._next_hang_poll, now_mono + due + STOPPED_VERDICT_SLACK_S)
         new = [h for job, h in hung.items() if job not in self._hangs_polled and self.cfg.restart_hung_jobs]
         self._hangs_polled = set(hung)
         for hang in new:
