@@ -36,7 +36,7 @@ from typing import NoReturn
 
 from gpuwatch.spares.pool import CUDA_ENV, NOW_ENV, STANDBY_ARGV_ENV, WORD, WORD_FD_ENV
 from gpuwatch.trainer.contract import SPARE_WARM_S_ENV
-from gpuwatch.trainer.standby import HELD_ENV, READY_FD_ENV, arm, take_over, until_first_step
+from gpuwatch.trainer.standby import HELD_ENV, READY_FD_ENV, arm, take_over
 
 # What a rank of an in-place job imports besides torch: paid once, while nothing waits for it.
 _PRELOAD = (
@@ -62,7 +62,7 @@ def main() -> int:
     if ready_fd is not None:
         if not now:
             _say(ready_fd, b"1")
-        if not now:
+        if standby and not now:
             os.set_inheritable(ready_fd, False)  # kept for the join's byte and the first step's (trainer.standby)
         else:
             os.close(ready_fd)
@@ -82,7 +82,6 @@ def main() -> int:
         env[SPARE_WARM_S_ENV] = f"{time.monotonic() - warm_at:.3f}"
     env.pop(CUDA_ENV, None)
     take_over(env)
-    until_first_step(ready_fd if not now else None)
     return _run_and_say(argv, word_fd)
 
 

@@ -89,13 +89,7 @@ def _say_ready() -> None:
             os.write(fd, AT_JOIN if bound else AT_JOIN_ANY_GPU)
         except OSError:  # the launcher is gone: the hand-over's empty stdin ends this process
             pass
-        until_first_step(fd)
-
-
-def until_first_step(fd: int | None) -> None:
-    """Keep the spare's pipe `fd` to say the rank's first step on (first_step_done)."""
-    if fd is not None:
-        _state["stepped_fd"] = fd
+        _state["stepped_fd"] = fd  # kept: the rank's first step is said on it too (first_step_done)
 
 
 def first_step_done() -> None:
