@@ -10,7 +10,9 @@ job's first ranks under the same runner, without the wait.
 With standby on (`standby_for`), each spare is started for one GPU and runs the job's own command at
 once, up to the job's join (gpuwatch.trainer.standby): it says `1` on its ready pipe when warm and `j`
 when it waits at the join, its set-up done (`a`: done without a CUDA context, so it may take a rank of
-any GPU; the hand-over's CUDA_VISIBLE_DEVICES is read when the script first uses CUDA). A hand-over
+any GPU; the hand-over's CUDA_VISIBLE_DEVICES is read when the script first uses CUDA), and `s` once the
+rank it became finished its first step: only then does the next standby start behind it (`tick`), so that
+its set-up does not compete with the rank's restore. A hand-over
 takes the best that is ready: a standby at the join, then a warm spare, then one still starting. A
 standby that ends before its join (the script failed, no room for a second copy of the model) turns
 standby off for this pool, in one line.
