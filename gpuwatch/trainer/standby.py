@@ -86,10 +86,11 @@ def _say_ready() -> None:
         torch = sys.modules.get("torch")
         bound = torch is not None and torch.cuda.is_initialized()  # CUDA_VISIBLE_DEVICES was read: this GPU only
         try:
+            _state["stepped_fd"] = os.dup(fd)  # the same pipe, for the rank's first step (first_step_done)
             os.write(fd, AT_JOIN if bound else AT_JOIN_ANY_GPU)
+            os.close(fd)  # its own number closes at the join, as tools that watch a spare's fds expect
         except OSError:  # the launcher is gone: the hand-over's empty stdin ends this process
             pass
-        _state["stepped_fd"] = fd  # kept: the rank's first step is said on it too (first_step_done)
 
 
 def first_step_done() -> None:
