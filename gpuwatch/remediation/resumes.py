@@ -106,7 +106,7 @@ class ResumeWatches:
             for r in mine
             if r.info.pid not in incident.gone_pids
             and r.info.pid not in {t.rank.pid for t in incident.targets}
-            and (r.info.first_step_t or r.info.updated_t or 0.0) >= incident.began
+            and (r.info.first_step_t or r.info.updated_t or 0.0) >= _fault_floor(incident)
         ]
         if not new:
             return False
@@ -137,6 +137,14 @@ class ResumeWatches:
         """End the oldest watch of this user's jobs: only their own incidents make room for theirs."""
         oldest = min((job for job in self._by_job if job[0] == uid), key=lambda job: self._by_job[job].seen_mono)
         self.stop_watching(self._by_job[oldest], "not_resumed")
+
+
+def _fault_floor(incident: Incident) -> float:
+    """The earliest a new process's first step counts as the job's return: the fault's onset, or, for a death the
+    daemon saw after a warm spare had already stepped in its place, the dead rank's last step (the fault came after
+    it)."""
+    last = [t.rank.info.step_t for t in incident.targets if t.rank.pid in incident.gone_pids and t.rank.info.step_t]
+    return min([incident.began, *last])
 
 
 def _took_part(info: TrainerInfo, incident: Incident) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gpuwatch.model import TrainerInfo
-from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident
+from gpuwatch.node.ranks import Rank
+from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident, Target
 from gpuwatch.remediation.resumes import ResumeWatches
 from gpuwatch.reports.board import Report
 
@@ -100,3 +101,13 @@ def test_a_second_fault_after_the_job_came_back_unseen_ends_the_first_incident_a
     assert ended == {id(first): "resumed"}
     assert (first.path, first.spare_stage, first.resumed_step, first.steps_lost) == ("spare", "standby", 37, 3)
     assert first.time_to_resume_s == 1.0
+
+
+def test_a_death_seen_after_the_spare_already_stepped_still_resumes() -> None:
+    """A warm spare can step before the daemon sees the death (a loaded node): its first step came after the dead
+    rank's last one, so it is the job's return all the same."""
+    incident = _incident(PATH_RELAUNCH)  # the death seen at KILLED
+    dead = TrainerInfo(pid=7, job_id=JOB[1], step=LAST, step_t=KILLED - 0.6)
+    incident.targets.append(Target(Rank(dead, 0, JOB[0], None, ("report",)), True, "died"))
+    assert _watch(incident, [_report(8, 39, 38, KILLED - 0.2, spare=True, stage="standby")]) == "spare"
+    assert incident.resumed_step == 37 and incident.time_to_resume_s == 0.0
