@@ -163,6 +163,8 @@ def _resumed(run: Run, victim: _Victim, kinds: tuple[str, ...]) -> Step:
             )
         if incident is not None and incident.status == "not_resumed":
             raise DrillError(f"the daemon gave up waiting for job {victim.job} to resume")
+        if incident is not None and incident.status == "interrupted":
+            raise DrillError(f"job {victim.job} was hit by another fault before it came back")
         victim.check_supervisor()
         seen = f"incident {incident.id} is {incident.status}" if incident else "no incident yet"
         return Pending(f"job {victim.job} has not come back ({seen})")

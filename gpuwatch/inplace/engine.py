@@ -64,7 +64,7 @@ from gpuwatch.trainer.contract import (
 )
 from gpuwatch.trainer.faults import Fault, classify, first_line
 from gpuwatch.trainer.link import TrainerLink
-from gpuwatch.trainer.standby import wait_for_rank
+from gpuwatch.trainer.standby import first_step_done, wait_for_rank
 
 log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
@@ -300,6 +300,7 @@ class StepEngine:
             self._after_failure(failure, before)
         self._step += 1
         self.source.after_step(self._step)
+        first_step_done()  # a spare that became this rank says so once: the next spare starts behind it now
         return result
 
     def _settle(self) -> None:

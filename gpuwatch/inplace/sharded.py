@@ -32,6 +32,14 @@ from gpuwatch.snapshots import HostSnapshot, Restored
 
 __all__ = ["ShardedJob", "SnapshotRollback", "SnapshotSource", "all_hold_one_step", "rollback"]
 
+# _ONE_LAYOUT: a DistributedDataParallel reduces its first step's gradients in one bucket layout and, unless it
+# looks for unused parameters, rebuilds its buckets after that step in the order the gradients became ready.
+# Each generation wraps the model anew, so its first step would reduce in the first layout where an
+# uninterrupted run uses the rebuilt one: with 3 or more ranks the all-reduce then adds in another order and the
+# run drifts from an uninterrupted one by float32 rounding. With find_unused_parameters DDP never rebuilds: every
+# generation reduces in the same layout (the parameters' buckets in reverse order, as overlapped as the rebuilt
+# one for a model used in its definition's order), at the cost of one walk of the autograd graph per step.
+
 
 def rollback(snap: HostSnapshot, group: Group) -> Restored | None:
     """The newest step all ranks of the group hold in host memory, read back (this rank's own shards), or None.
@@ -118,8 +126,9 @@ class SnapshotRollback(SnapshotSource):
         _rebind(self.optimizer)
         synced = self._bring_back(group)
         self.ddp = DistributedDataParallel(
-            self.model, device_ids=[group.device.index] if group.device.type == "cuda" else None, init_sync=False
-        )
+            self.model, device_ids=[group.device.index] if group.device.type == "cuda" else None, init_sync=False,
+            find_unused_parameters=True,  # one bucket layout for good: see _ONE_LAYOUT
+        )  # fmt: skip
         return synced
 
     def _bring_back(self, group: Group) -> Synced:

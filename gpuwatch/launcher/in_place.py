@@ -396,6 +396,8 @@ class Supervisor:
                     self._exited(*self._exits.get_nowait())
             if self._received is not None:
                 return self._shut_down()
+            if self.spares is not None:
+                self.spares.tick()  # the spare behind a rank handed over starts once that rank stepped
             self._refuse_a_job_that_never_joins()
             if self._coordinator is not None and not self._coordinator.is_alive():
                 self._terminate_workers()

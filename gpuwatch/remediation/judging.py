@@ -81,6 +81,15 @@ class TrainerJudge:
             self._track(now, ranks)
             return self._hung(snapshot, now)
 
+    def stopped_verdict_in(self, now: float) -> float | None:
+        """Seconds until the first rank seen stopped (state T) has been for hang_stopped_after_s; None when none
+        is stopped or it has been already: the remediation thread judges again then, not up to a poll later."""
+        with self._lock:
+            if not self._stopped:
+                return None
+            due = min(self._stopped.values()) + self.cfg.hang_stopped_after_s - now
+            return due if due > 0 else None
+
     def members(self, job: JobKey) -> list[Rank]:
         """Every live rank of `job` seen on this node."""
         with self._lock:

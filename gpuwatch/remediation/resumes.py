@@ -51,10 +51,16 @@ class ResumeWatches:
     def incidents(self) -> list[Incident]:
         return list({id(i): i for i in self._by_job.values()}.values())
 
-    def watch(self, incident: Incident) -> None:
-        """Await the incident's resume; a newer incident of the same job takes its place."""
+    def watch(self, incident: Incident, reports: list[Report] | None = None) -> None:
+        """Await the incident's resume; a newer incident of the same job takes its place and ends the older's
+        watch: `resumed` when `reports` (read as the newer fault was found) show the job came back in between,
+        else `interrupted` (the job was hit again before it came back)."""
+        older = {id(o): o for job in incident.jobs if (o := self._by_job.get(job)) not in (None, incident)}
         for job in incident.jobs:
             self._by_job[job] = incident
+        for old in older.values():
+            if all(watched is not old for watched in self._by_job.values()):
+                self._end(old, "resumed" if reports is not None and self._back(old, reports) else "interrupted")
         for uid in {uid for uid, _ in incident.jobs}:
             while sum(1 for job in self._by_job if job[0] == uid) > MAX_WATCHES_PER_UID:
                 self._give_up_oldest(uid)
@@ -67,12 +73,7 @@ class ResumeWatches:
         for incident in self.incidents():
             if incident.status == "stopping":
                 continue  # its own ranks are still going
-            mine = [r for r in reports if (r.owner_uid, r.info.job_id) in incident.jobs and r.info.step is not None]
-            if incident.path == PATH_IN_PLACE:
-                back = self._survivors_went_on(incident, mine)
-            else:
-                back = self._relaunched(incident, mine)
-            if back:
+            if self._back(incident, reports):
                 log.warning(
                     "job %s %s at step %d, %.1f s after the %s on GPU %s began (%s step(s) lost)",
                     ",".join(sorted(job for _, job in incident.jobs)),
@@ -92,13 +93,20 @@ class ResumeWatches:
             del self._by_job[job]
         self._end(incident, status)
 
+    def _back(self, incident: Incident, reports: list[Report]) -> bool:
+        """Whether the reports show the incident's job finished a step after the fault (and note how)."""
+        mine = [r for r in reports if (r.owner_uid, r.info.job_id) in incident.jobs and r.info.step is not None]
+        if incident.path == PATH_IN_PLACE:
+            return self._survivors_went_on(incident, mine)
+        return self._relaunched(incident, mine)
+
     def _relaunched(self, incident: Incident, mine: list[Report]) -> bool:
         new = [
             r.info
             for r in mine
             if r.info.pid not in incident.gone_pids
             and r.info.pid not in {t.rank.pid for t in incident.targets}
-            and (r.info.first_step_t or r.info.updated_t or 0.0) >= incident.began
+            and (r.info.first_step_t or r.info.updated_t or 0.0) >= _fault_floor(incident)
         ]
         if not new:
             return False
@@ -129,6 +137,14 @@ class ResumeWatches:
         """End the oldest watch of this user's jobs: only their own incidents make room for theirs."""
         oldest = min((job for job in self._by_job if job[0] == uid), key=lambda job: self._by_job[job].seen_mono)
         self.stop_watching(self._by_job[oldest], "not_resumed")
+
+
+def _fault_floor(incident: Incident) -> float:
+    """The earliest a new process's first step counts as the job's return: the fault's onset, or, for a death the
+    daemon saw after a warm spare had already stepped in its place, the dead rank's last step (the fault came after
+    it)."""
+    last = [t.rank.info.step_t for t in incident.targets if t.rank.pid in incident.gone_pids and t.rank.info.step_t]
+    return min([incident.began, *last])
 
 
 def _took_part(info: TrainerInfo, incident: Incident) -> bool:

@@ -60,6 +60,8 @@ PENDING_POLL_S = 0.2  # how often an application XID waiting for its pid is look
 REPORT_POLL_S = 0.1  # how often stops and resume watches re-read the reports
 FAST_WATCH_S = 600.0  # a resume within this is timed to REPORT_POLL_S; later ones to SLOW_POLL_S
 SLOW_POLL_S = 5.0
+UNPUBLISHED_DEATH_S = 10.0  # a report of a process never published that ended this recently is a death to act on
+STOPPED_VERDICT_SLACK_S = 0.01  # judged this long after a stopped rank's limit: past it, never just short of it
 HANG_POLL_S = 0.5  # how often the ranks' progress is judged between publishes (only while there are ranks)
 MAX_ACCOUNTED = 4096  # ranks whose end is handled, remembered against stale publishes; gone ones dropped beyond
 FAULT_LATE_S = 10.0  # a fault this close to a rank's death is what it died of
@@ -223,17 +225,38 @@ class Remediation:
         if self._last is None or now_mono < self._next_hang_poll:
             return
         self._next_hang_poll = now_mono + HANG_POLL_S
-        reports = [r.info for r in self.runtime.read_reports() if r.running]
+        every = self.runtime.read_reports()
+        self._deaths_unpublished(every)
+        reports = [r.info for r in every if r.running]
         if not reports and not self._known:
             return
         snapshot = self._last.snapshot
         mapped = map_ranks(snapshot.gpus, reports, self.proc, use_pids=snapshot.backend in PID_BACKENDS)
         ranks = [r for r in mapped if not self._accounted_for(r)]
         hung = self._judge.hangs(self.clock(), ranks, snapshot)
+        due = self._judge.stopped_verdict_in(self.clock())  # a stopped rank's verdict falls due before the next poll
+        if due is not None:
+            self._next_hang_poll = min(self._next_hang_poll, now_mono + due + STOPPED_VERDICT_SLACK_S)
         new = [h for job, h in hung.items() if job not in self._hangs_polled and self.cfg.restart_hung_jobs]
         self._hangs_polled = set(hung)
         for hang in new:
             self._stop_for_hang(hang)
+
+    def _deaths_unpublished(self, reports: list[Report]) -> None:
+        """A rank that died before a publish listed it (killed within a second of its start) left only its report:
+        one that said no end, fresh, of a pid never known, is a death like one seen."""
+        now = self.clock()
+        for report in reports:
+            info = report.info
+            if report.alive or info.ended is not None or info.pid in self._known or info.pid in self._accounted:
+                continue
+            if now - (info.updated_t or 0.0) > UNPUBLISHED_DEATH_S:
+                continue  # an old report (the daemon started after it): not news
+            assert self._last is not None
+            snapshot = self._last.snapshot
+            for rank in map_ranks(snapshot.gpus, [info], self.proc, use_pids=False):
+                self._known[rank.pid] = rank
+                self._on_exit(rank.pid)
 
     # -- what starts a stop ---------------------------------------------------------------------
 
@@ -477,7 +500,7 @@ class Remediation:
             signal_now = signal.SIGKILL if kill_at_once else self.stop_signal
             self._stops.append(JobStop(incident, self.cfg, signal_now, self.proc))
         if recorded:
-            self._watches.watch(incident)
+            self._watches.watch(incident, self.runtime.read_reports() if self._watches else None)
         return incident
 
     def _path(self, targets: list[Target], dead: list[Target]) -> str:
@@ -531,7 +554,7 @@ class Remediation:
                 for target in incident.targets:  # the last steps they finished (their step pages)
                     incident.see_step(self._last_step(target))
                 stopped = all(t.ended != "running" for t in incident.targets)
-                incident.status = "stopped"
+                incident.status = "stopped" if incident.status == "stopping" else incident.status  # or interrupted
                 incident.time_to_stop_s = incident.since_decision() if stopped else None
                 incident.stopped_t = self.clock() if stopped else None
                 if incident.id:

@@ -10,7 +10,9 @@ job's first ranks under the same runner, without the wait.
 With standby on (`standby_for`), each spare is started for one GPU and runs the job's own command at
 once, up to the job's join (gpuwatch.trainer.standby): it says `1` on its ready pipe when warm and `j`
 when it waits at the join, its set-up done (`a`: done without a CUDA context, so it may take a rank of
-any GPU; the hand-over's CUDA_VISIBLE_DEVICES is read when the script first uses CUDA). A hand-over
+any GPU; the hand-over's CUDA_VISIBLE_DEVICES is read when the script first uses CUDA), and `s` once the
+rank it became finished its first step: only then does the next standby start behind it (`tick`), so that
+its set-up does not compete with the rank's restore. A hand-over
 takes the best that is ready: a standby at the join, then a warm spare, then one still starting. A
 standby that ends before its join (the script failed, no room for a second copy of the model) turns
 standby off for this pool, in one line.
@@ -36,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatch.trainer.contract import SPARE_STAGE_ENV
-from gpuwatch.trainer.standby import AT_JOIN, AT_JOIN_ANY_GPU, HELD_ENV, READY_FD_ENV
+from gpuwatch.trainer.standby import AT_JOIN, AT_JOIN_ANY_GPU, HELD_ENV, READY_FD_ENV, STEPPED
 
 STANDBY_ARGV_ENV = "GPUWATCH_SPARE_ARGV"  # a standby's command (JSON): run at once, up to the job's join
 WORD_FD_ENV = "GPUWATCH_SPARE_WORD_FD"  # the runner writes the job's exit code there as the job ends by itself
@@ -44,6 +46,7 @@ NOW_ENV = "GPUWATCH_SPARE_NOW"  # "1": run the order at once, without the warm-u
 WORD = b"exit "  # the last word's prefix: b"exit N\n", N the job's exit code
 CUDA_ENV = "GPUWATCH_SPARE_CUDA"  # "1": the spare creates its CUDA context on its one visible GPU
 _CLOSE_GRACE_S = 2.0
+_BEHIND_MAX_S = 60.0  # the next spare starts when the rank handed over stepped, ended, or took this long
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Spare:
     standby: bool = False  # it runs the job's command up to the join
     at_join: bool = False  # a standby that waits at the job's join, its set-up done
     any_gpu: bool = False  # ... and made no CUDA context there: it takes a rank of any GPU
+    stepped: bool = False  # handed over: the rank it became finished a step, or its pipe closed (it ended)
     heard: bytes = b""
     lock: threading.Lock = field(default_factory=threading.Lock)  # last_word on a watcher thread, close on another
 
@@ -73,13 +77,23 @@ class Spare:
         return "standby" if self.at_join else "warm" if self.warm else "starting"
 
     def _read_ready(self) -> None:
+        with self.lock:  # handed over, the launcher's watcher may close it meanwhile
+            self._read_ready_locked()
+
+    def _read_ready_locked(self) -> None:
         while self.ready_fd >= 0 and select.select([self.ready_fd], [], [], 0)[0]:
             said = os.read(self.ready_fd, 16)
             self.warm = self.warm or bool(said)
             self.any_gpu = self.any_gpu or AT_JOIN_ANY_GPU in said
             self.at_join = self.at_join or self.any_gpu or AT_JOIN in said
-            if not said or not self.standby or self.at_join:
+            self.stepped = self.stepped or STEPPED in said or not said
+            if self.stepped:
                 self._close_ready()
+
+    def has_stepped(self) -> bool:
+        """A spare handed a rank: whether that rank finished a step or ended (its pipe closed); never blocks."""
+        self._read_ready()
+        return self.stepped or self.ready_fd < 0
 
     def last_word(self) -> int | None:
         """The job's exit code as its runner said it before the process began to exit; None: no word (yet).
@@ -98,8 +112,8 @@ class Spare:
 
     def close(self) -> None:
         """Close the launcher's ends of its pipes (the rank was reaped, or the spare ended)."""
-        self._close_ready()
         with self.lock:
+            self._close_ready()
             if self.word_fd >= 0:
                 os.close(self.word_fd)
                 self.word_fd = -1
@@ -150,6 +164,7 @@ class SparePool:
         self.env = dict(env)
         self.spares: list[Spare] = []
         self.handed_over = 0
+        self._behind: list[tuple[Spare, str, float]] = []  # (handed over, its GPU, when): the next spare is owed
         self._standby: tuple[list[str], Callable[[str], dict[str, str] | None], list[str]] | None = None
 
     def standby_for(
@@ -177,6 +192,7 @@ class SparePool:
         left alone. A new spare starts behind it.
         The caller owns the spare from then on (its `last_word`, and `close` once it is reaped).
         """
+        self.tick()
         self._drop_dead()
         fits = [s for s in self.spares if s.gpu in (None, gpu) or (s.stage() == "standby" and s.any_gpu)]
         if not fits:
@@ -189,8 +205,17 @@ class SparePool:
             self._add(self._spawn(spare.gpu))
             return self.hand_over(argv, env, gpu)
         self.handed_over += 1
-        self._add(self._spawn(gpu))  # a standby behind it on the GPU that just took a rank
+        self._behind.append((spare, gpu, time.monotonic()))  # a standby behind it, once it stepped (tick)
         return spare
+
+    def tick(self) -> None:
+        """Start the spare owed behind each rank handed over that has stepped since (or ended, or took
+        _BEHIND_MAX_S): not before, so that its set-up does not compete with that rank's restore for CPU and memory."""
+        for owed in list(self._behind):
+            spare, gpu, since = owed
+            if spare.has_stepped() or time.monotonic() - since > _BEHIND_MAX_S:
+                self._behind.remove(owed)
+                self._add(self._spawn(gpu))
 
     def run_now(self, argv: Sequence[str], env: Mapping[str, str]) -> Spare | None:
         """Start the rank under the spare's runner at once (no warm-up, no pool): a job's first ranks, whose
@@ -227,7 +252,7 @@ class SparePool:
                 spare.process.kill()
                 spare.process.wait()
             spare.close()
-        self.spares = []
+        self.spares, self._behind = [], []
 
     def _add(self, spare: Spare | None) -> None:
         if spare is not None:

@@ -63,7 +63,7 @@ def main() -> int:
         if not now:
             _say(ready_fd, b"1")
         if standby and not now:
-            os.set_inheritable(ready_fd, False)  # kept for the join's byte (gpuwatch.trainer.standby)
+            os.set_inheritable(ready_fd, False)  # kept for the join's byte and the first step's (trainer.standby)
         else:
             os.close(ready_fd)
     if word_fd is not None:

@@ -20,6 +20,7 @@ Only the standard library and the trainer's contract here: the job side and the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ HELD_ENV = "GPUWATCH_SPARE_HELD"  # the keys a standby gets only at the hand-ove
 READY_FD_ENV = "GPUWATCH_SPARE_READY_FD"  # the pipe a spare says its stages on ("1" warm, "j" at the join)
 AT_JOIN = b"j"  # at the join, its CUDA context made (bound to its GPU)
 AT_JOIN_ANY_GPU = b"a"  # at the join without a CUDA context: it may take a rank of any GPU
+STEPPED = b"s"  # the rank it became finished a step: the launcher starts the next spare only now
 
 _real_exit = os._exit  # the runner wraps os._exit to say the job's exit code; a stopped standby was no job
 _lock = threading.Lock()
@@ -84,10 +86,24 @@ def _say_ready() -> None:
         torch = sys.modules.get("torch")
         bound = torch is not None and torch.cuda.is_initialized()  # CUDA_VISIBLE_DEVICES was read: this GPU only
         try:
+            _state["stepped_fd"] = os.dup(fd)  # the same pipe, for the rank's first step (first_step_done)
             os.write(fd, AT_JOIN if bound else AT_JOIN_ANY_GPU)
-            os.close(fd)
+            os.close(fd)  # its own number closes at the join, as tools that watch a spare's fds expect
         except OSError:  # the launcher is gone: the hand-over's empty stdin ends this process
             pass
+
+
+def first_step_done() -> None:
+    """The rank finished a step (the step engine calls it after each): the first time, say so on the spare's pipe.
+
+    The launcher starts the next spare only then, so that its set-up does not compete with this rank's restore
+    for the host's CPU and memory and the GPU's memory."""
+    fd = _state.pop("stepped_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(fd, STEPPED)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _reader() -> tuple[str, str]:

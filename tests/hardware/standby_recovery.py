@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """A standby spare against today's spare on one GPU: fault → the loop's next step, from the loop's own log.
 
-    python tests/hardware/standby_recovery.py --device cuda --out standby.json      # one H100/H200, ~5 min
-    python tests/hardware/standby_recovery.py --device cuda --gib 16                # one size: under 4 min
-    python tests/hardware/standby_recovery.py --device cpu --small                  # the same chain on the CPU
+    python tests/hardware/standby_recovery.py --device cuda --gib 16 --kinds standby        # one GPU call
+    python tests/hardware/standby_recovery.py --device cuda --gib 16 --kinds standby,spare  # a second one
+    python tests/hardware/standby_recovery.py --device cuda --gib 4                         # 4 GiB, both kinds
+    python tests/hardware/standby_recovery.py --device cpu --small                          # the same chain on the CPU
 
 A user's loop (tests/spares/user_loop.py: `nn.Sequential` of 4096x4096 fp32 Linear layers built on the
 CPU with torch's default init, then `.to(device)`; AdamW; a data index built before the job object;
@@ -16,7 +17,11 @@ spare is ready: kill -9 of the rank, its own XID 31 (`gpuwatch drill --fault-ran
 SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stopped rank). The fault's
 time is the kill's, or for a drill the rank's last step before it (the fault came after it: this
 errs long by less than a step). The cold start is the first rank's own start → its first step in the
-same run. Prints a markdown table, then the whole result as JSON (--out: also to that file).
+same run. Prints a markdown table, then the whole result as JSON (--out: also to that file). Each step
+is said on stderr as it ends, with its seconds (`standby_recovery: ...`), and each row's `phases_s` says
+where the launch's wall time went (the first step, each wait for the next spare to be ready, each fault
+to the next step, the drill's own end, the launch's end); `--wait-s` bounds each wait, so one stuck
+launch costs at most that and the others still run.
 """
 
 from __future__ import annotations
@@ -47,10 +52,14 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="CPU sizes: 0.02 and 0.06 GiB, a 512 wide model")
     parser.add_argument("--gib", type=float, nargs="+", help="state sizes (default 4 16; --small 0.02 0.06)")
-    parser.add_argument("--kinds", nargs="+", default=["standby", "spare"], choices=("standby", "spare"))
+    parser.add_argument("--kinds", nargs="+", default=["standby", "spare"], help="standby, spare (or standby,spare)")
     parser.add_argument("--faults", nargs="+", help="default kill xid stop (cuda), kill stop (cpu)")
+    parser.add_argument("--wait-s", type=float, default=120.0, help="the longest any one wait may take")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    args.kinds = [k for item in args.kinds for k in item.split(",") if k]
+    if not args.kinds or set(args.kinds) - {"standby", "spare"}:
+        parser.error(f"--kinds takes standby and spare, not {' '.join(args.kinds)!r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     sizes = args.gib or ([0.02, 0.06] if args.small else [4.0, 16.0])
     faults = args.faults or (["kill", "xid", "stop"] if args.device == "cuda" else ["kill", "stop"])
@@ -99,17 +108,22 @@ def _one_launch(
         [*daemon.command(*launch_args), "--", *loop], env=env, stdout=log, stderr=subprocess.STDOUT
     )
     row: dict[str, Any] = {"gib": gib, "kind": kind, "faults": []}
+    phases = _Phases(f"{gib:g} GiB {kind}")
+    row["phases_s"] = phases.done
     try:
-        wait_until("the first step", lambda: bool(_lines(logs)), 600, 0.2)
+        wait_until("the first step", lambda: bool(_lines(logs)), max(args.wait_s, 300), 0.2)
+        phases.end("first step")
         first = min(_lines(logs), key=lambda ln: ln["t"])
         row["cold_start_s"] = round(first["t"] - first["started"], 2)
         row["setup_s"] = round(first["setup_s"], 2)
         for fault in faults:
-            wait_until(f"a ready {kind}", lambda: _ready(kind, logs), 600, 0.2)
+            wait_until(f"a ready {kind}", lambda: _ready(kind, logs), args.wait_s, 0.1)
+            phases.end(f"{fault}: the next {kind} ready")
             row.setdefault("spare_memory", _spare_memory(kind, logs))
-            row["faults"].append(_fault(daemon, logs, fault, env))
+            row["faults"].append(_fault(daemon, logs, fault, env, kind, args.wait_s, phases))
     except Exception as exc:  # one launch's failure is said in its row; the others still run
         row["error"] = f"{type(exc).__name__}: {exc}"
+        phases.end(f"failed: {row['error'][:80]}")
     finally:
         launch.send_signal(signal.SIGTERM)
         try:
@@ -118,8 +132,23 @@ def _one_launch(
             launch.kill()
         log.close()
         shutil.rmtree(shm, ignore_errors=True)
+        phases.end("the launch's end")
         row["launch_log_tail"] = (work / "launch.log").read_text()[-1500:]
     return row
+
+
+class _Phases:
+    """Where a launch's wall time goes: each phase's seconds, said on stderr as it ends."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.done, self._at, self._start = label, {}, time.monotonic(), time.monotonic()
+
+    def end(self, name: str) -> None:
+        now = time.monotonic()
+        self.done[name] = round(now - self._at, 2)
+        self._at = now
+        print(f"standby_recovery: {self.label}: {name} {self.done[name]:.2f} s ({now - self._start:.1f} s in)",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _ready(kind: str, logs: Path) -> bool:
@@ -170,15 +199,18 @@ def _is_waiting_spare(pid: int) -> bool:
         return False
 
 
-def _fault(daemon: DaemonProcess, logs: Path, fault: str, env: dict[str, str]) -> dict[str, Any]:
-    time.sleep(1.0)  # the standby from its set-up file to its join
+def _fault(
+    daemon: DaemonProcess, logs: Path, fault: str, env: dict[str, str], kind: str, wait_s: float, phases: _Phases
+) -> dict[str, Any]:
+    if kind == "standby":
+        time.sleep(1.0)  # the standby from its set-up file to its join (the launcher then knows it is there)
     victim = max(_lines(logs), key=lambda ln: ln["t"])["pid"]
     drill = None
     if fault == "kill":
         at = time.time()
         os.kill(victim, signal.SIGKILL)
     else:
-        wait_until("the rank listed on GPU 0", lambda: _listed(daemon, victim), 60, 0.2)
+        wait_until("the rank listed on GPU 0", lambda: _listed(daemon, victim), wait_s, 0.1)
         flag = "--fault-rank" if fault == "xid" else "--hang-rank"
         drill = subprocess.Popen(
             daemon.command("drill", flag, "0", "--yes", "--json"),
@@ -189,11 +221,16 @@ def _fault(daemon: DaemonProcess, logs: Path, fault: str, env: dict[str, str]) -
     wait_until(
         "the next step",
         lambda: any(ln["pid"] != victim for ln in _lines(logs) if ln["t"] > _last(logs, victim)),
-        300,
+        wait_s,
         0.05,
     )
+    phases.end(f"{fault}: the fault and the next step")
     if drill is not None:
-        drill.wait(300)
+        try:
+            drill.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            drill.kill()
+        phases.end(f"{fault}: the drill's own end")
     if fault != "kill":
         at = _last(logs, victim)  # the fault came after the rank's last step
     lines = _lines(logs)

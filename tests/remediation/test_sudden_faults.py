@@ -201,3 +201,15 @@ def test_a_rank_that_started_after_the_last_tick_is_stopped_too(sim: SimNode, sp
     incident = incident_with(sim, status="stopped")
     assert [r["pid"] for r in incident["ranks"]] == [rank.pid] and incident["job"] == "job"
     assert rank.wait(5) == 75
+
+
+def test_a_rank_killed_before_any_publish_listed_it_still_leaves_an_incident(sim: SimNode, spawn: Spawn) -> None:
+    """A replacement killed within a second of its first step, before the daemon's next sample listed it: its
+    report (no end said, its process gone) is all the daemon has, and it is a death like one seen."""
+    sim.run_for(1, step=1)  # a publish before it: the node runs
+    rank = spawn()
+    sim.report(rank, 1, rank=0, step=3, first_step=1)
+    rank.kill()  # no tick from here on: no publish lists it
+    incident = incident_with(sim, kind="rank_died")
+    assert [r["pid"] for r in incident["ranks"]] == [rank.pid] and incident["job"] == "job", incident
+    assert incident["ranks"][0]["ended"] == "died" and incident["last_step"] == 3, incident

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gpuwatch.model import TrainerInfo
-from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident
+from gpuwatch.node.ranks import Rank
+from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_RELAUNCH, Incident, Target
 from gpuwatch.remediation.resumes import ResumeWatches
 from gpuwatch.reports.board import Report
 
@@ -70,3 +71,43 @@ def test_the_incident_says_how_far_the_spare_that_brought_the_job_back_was(stage
     incident = _incident(PATH_RELAUNCH)
     assert _watch(incident, [_report(8, 42, 38, KILLED + 1, spare=True, stage=stage)]) == "spare"
     assert incident.spare_stage == stage and incident.body()["spare_stage"] == stage
+
+
+def _second_fault(reports: list[Report]) -> tuple[Incident, dict[int, str]]:
+    """The job's first incident awaits its resume when a second one of the same job opens: how each watch ended."""
+    first = _incident(PATH_RELAUNCH)
+    ended: dict[int, str] = {}
+
+    def end(incident: Incident, status: str) -> None:
+        incident.status = status
+        ended[id(incident)] = status
+
+    watches = ResumeWatches(end)
+    watches.watch(first)
+    second = Incident("rank_died", 0, "GPU-0", "rank_died", "rank 1 died", KILLED + 5, 0.0, 0.0, frozenset([JOB]), [])
+    watches.watch(second, reports)
+    assert watches.incidents() == [second]
+    return first, ended
+
+
+def test_a_second_fault_before_the_job_came_back_ends_the_first_incident_as_interrupted() -> None:
+    first, ended = _second_fault([])  # nothing stepped since the first fault
+    assert ended == {id(first): "interrupted"} and first.body()["status"] == "interrupted"
+
+
+def test_a_second_fault_after_the_job_came_back_unseen_ends_the_first_incident_as_resumed() -> None:
+    """The spare stepped after the first fault (the daemon had not read its report yet) and was lost in turn."""
+    first, ended = _second_fault([_report(8, 39, 38, KILLED + 1, spare=True, stage="standby")])
+    assert ended == {id(first): "resumed"}
+    assert (first.path, first.spare_stage, first.resumed_step, first.steps_lost) == ("spare", "standby", 37, 3)
+    assert first.time_to_resume_s == 1.0
+
+
+def test_a_death_seen_after_the_spare_already_stepped_still_resumes() -> None:
+    """A warm spare can step before the daemon sees the death (a loaded node): its first step came after the dead
+    rank's last one, so it is the job's return all the same."""
+    incident = _incident(PATH_RELAUNCH)  # the death seen at KILLED
+    dead = TrainerInfo(pid=7, job_id=JOB[1], step=LAST, step_t=KILLED - 0.6)
+    incident.targets.append(Target(Rank(dead, 0, JOB[0], None, ("report",)), True, "died"))
+    assert _watch(incident, [_report(8, 39, 38, KILLED - 0.2, spare=True, stage="standby")]) == "spare"
+    assert incident.resumed_step == 37 and incident.time_to_resume_s == 0.0

@@ -181,27 +181,17 @@ def test_a_second_fault_before_the_next_standby_is_ready_takes_the_best_that_is_
 
 
 def test_a_three_rank_sharded_job_comes_back_through_the_standby_with_the_state_it_saved(tmp_path: Path) -> None:
-    """Every rank rolls back to the snapshot and the standby restores the lost rank's: the first step after the
-    recovery computes the uninterrupted run's loss on every rank, and the replicas agree at every step after.
+    """Every rank rolls back to the snapshot and the standby restores the lost rank's: the loss at every step, on
+    every rank (a redone step's too), equals the uninterrupted run's, and the replicas agree at every step after.
 
-    Later steps agree to float32 rounding only: each generation wraps the model in a new DistributedDataParallel,
-    whose first backward reduces the gradients in its initial bucket layout (the parameters' order) where an
-    uninterrupted run uses the layout it rebuilt after its first step (the order gradients became ready), so the
-    ring all-reduce adds in another order at that one step (the in-place engine's, with or without a standby)."""
+    With three ranks the gradient all-reduce's sum depends on its bucket layout: a generation's new
+    DistributedDataParallel must reduce its first step in the layout an uninterrupted run uses there."""
     reference = _reference(tmp_path / "reference", 3, 3)
     lines, incident, _err, victim, at, standby = _recovered(tmp_path / "faulted", 3, (), "kill", ranks=3, rank=1)
     _check(lines, victim, at, standby, rank=1)
-    got = losses(lines)
-    assert set(got) == set(reference)
+    _exact(lines, reference)
     resumed = next(ln["step"] for ln in lines if ln["pid"] == standby)
-    exact = {key for key in got if key[0] <= resumed}
-    assert all(got[key] == reference[key] for key in exact), {k: (got[k], reference[k]) for k in exact}
-    for key in set(got) - exact:
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a in got[key] for b in reference[key]), (
-            key,
-            got[key],
-            reference[key],
-        )
+    assert max(step for step, _rank in reference) >= resumed + 2 * K  # steps after the recovery were compared
     generation = next(ln["generation"] for ln in lines if ln["pid"] == standby)
     for step in range(resumed, STEPS + 1):  # a survivor may log the step the kill interrupted, then roll back
         sums = {ln["checksum"] for ln in lines if ln["step"] == step and ln["generation"] >= generation}

@@ -65,6 +65,7 @@ def test_a_standby_runs_the_set_up_waits_at_the_join_and_learns_its_rank_at_the_
         assert standby.process.wait(timeout=30) == 0
         said = (tmp_path / "out.txt").read_text().splitlines()
         assert said[0] == "set-up done" and said[1].startswith("rank 3 of 4 waited "), said
+        pool.tick()  # the launcher's loop: the rank ended, so the spare owed behind it starts
         assert len(pool.spares) == 1 and pool.spares[0] is not standby  # another behind it
     finally:
         pool.close()
@@ -101,6 +102,8 @@ def test_a_standby_that_ends_before_the_join_turns_standby_off_in_one_line(tmp_p
         replacement = pool.hand_over([sys.executable, "-c", "pass"], launch_env(), GPU)
         assert replacement is not None and not replacement.standby
         assert len(lines) == 1 and "ended before the job's join (exit 3)" in lines[0], lines
+        replacement.process.wait(timeout=60)
+        pool.tick()  # the rank ended: the spare owed behind it starts
         assert not pool.spares[0].standby
     finally:
         pool.close()
@@ -158,3 +161,44 @@ def test_where_the_gpu_has_no_room_beside_its_rank_the_spare_is_no_standby_and_s
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_the_spare_behind_a_standby_handed_over_starts_only_once_its_rank_stepped(tmp_path: Path) -> None:
+    """While the new rank restores its state, no standby's set-up competes with it for CPU and memory: the next
+    one starts when the rank says its first step (the step engine calls first_step_done after each step)."""
+    go = tmp_path / "go"
+    script = _script(
+        tmp_path,
+        "import time\n"
+        "from gpuwatch.trainer.standby import first_step_done\n"
+        "wait_for_rank()\n"
+        f"while not os.path.exists({str(go)!r}):  # the rank restores its state\n"
+        "    time.sleep(0.01)\n"
+        "first_step_done()\n"
+        "first_step_done()  # said once\n"
+        "time.sleep(60)\n",
+    )
+    lines: list[str] = []
+    pool = _pool(tmp_path, script, lines)
+    try:
+        (standby,) = pool.spares
+        _until("the standby at the join", lambda: standby.stage() == "standby")
+        assert pool.hand_over([str(script)], launch_env(), GPU) is standby
+        for _ in range(20):  # two seconds of the launcher's ticks while the rank has not stepped
+            pool.tick()
+            assert pool.spares == [] and not standby.has_stepped()
+            time.sleep(0.1)
+        go.touch()
+
+        def started() -> bool:
+            pool.tick()
+            return bool(pool.spares)
+
+        _until("a standby started behind the rank that stepped", started)
+        assert standby.has_stepped() and standby.process.poll() is None and len(pool.spares) == 1
+        standby.process.kill()
+        standby.process.wait()
+        standby.close()
+    finally:
+        pool.close()
+    assert not lines, lines
