@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
+from gpuwatch.testing.daemon_process import free_port
 from tests.test_systemd_unit import parse_unit
 
 pytestmark = pytest.mark.slow

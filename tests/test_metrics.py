@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.kmsg import KernelLog
-from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.bench.interference import CONDITIONS
+from gpuwatch.testing.daemon_process import free_port
 from tests.helpers import REPO, SimNode, fake_scontrol, metric_samples, start_sim_node
 from tests.remediation.conftest import Spawn, spawn  # noqa: F401  # the ranks of the node's training job
 from tests.reporting import FakeRank

@@ -18,8 +18,8 @@ from typing import Any
 import click
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
+from gpuwatch.testing.daemon_process import free_port
 from tests.helpers import start_sim_node
 
 REPO = Path(__file__).resolve().parents[1]
