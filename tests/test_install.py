@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.testing.daemon_process import free_port
-from tests.test_systemd_unit import parse_unit
+from tests.service.test_systemd_unit import parse_unit
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from gpuwatch.errors import ConfigError
 from gpuwatch.serving.httpserver import FD_RESERVE
 from tests.hardening.conftest import tmpfs
 from tests.helpers import sim_config
-from tests.test_systemd_unit import EXAMPLE_CONFIG, SYSTEMD_DIR, parse_unit
+from tests.service.test_systemd_unit import EXAMPLE_CONFIG, SYSTEMD_DIR, parse_unit
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD_DIR / "gpuwatch.service"
 SOCKET_UNIT = SYSTEMD_DIR / "gpuwatch.socket"
 DROP_IN = SYSTEMD_DIR / "pcie-drill.conf"

@@ -1,6 +1,6 @@
 """The interference bench's parts that decide its figures: the statistics, the order of the run, the CPUs
 chosen, the daemon variants' NVML calls, the call helper's pacing and event sets, a restarted monitor,
-and the section's flags (the whole section runs in the bench smoke test, tests/test_bench.py)."""
+and the section's flags (the whole section runs in the bench smoke test, tests/bench/test_bench.py)."""
 
 from __future__ import annotations
 
