@@ -15,6 +15,7 @@ WHOLE_SYSTEM = {
     "test_cli.py",
     "test_config.py",
     "test_doc_references.py",
+    "test_errors.py",
     "test_first_run.py",
     "test_gpu_missing.py",
     "test_grafana_dashboard.py",
