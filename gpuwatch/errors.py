@@ -8,11 +8,18 @@
     │   └── GpuReadError         one GPU failed a read; `kind` is gpu_lost | reset_required | unknown
     ├── StoreError           the SQLite state could not be read or written
     ├── DaemonError          the CLI could not reach or use the running daemon
-    ├── CheckpointError      no checkpoint verifies, or one could not be written
+    ├── JobError             gpuwatch gave up on something in a training job: one `except JobError` catches it
+    │   ├── InPlaceError         recovery in place: NotInPlace, SecretError, StoreAuthError, GroupProofError,
+    │   │                        HeaderError (gpuwatch.inplace)
+    │   ├── SnapshotError        host snapshots: SnapshotDirError, LayoutChanged (gpuwatch.snapshots)
+    │   ├── CheckpointError      no checkpoint verifies, or one could not be written; FlatFileError
+    │   └── ReportsUnreachable   the daemon's report socket refused a rank (gpuwatch.trainer.channel)
     ├── DrillError           a drill could not run (guard refused, tool missing)
     └── ServiceError         `gpuwatch service` could not install, uninstall or copy what a node needs
 
-Vendor errors (pynvml, DCGM) are mapped into these at the backend boundary, once.
+Vendor errors (pynvml, DCGM) are mapped into these at the backend boundary, once. The job side's errors
+live beside the code that raises them and keep the builtin base their callers catch (NotInPlace is still a
+RuntimeError, SecretError a ValueError, StoreAuthError a ConnectionError).
 """
 
 from __future__ import annotations
@@ -60,7 +67,19 @@ class DaemonError(GpuwatchError):
     """The running daemon could not be reached or refused a request."""
 
 
-class CheckpointError(GpuwatchError):
+class JobError(GpuwatchError):
+    """Base of what gpuwatch raises in a training job: in place, snapshots, checkpoints, the report socket."""
+
+
+class InPlaceError(JobError):
+    """Recovery in place could not go on (the job's store, its secret, a group's proof, the state transfer)."""
+
+
+class SnapshotError(JobError):
+    """A host snapshot could not be kept or read."""
+
+
+class CheckpointError(JobError):
     """No checkpoint could be written or none verifies."""
 
 

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from gpuwatch.base.clock import ManualClock
-from gpuwatch.bench.daemon_process import child_env
 from gpuwatch.config import Config, load
 from gpuwatch.daemon import Daemon
+from gpuwatch.testing.daemon_process import child_env
 from tests.reporting import FakeRank
 
 T0 = 1_800_000_000.0

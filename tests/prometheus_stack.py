@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuwatch.bench.daemon_process import ServerProcess, free_port
+from gpuwatch.testing.daemon_process import ServerProcess, free_port
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 ALERTMANAGER_CONFIG = DASHBOARDS / "alertmanager" / "alertmanager.yml"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, run_gpuwatch
+from gpuwatch.testing.daemon_process import DaemonProcess, run_gpuwatch
 from tests.helpers import HEALTHY_TRACE
 
 

@@ -98,8 +98,8 @@ def test_the_suite_never_reads_the_hosts_config() -> None:
     so a node's /etc/gpuwatch/gpuwatch.toml (.ci/run puts a decoy there) changes no test."""
     import os
 
-    from gpuwatch.bench.daemon_process import child_env
     from gpuwatch.config import DEFAULT_CONFIG_PATH, config_file
+    from gpuwatch.testing.daemon_process import child_env
 
     used = config_file()
     assert used is not None and used != DEFAULT_CONFIG_PATH and used.read_text() == ""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port, run_gpuwatch
 from gpuwatch.cluster.slurm import Drainer, Scontrol, Want, wanted
 from gpuwatch.config import RulesConfig, SlurmConfig
 from gpuwatch.health import node
+from gpuwatch.testing.daemon_process import free_port, run_gpuwatch
+from tests.cluster.test_slurm import view
 from tests.helpers import fake_scontrol, metric_value, start_sim_node
-from tests.test_slurm import view
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "systemd" / "gpuwatch.toml"
 

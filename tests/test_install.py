@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
-from tests.test_systemd_unit import parse_unit
+from gpuwatch.testing.daemon_process import free_port
+from tests.service.test_systemd_unit import parse_unit
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
 """README.md and the user docs: short, for users, every command real, every link somewhere; the quick start run
-as written (the daemon line in a fresh venv of a copy of the checkout; the test line is .ci/run's last)."""
+as written (the daemon line in a fresh venv of a copy of the checkout; the test line's venv, install and pytest are
+.ci/run's)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from typing import Any
 import click
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
+from gpuwatch.testing.daemon_process import free_port
 from tests.helpers import start_sim_node
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,11 +85,16 @@ def test_every_relative_link_leads_to_a_file() -> None:
 
 
 def test_the_quick_start_is_two_commands_and_ci_runs_the_second() -> None:
+    """CI makes the test line's venv, installs its extra once, and runs its pytest as two lanes that make the whole:
+    the fast one in parallel, then the slow one."""
     daemon, tests = quick_start()
     assert daemon.startswith("python3 -m venv .venv && ") and "/gpuwatch run --backend sim " in daemon
-    assert tests.startswith("python3 -m venv .venv && ") and tests.endswith(" -m pytest")
-    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()]
-    assert ci[-1] == tests
+    assert tests == "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest"
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert ci.count("python3 -m venv .venv") == 1 and ". .venv/bin/activate" in ci
+    assert [line for line in ci if "pip install" in line and "-e" in line] == ["python -m pip install -q -e '.[test]'"]
+    lanes = [line for line in ci if line.startswith("python -m pytest")]
+    assert lanes == ['python -m pytest -m "not slow" -n auto', "python -m pytest -m slow"]
 
 
 def _command(words: list[str]) -> click.Command:

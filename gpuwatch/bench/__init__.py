@@ -3,8 +3,8 @@
 One module per measurement (sampling, serving, footprint, detection, remediation, trainer, recovery; the
 interference package: what a monitor costs the training job beside it), each a `run(ctx) -> Section`;
 `recovery_in_place`, `recovery_spare` and `recovery_job` are the recovery section's jobs. The machinery
-around them: `daemon_process`, where the bench starts its daemons and peers (the tests start their
-daemons with it too), `stats` the statistics, `harness` the run's context and keep-alive HTTP, `report`
+around them: `daemons`, the daemons and peers the bench starts (on gpuwatch.testing's processes, which
+the tests use too), `stats` the statistics, `harness` the run's context and keep-alive HTTP, `report`
 the table and the JSON, `cli` the click command. README.md says what each section measures. Nothing
 here changes a GPU or a node's state: every daemon it starts has its own temp state and runtime dirs,
 and only the remediation measurement lets a daemon quarantine a GPU (the bench trainer's own).

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.backends.kmsg import pci_key
-from gpuwatch.bench.daemon_process import bench_daemon
+from gpuwatch.bench.daemons import bench_daemon
 from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import Row, Section, target
 from gpuwatch.config import RulesConfig

@@ -29,9 +29,10 @@ from typing import Any
 
 import psutil
 
-from gpuwatch.bench.daemon_process import ServerProcess, bench_daemon, child_env, nvitop_exporter
+from gpuwatch.bench.daemons import bench_daemon, nvitop_exporter
 from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, target
+from gpuwatch.testing.daemon_process import ServerProcess, child_env
 
 SCRAPE_EVERY_S = 15.0
 CPU_SHARE_OF_NVITOP = 0.5

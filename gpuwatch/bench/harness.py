@@ -1,7 +1,7 @@
-"""What the measurements share besides the processes they start (daemon_process) and their statistics (stats):
+"""What the measurements share besides the processes they start (daemons) and their statistics (stats):
 the run's context, progress lines, keep-alive HTTP to a server, the size of an exposition.
 
-Every daemon the bench starts is a real `python -m gpuwatch run` process (daemon_process.bench_daemon)
+Every daemon the bench starts is a real `python -m gpuwatch run` process (daemons.bench_daemon)
 on 127.0.0.1 with its own config file, state dir and runtime dir under the bench's temp dir, and
 without the caller's GPUWATCH_* variables, so a node's configuration never leaks in and the bench never
 touches the node's daemon.

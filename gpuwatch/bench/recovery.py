@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import bench_daemon, child_env
+from gpuwatch.bench.daemons import bench_daemon
 from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
+from gpuwatch.testing.daemon_process import child_env
 
 SIZES_ENV = "GPUWATCH_BENCH_RECOVERY_GIB"
 GPU_SIZES_GIB = (1.0, 4.0, 16.0)

@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import bench_daemon, child_env
+from gpuwatch.bench.daemons import bench_daemon
 from gpuwatch.bench.harness import Context, Http, progress
 from gpuwatch.bench.report import Row, Section, Skip, target
 from gpuwatch.bench.sampling import bench_config, open_backend
 from gpuwatch.serving import wire
+from gpuwatch.testing.daemon_process import child_env
 
 RESUME_TARGET_S = 30.0
 FAULT_GPU = 1

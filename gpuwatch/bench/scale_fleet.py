@@ -125,9 +125,9 @@ def measure_nodes(binary: str, nodes: int, rules: Path, drained: str | None) -> 
     """One Prometheus over `nodes` simulated nodes with the rules in `rules`; its figures."""
     import yaml
 
-    from gpuwatch.bench.daemon_process import free_port
     from gpuwatch.bench.scale import rss_mb
     from gpuwatch.cluster.fleet import Prometheus, drained_nodes_query
+    from gpuwatch.testing.daemon_process import free_port
 
     exporter = _Exporter(nodes)
     port = free_port()

@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Any
 
-from gpuwatch.bench.daemon_process import bench_daemon, nvitop_exporter
+from gpuwatch.bench.daemons import bench_daemon, nvitop_exporter
 from gpuwatch.bench.harness import Context, Http, exposition_size, progress
 from gpuwatch.bench.report import REFERENCE, REFERENCE_SOURCE, Row, Section, ratio, target
 from gpuwatch.bench.stats import percentile, summarize

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from gpuwatch.errors import InPlaceError
 from gpuwatch.inplace.groupproof import form_group
 from gpuwatch.inplace.jobstore import JobStore
 from gpuwatch.inplace.membership import Membership
@@ -74,7 +75,7 @@ _PLACES_KEY = "places"  # the job's places once it shrank or grew (keeps_place s
 _DONE_WAIT_S = 0.02  # how long a rank waits before it looks again when the job is done but no generation came
 
 
-class NotInPlace(RuntimeError):
+class NotInPlace(InPlaceError, RuntimeError):
     """The process was not started by `gpuwatch launch --in-place` (its store and member id are missing)."""
 
 

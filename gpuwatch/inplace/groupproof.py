@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpuwatch.errors import InPlaceError
+
 log = logging.getLogger("gpuwatch.inplace")
 
 ATTEMPTS = 5  # forms of one generation's group before the rank gives up (a stranger keeps winning the race)
@@ -39,7 +41,7 @@ _DIGEST = 32
 _refused = 0  # groups destroyed for a failed proof in this process
 
 
-class GroupProofError(RuntimeError):
+class GroupProofError(InPlaceError, RuntimeError):
     """No group of the generation proved itself within ATTEMPTS (its text names the process group)."""
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gpuwatch.errors import InPlaceError
 from gpuwatch.inplace.peers import socket_owner
 
 log = logging.getLogger("gpuwatch.inplace.store")
@@ -67,7 +68,7 @@ _OK, _TIMEOUT, _ERROR = 0, 1, 2
 NE, GE, READ = b"ne", b"ge", b"rd"  # WATCH conditions: the value differs from; the counter reached; just read it
 
 
-class StoreAuthError(ConnectionError):
+class StoreAuthError(InPlaceError, ConnectionError):
     """The other side did not prove that it holds the job's secret."""
 
 

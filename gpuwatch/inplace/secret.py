@@ -14,12 +14,14 @@ import stat
 import tempfile
 from pathlib import Path
 
+from gpuwatch.errors import InPlaceError
+
 SECRET_FILE_ENV = "GPUWATCH_INPLACE_SECRET_FILE"
 _MIN_BYTES = 16
 _MAX_FILE = 4096
 
 
-class SecretError(ValueError):
+class SecretError(InPlaceError, ValueError):
     """The secret file cannot be trusted or read: one line naming the file and why."""
 
 

@@ -20,11 +20,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from gpuwatch.errors import InPlaceError
+
 DEFAULT_CHUNK_BYTES = 64 << 20
 MAX_HEADER_BYTES = 256 << 20  # a header longer than this is refused before it is received
 
 
-class HeaderError(ValueError):
+class HeaderError(InPlaceError, ValueError):
     """A state header that is not what send_state writes (one line: what is wrong)."""
 
 

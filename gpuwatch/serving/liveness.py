@@ -2,7 +2,7 @@
 
 systemd, Kubernetes and load balancers probe /healthz every few seconds on every node; built on
 FastAPI, the first probe would load FastAPI, starlette and pydantic (about 16 MiB) into a daemon
-that is otherwise only scraped. The body is wire.Healthz's (tests/test_wire.py holds it to that schema).
+that is otherwise only scraped. The body is wire.Healthz's (tests/serving/test_wire.py holds it to that schema).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ import re
 import secrets
 import stat
 
+from gpuwatch.errors import SnapshotError
+
 DEFAULT_ROOT = "/dev/shm"
 ROOT_ENV = "GPUWATCH_SNAPSHOT_ROOT"
 """Where the per-user directories go (default /dev/shm): a tmpfs that outlives the process, cleared at reboot."""
@@ -44,7 +46,7 @@ SLOTS = (0, 1)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-class SnapshotDirError(Exception):
+class SnapshotDirError(SnapshotError):
     """The snapshot directory cannot be used safely; the message is the one-line reason."""
 
 

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatch.errors import SnapshotError
 from gpuwatch.snapshots.copier import die_if_asked, side_stream
 from gpuwatch.snapshots.copier import pool as crc_pool
 from gpuwatch.snapshots.cudacopy import StreamCopier
@@ -48,7 +49,7 @@ FIRST_RATE = 24 << 30
 """Bytes per second a device-to-host portion is assumed to move before one has been measured."""
 
 
-class LayoutChanged(Exception):
+class LayoutChanged(SnapshotError):
     """The state's layout at the boundary was not the one reused for the copy: the snapshot is dropped."""
 
 

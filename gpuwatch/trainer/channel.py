@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from gpuwatch.base.unixsock import address as unix_address
+from gpuwatch.errors import JobError
 from gpuwatch.trainer.contract import (
     LAUNCH_DIR_ENV,
     NO_STEP,
@@ -91,7 +92,7 @@ class StepPageWriter:
         return fd
 
 
-class ReportsUnreachable(RuntimeError):
+class ReportsUnreachable(JobError, RuntimeError):
     """Under `gpuwatch launch`, the daemon's report socket cannot be reached at start: no quarantine could stop
     this rank, so it does not train."""
 

@@ -43,6 +43,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from gpuwatch.errors import CheckpointError
+
 if TYPE_CHECKING:
     import torch
 
@@ -65,7 +67,7 @@ _TORCH_GLOBALS = {"Size", "device"}
 _BUILTIN_GLOBALS = {"complex", "slice", "set", "frozenset"}
 
 
-class FlatFileError(Exception):
+class FlatFileError(CheckpointError):
     """A flat file that does not verify or parse; the message is the reason."""
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from gpuwatch.base.clock import ManualClock
-from gpuwatch.bench.daemon_process import DaemonProcess, run_gpuwatch
 from gpuwatch.daemon import Daemon
+from gpuwatch.testing.daemon_process import DaemonProcess, run_gpuwatch
 from tests.helpers import T0, sim_config
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.drills.conftest import main
 from tests.helpers import metric_samples
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
+from gpuwatch.testing.daemon_process import free_port
 
 NODE = "gwnode"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "scontrol")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, free_port, wait_until
+from gpuwatch.testing.daemon_process import DaemonProcess, free_port, wait_until
 from tests.helpers import fake_scontrol, metric_value
 from tests.prometheus_stack import prometheus_process
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.prometheus_stack import Prometheus, Webhook, alertmanager_config, alertmanager_process, prometheus_process
 from tests.reporting import FakeRank
 from tests.test_grafana_dashboard import dashboard_queries

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, free_port
+from gpuwatch.testing.daemon_process import DaemonProcess, free_port
 from tests.helpers import launch_env
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, run_gpuwatch
+from gpuwatch.testing.daemon_process import DaemonProcess, run_gpuwatch
 
 pytestmark = pytest.mark.slow
 

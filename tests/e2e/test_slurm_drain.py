@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, wait_until
+from gpuwatch.testing.daemon_process import DaemonProcess, wait_until
 from tests.e2e.slurmctl import NODE, Slurm, start_slurm
 from tests.helpers import metric_value
 

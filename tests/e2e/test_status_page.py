@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="Debian package chromium not installed")]

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

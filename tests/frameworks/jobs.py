@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.test_launch_e2e import Node, _incident, _launch_job, _wait_for_ranks
+from tests.launcher.test_launch_e2e import Node, _incident, _launch_job, _wait_for_ranks
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 240  # two launches, each importing a framework on a loaded 2-core machine

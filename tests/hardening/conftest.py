@@ -39,7 +39,10 @@ def remount(path: Path, *options: str) -> None:
 
 @contextlib.contextmanager
 def local_users(*names: str) -> Iterator[list[pwd.struct_passwd]]:
-    """Throwaway local accounts made by useradd (a leftover of an earlier run is made anew), removed at the end."""
+    """Throwaway local accounts made by useradd (a leftover of an earlier run is made anew), removed at the end.
+
+    Each name gets this process's pid, so parallel workers (pytest -n) and other runs never share an account."""
+    names = tuple(f"{name}-{os.getpid()}" for name in names)
     for name in names:
         with contextlib.suppress(subprocess.CalledProcessError):
             subprocess.run(["userdel", name], check=True, capture_output=True)

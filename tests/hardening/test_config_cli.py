@@ -15,7 +15,7 @@ from gpuwatch.errors import ConfigError
 from gpuwatch.serving.httpserver import FD_RESERVE
 from tests.hardening.conftest import tmpfs
 from tests.helpers import sim_config
-from tests.test_systemd_unit import EXAMPLE_CONFIG, SYSTEMD_DIR, parse_unit
+from tests.service.test_systemd_unit import EXAMPLE_CONFIG, SYSTEMD_DIR, parse_unit
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_read_only_runtime_dir_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_cli_shows_a_refused_reason_as_one_line(tmp_path: Path) -> None:
-    from gpuwatch.bench.daemon_process import DaemonProcess
+    from gpuwatch.testing.daemon_process import DaemonProcess
 
     daemon = DaemonProcess(tmp_path, "--sim-gpus", "1", "--sim-scenario", "healthy").start()
     try:

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.base.slotfile import Mirrored, SlotFile
-from gpuwatch.bench.daemon_process import DaemonProcess, wait_until
 from gpuwatch.errors import StoreError
 from gpuwatch.model import GpuEvent
 from gpuwatch.node.store import JOURNAL_NAME, JOURNAL_SLOT_BYTES, Store
+from gpuwatch.testing.daemon_process import DaemonProcess, wait_until
 from tests.hardening.conftest import tmpfs
 from tests.helpers import start_sim_node
 

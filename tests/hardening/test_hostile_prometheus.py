@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, wait_until
+from gpuwatch.testing.daemon_process import DaemonProcess, wait_until
 from tests.bad_prometheus import BadPrometheus
 from tests.helpers import metric_value
 

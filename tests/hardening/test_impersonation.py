@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, run_gpuwatch, wait_until
 from gpuwatch.config import Config
 from gpuwatch.control.hosts import HostPolicy
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env, run_gpuwatch, wait_until
 from tests.hardening.conftest import local_users
 from tests.helpers import REPO, fake_scontrol
 

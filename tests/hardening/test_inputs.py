@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gpuwatch.bench.daemon_process import run_gpuwatch
 from gpuwatch.cli import main
 from gpuwatch.cluster.fleet import FleetView, judge_quarantine
 from gpuwatch.config import MAX_CONFIG_BYTES, FleetConfig
 from gpuwatch.node.store import QuarantineRecord, Store
+from gpuwatch.testing.daemon_process import run_gpuwatch
 
 
 def one_line(result: subprocess.CompletedProcess[str]) -> str:

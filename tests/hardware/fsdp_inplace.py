@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env, wait_until
 from tests.hardware.hang_drill import _furthest, _lines, spare_warm
 
 EVERY = 5

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, last_json, wait_until
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env, last_json, wait_until
 
 EVERY = 5  # the spare job's snapshot cadence
 

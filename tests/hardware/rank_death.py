@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env
 
 
 def main() -> int:

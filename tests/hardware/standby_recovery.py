@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, run as a script
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, wait_until  # noqa: E402
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env, wait_until  # noqa: E402
 from tests.hardware.hang_drill import spare_warm  # noqa: E402
 
 LOOP = Path(__file__).resolve().parents[1] / "spares" / "user_loop.py"

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env
 
 REPO = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"\bstep:\s*(\d+)\b")  # torchtitan's metrics line: "step:  12  loss: ..."

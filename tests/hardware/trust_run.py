@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env, last_json, wait_until
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env, last_json, wait_until
 
 HANG_IN_SECONDS = {"GPUWATCH_TRAINER_HANG_AFTER_S": "10", "GPUWATCH_TRAINER_STALE_AFTER_S": "5"}
 

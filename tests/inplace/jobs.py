@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.helpers import launch_env
 
 TIMEOUT_S = 90

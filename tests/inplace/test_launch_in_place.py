@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.inplace.jobs import (
     InPlaceRun,
     assert_no_step_lost_or_repeated,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.hardware.hang_drill import spare_warm
 from tests.inplace.jobs import InPlaceRun, by_pid, check_rank_log, kill_when_warm, launch_sharded, sim_node
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
+from gpuwatch.testing.daemon_process import free_port
 from tests.helpers import REPO
 
 pytest.importorskip("torch")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, free_port
+from gpuwatch.testing.daemon_process import DaemonProcess, free_port
 from tests.inplace.jobs import assert_no_step_lost_or_repeated, first_after, launch_in_place, post, sim_node
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess, child_env
+from gpuwatch.testing.daemon_process import DaemonProcess, child_env
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")

@@ -49,8 +49,8 @@ def spawn() -> Iterator[Spawn]:
 
     yield start
     for child in children:
-        child.kill()
-        child.wait()
+        with child:  # closes its pipe and waits
+            child.kill()
 
 
 TORCHRUN_ENV = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "j1"}

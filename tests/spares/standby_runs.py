@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.helpers import launch_env
 from tests.inplace.jobs import InPlaceRun, by_pid
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.inplace.jobs import InPlaceRun, sim_node
 from tests.spares.standby_runs import (
     fault_short_of_snapshot,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.bench.daemon_process import free_port
+from gpuwatch.testing.daemon_process import free_port
 from gpuwatch.trainer import load_latest
 from tests.reporting import ServeReports, report_fields
 

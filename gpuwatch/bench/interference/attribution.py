@@ -20,7 +20,7 @@ from typing import Any
 
 from gpuwatch.backends import nvml_plan
 from gpuwatch.bench import stats
-from gpuwatch.bench.daemon_process import bench_daemon
+from gpuwatch.bench.daemons import bench_daemon
 from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.interference import variants
 from gpuwatch.bench.interference.beside import Beside, CallLoop, Monitor

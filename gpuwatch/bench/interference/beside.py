@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from gpuwatch.bench.daemon_process import ServerProcess
 from gpuwatch.bench.harness import Http
 from gpuwatch.bench.interference.caller import CallerProcess
+from gpuwatch.testing.daemon_process import ServerProcess
 
 THAW_SETTLE_S = 1.0  # after a thaw: gpuwatch's sampling thread makes up the round it missed while frozen first
 START_SETTLE_S = 0.5  # after a start: the first sample is made before it answers, the event set registered after

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.bench import sampling
-from gpuwatch.bench.daemon_process import bench_daemon, nvitop_exporter
+from gpuwatch.bench.daemons import bench_daemon, nvitop_exporter
 from gpuwatch.bench.harness import Context, progress
 from gpuwatch.bench.interference import CONDITIONS, DEFAULT_CONDITIONS, DEFAULT_STEPS, attribution, cpus, rows
 from gpuwatch.bench.interference.beside import (

@@ -183,7 +183,7 @@ def test_the_format_doc_in_the_repository_names_every_field_and_kind() -> None:
     from gpuwatch.cli import main
     from gpuwatch.model import ERROR_KINDS, EVENT_KINDS
 
-    doc = Path(__file__).resolve().parent.parent / "docs" / "trace-format.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "trace-format.md"
     text = doc.read_text()
     assert f'"format": "{FORMAT}", "version": {VERSION}' in text
     named = {f.name for cls in (GpuSample, GpuStatic) for f in fields(cls)} | set(ERROR_KINDS) | set(EVENT_KINDS)

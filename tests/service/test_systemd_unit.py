@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-SYSTEMD_DIR = Path(__file__).resolve().parent.parent / "systemd"
+SYSTEMD_DIR = Path(__file__).resolve().parents[2] / "systemd"
 UNIT = SYSTEMD_DIR / "gpuwatch.service"
 SOCKET_UNIT = SYSTEMD_DIR / "gpuwatch.socket"
 DROP_IN = SYSTEMD_DIR / "pcie-drill.conf"
@@ -163,7 +163,7 @@ def test_exit_2_is_not_restarted_and_other_failures_stop_after_a_limit() -> None
 
 def test_a_daemon_that_cannot_start_exits_2(tmp_path: Path) -> None:
     """What RestartPreventExitStatus=2 relies on: no GPU and a bad config both end `gpuwatch run` with exit 2."""
-    from gpuwatch.bench.daemon_process import run_gpuwatch
+    from gpuwatch.testing.daemon_process import run_gpuwatch
 
     bad = tmp_path / "bad.toml"
     bad.write_text("interval_s = -1\n")

@@ -1,12 +1,8 @@
 """A real `gpuwatch run` process (or another local server) on a free loopback port: started, waited for, stopped.
 
-The bench starts its daemons and peers here: `bench_daemon` (a daemon on the bench's backend
-that never quarantines: a quarantine signals the processes on that GPU, and on a real node those are
-someone's job) and `nvitop_exporter` (the peer it is compared with) are built on it.
-
-The bench measures daemons started this way, and the tests and the tests/hardware scripts start
-theirs with it too; it ships in the package because the bench needs it (gpuwatch cannot import
-tests/). Each daemon gets its own root folder: `gpuwatch.toml` (the config it is given, written
+The tests, the tests/hardware scripts and the bench (gpuwatch.bench.daemons) start their daemons
+here; it ships in the package because the bench needs it (gpuwatch cannot import tests/). Each daemon
+gets its own root folder: `gpuwatch.toml` (the config it is given, written
 there, so a node's /etc/gpuwatch/gpuwatch.toml never applies), `state/`, `run/` and `daemon.log`
 (its stdout and stderr). It inherits this process's environment without GPUWATCH_* (the config
 file, flags and `env` say everything).
@@ -17,7 +13,6 @@ file, flags and `env` say everything).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -29,10 +24,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any, TypeVar
-
-if TYPE_CHECKING:
-    from gpuwatch.bench.harness import Context
+from typing import IO, Any, TypeVar
 
 ConfigTables = Mapping[str, Mapping[str, float | int | bool | str]]
 Server = TypeVar("Server", bound="ServerProcess")
@@ -301,28 +293,3 @@ def last_json(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def bench_daemon(ctx: Context, name: str, interval_s: float, tables: ConfigTables | None = None) -> DaemonProcess:
-    """`gpuwatch run` on the bench's backend, at `interval_s`, with `tables` over the bench's config (no quarantine).
-
-    A start that fails says so in one line (the last of its log), as a section's reason in the table.
-    """
-    merged: dict[str, dict[str, Any]] = {"policy": {"quarantine_on_unhealthy": False}}
-    for section, values in (tables or {}).items():
-        merged.setdefault(section, {}).update(values)
-    args = ["--interval", f"{interval_s:g}", "--log-level", "warning"]
-    if ctx.backend == "sim":
-        args += ["--sim-gpus", str(ctx.gpus), "--sim-scenario", "healthy", "--seed", "0"]
-    root = ctx.workdir / name
-    return DaemonProcess(root, *args, backend=ctx.backend, config=merged, name=f"gpuwatch run ({name})", tail_lines=1)
-
-
-def nvitop_exporter(ctx: Context, name: str, interval_s: float = 1.0) -> ServerProcess | None:
-    """nvitop-exporter as its own process (`python -m nvitop_exporter`) on a free port; None when not installed."""
-    if importlib.util.find_spec("nvitop_exporter") is None:
-        return None
-    port = free_port()
-    args = [sys.executable, "-m", "nvitop_exporter", "--bind-address", "127.0.0.1", "--port", str(port)]
-    args += ["--interval", f"{interval_s:g}"]
-    return ServerProcess(f"nvitop-exporter ({name})", args, port, ctx.workdir / f"nvitop-{name}.log", tail_lines=1)

@@ -20,7 +20,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpuwatch.base.clock import ManualClock
-from gpuwatch.bench.daemon_process import free_port, wait_until
 from gpuwatch.cluster.fleet import (
     DRAINED_NODES_1H_QUERY,
     JITTER,
@@ -38,6 +37,7 @@ from gpuwatch.cluster.fleet import (
 )
 from gpuwatch.cluster.slurm import DrainStatus, SlurmCollector
 from gpuwatch.config import FleetConfig
+from gpuwatch.testing.daemon_process import free_port, wait_until
 from tests.bad_prometheus import HUGE_BYTES, BadPrometheus
 
 LIMITS = FleetConfig(prometheus_url="http://x", max_quarantined_share=0.2, max_drained_nodes=3)

@@ -1,6 +1,6 @@
 """The interference bench's parts that decide its figures: the statistics, the order of the run, the CPUs
 chosen, the daemon variants' NVML calls, the call helper's pacing and event sets, a restarted monitor,
-and the section's flags (the whole section runs in the bench smoke test, tests/test_bench.py)."""
+and the section's flags (the whole section runs in the bench smoke test, tests/bench/test_bench.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 
 from gpuwatch.backends import nvml_plan
 from gpuwatch.bench import stats
-from gpuwatch.bench.daemon_process import ServerProcess, free_port
 from gpuwatch.bench.interference import cpus, variants
 from gpuwatch.bench.interference.beside import CommandLoop, Monitor, kernel_log_facts
 from gpuwatch.bench.interference.caller import EVENT_KINDS, NVML_KINDS, CallerProcess, Calls
@@ -22,6 +21,7 @@ from gpuwatch.bench.interference.plan import interleave, round_seconds, rounds_w
 from gpuwatch.bench.interference.runner import ALONE_SETTLE_S, differences, planned_round_s, summarize, time_segments
 from gpuwatch.bench.stats import ALONE, Steps
 from gpuwatch.config import Config
+from gpuwatch.testing.daemon_process import ServerProcess, free_port
 from tests.fakes import fake_pynvml as fake
 from tests.fakes.fake_pynvml import PROCESS_COUNT, FakeGpu, FakeNvml
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_launch_e2e import TIMEOUT_S, Node, _wait_for_ranks
+from tests.launcher.test_launch_e2e import TIMEOUT_S, Node, _wait_for_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
-from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.cli import main
 from gpuwatch.cluster.slurm import (
     Drainer,
@@ -28,6 +27,7 @@ from gpuwatch.cluster.slurm import (
     wanted,
 )
 from gpuwatch.config import SlurmConfig
+from gpuwatch.testing.daemon_process import free_port
 from tests.helpers import fake_scontrol, metric_samples, start_sim_node
 
 SHOW_DRAINED = """NodeName=gwnode Arch=x86_64 CoresPerSocket=1

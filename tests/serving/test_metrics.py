@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from gpuwatch.backends.kmsg import KernelLog
-from gpuwatch.bench.daemon_process import free_port
 from gpuwatch.bench.interference import CONDITIONS
+from gpuwatch.testing.daemon_process import free_port
 from tests.helpers import REPO, SimNode, fake_scontrol, metric_samples, start_sim_node
 from tests.remediation.conftest import Spawn, spawn  # noqa: F401  # the ranks of the node's training job
 from tests.reporting import FakeRank
 
-GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "metrics.txt"
 # Values move with the simulated load; the golden file pins names, types, help and label sets.
 _VALUE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{.*\})?) (.+)$")
 SXID = "nvidia-nvswitch2: SXid (PCI:0000:87:00.0): 20034, Fatal, Link 30 LTSSM Fault Up"

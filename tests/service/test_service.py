@@ -16,7 +16,7 @@ from gpuwatch.cli import main
 from gpuwatch.service.layout import NODE_FILES
 from tests.test_install import STOCK_UNITS, tree
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("systemctl") is None, reason="needs systemctl (Debian: systemd)")
 
 

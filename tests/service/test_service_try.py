@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from gpuwatch.cli import main
 from gpuwatch.service.layout import NODE_FILES
+from tests.service.test_service import REPO, make_root, service
 from tests.test_install import tree
-from tests.test_service import REPO, make_root, service
 
 pytestmark = pytest.mark.skipif(shutil.which("systemctl") is None, reason="needs systemctl (Debian: systemd)")
 

@@ -27,7 +27,7 @@ from tests.drills.conftest import Job, start_drill_node
 from tests.drills.test_validate_drill import idle_gpu, use_fake_test
 from tests.helpers import SimNode
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VERDICT = {
     "drill": "inject", "gpu": 3, "uuid": "GPU-x", "spec": "preset=xid79", "trigger": "cli", "started": 1.0,
     "finished": 2.5, "steps": [{"name": "inject", "result": "pass", "duration_s": 0.5, "detail": "ok"}],

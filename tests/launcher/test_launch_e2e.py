@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatch.bench.daemon_process import DaemonProcess
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.helpers import REPO, launch_env
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from gpuwatch.node.store import Store
 from gpuwatch.validation import ValidationResult, judge, validate
 from tests.helpers import T0, sim_config
 
-FAKE = Path(__file__).parent / "fakes" / "fake_gpu_test.py"
+FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_gpu_test.py"
 H200 = GpuStatic(index=3, uuid="GPU-3", name="NVIDIA H200")
 
 

@@ -52,7 +52,7 @@ daemon.stop()
 
 
 def test_scrapes_and_probes_leave_fastapi_unloaded_and_the_first_api_call_builds_it(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", PROBE, str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120
     )
