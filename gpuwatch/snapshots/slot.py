@@ -10,8 +10,10 @@ byte, so even a torn 4-byte store is neither); a reader also re-checks every chu
 copies the payload out, so bytes changed after the commit are caught too.
 
 The file is created with fallocate, so a full /dev/shm fails at once with ENOSPC instead of
-killing the rank with SIGBUS at its first copy, and mapped with MAP_POPULATE, so the first snapshot
-does not pay the page faults.
+killing the rank with SIGBUS at its first copy, and its pages are mapped in before the first
+snapshot, so that one does not pay the page faults. Both go in pieces (SETUP_PIECE) with the GIL
+released: mmap's MAP_POPULATE holds the GIL for the whole page walk (seconds per GiB), and the
+training thread of the same process could not run a line of Python meanwhile.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ _CRC = struct.Struct("<I")
 HEADER_LEN = tensorfile.PAGE
 _MAX_CHUNKS = (HEADER_LEN - _FIXED.size - _CRC.size) // _CRC.size
 PIN_PIECE = 64 << 20  # registered with CUDA one piece at a time (see Slot._pin)
+SETUP_PIECE = 8 << 20  # sized and populated one piece at a time (see Slot.ensure)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in, writable, without writing it
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,13 @@ class Slot:
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)
 
-    def ensure(self, payload_len: int, *, pin: bool) -> float:
+    def ensure(self, payload_len: int, *, pin: bool, paced: bool = False) -> float:
         """Size the file for `payload_len` bytes (fallocate, map, pin); seconds it took (0 when already so).
 
         A file already of that size keeps its contents (a committed snapshot stays loadable until begin()).
+        Sizing and populating go in SETUP_PIECE pieces with the GIL released; `paced` (a set-up off the
+        training thread) also pauses after each piece as long as it took, so that the training thread
+        gets the CPU and the process's memory map between pieces.
 
         Raises:
             OSError: no room in the shared-memory file system (ENOSPC), or mapping failed.
@@ -146,9 +153,14 @@ class Slot:
         if os.fstat(self.fd).st_size != size:  # a committed slot of the same size stays loadable until begin()
             self._invalidate_on_disk()
             os.ftruncate(self.fd, size)
-        os.posix_fallocate(self.fd, 0, size)
-        self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        for offset in range(0, size, SETUP_PIECE):
+            _paced(paced, os.posix_fallocate, self.fd, offset, min(SETUP_PIECE, size - offset))
+        self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)  # no MAP_POPULATE: it holds the GIL
         self.size, self.payload_capacity = size, size - HEADER_LEN
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        for offset in range(0, size, SETUP_PIECE):
+            if not _paced(paced, _populate, base + offset, min(SETUP_PIECE, size - offset)):
+                break  # a kernel without MADV_POPULATE_WRITE: the first snapshot pays the page faults
         self.map_s = time.monotonic() - started
         if pin:
             self._pin()
@@ -301,6 +313,32 @@ class Slot:
         self.release()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _paced(paced: bool, work: Any, *args: Any) -> Any:
+    """work(*args); when paced, then a pause as long as it took (the training thread's turn)."""
+    started = time.monotonic()
+    result = work(*args)
+    if paced:
+        time.sleep(time.monotonic() - started)
+    return result
+
+
+_LIBC: list[Any] = []
+
+
+def _populate(address: int, length: int) -> bool:
+    """Fault [address, address + length) of a shared mapping in (madvise, GIL released); False where unsupported."""
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    libc = _LIBC[0]
+    return libc is not None and libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0
 
 
 def _cuda_error(cudart: Any, code: int) -> str:

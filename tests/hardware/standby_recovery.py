@@ -122,6 +122,13 @@ def _one_launch(
     return row
 
 
+def _snapshots_running(logs: Path) -> bool:
+    """The newest step is two snapshots past the one its slots were ready at: a fault then redoes at most K."""
+    newest = max(_lines(logs), key=lambda ln: ln["t"])
+    since = newest.get("snapshots_from")
+    return since is not None and newest["step"] >= since + 2 * EVERY
+
+
 def _ready(kind: str, logs: Path) -> bool:
     """standby: a process finished the loop's set-up (its setup file) and took no step yet; spare: a warm spare."""
     if kind == "spare":
@@ -172,6 +179,7 @@ def _is_waiting_spare(pid: int) -> bool:
 
 def _fault(daemon: DaemonProcess, logs: Path, fault: str, env: dict[str, str]) -> dict[str, Any]:
     time.sleep(1.0)  # the standby from its set-up file to its join
+    wait_until("the rank's snapshots committing", lambda: _snapshots_running(logs), 600, 0.2)
     victim = max(_lines(logs), key=lambda ln: ln["t"])["pid"]
     drill = None
     if fault == "kill":

@@ -63,7 +63,7 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
 def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A registration that waits for another slot's page walk holds the driver's lock: the job's CUDA calls wait."""
     events: list[tuple[str, str]] = []
-    mapped = lambda self, n, *, pin: events.append(("map+pin" if pin else "map", self.name))  # noqa: E731
+    mapped = lambda self, n, *, pin, paced=False: events.append(("map+pin" if pin else "map", self.name))  # noqa: E731
     monkeypatch.setattr(Slot, "ensure", mapped)
     monkeypatch.setattr(Slot, "pin", lambda self: events.append(("pin", self.name)))
     dir_fd = open_job_dir(str(tmp_path), "order")
