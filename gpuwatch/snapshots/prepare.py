@@ -27,6 +27,7 @@ larger of 2 GiB and 5 % of the GPU), so it does not take what the job's next ste
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import sys
 import threading
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.snapshots.layout import SLOTS, slot_name
-from gpuwatch.snapshots.slot import Slot
+from gpuwatch.snapshots.slot import HEADER_LEN, Slot
 
 STAGING_HEADROOM = 2 << 30
 STAGING_HEADROOM_SHARE = 0.05
@@ -60,7 +61,13 @@ class Prepared:
 
 
 class Preparation:
-    """Prepares the slots (and staging) for a state of `nbytes` on a thread; `done` says when.
+    """Prepares the slots (and staging) for a state of `nbytes`: usable at once, set up on a thread; `done` says when.
+
+    The constructor (on the training thread, milliseconds) checks /dev/shm has room for both slots,
+    sizes and maps them sparse (Slot.map_sparse) and takes the staging buffer: `result` holds them
+    from then on, so snapshots can be taken during the set-up window (HostSnapshot; `gate` is held by
+    such a snapshot while it writes a slot). The thread then fills and pins the slots in pieces,
+    each under `gate`.
 
     Args:
         dir_fd: the job directory.
@@ -86,11 +93,15 @@ class Preparation:
         budget: int | None = None,
     ) -> None:
         self.nbytes, self.cuda, self.budget = nbytes, cuda, budget
+        self.gate = threading.Lock()
         self.result = Prepared()
-        self._args = (dir_fd, rank, staging, replace)
+        self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-snapshot-prepare", daemon=True)
+        self._map(dir_fd, rank, staging, replace)
+        if self.result.error is not None:
+            return
         if nbytes < PREPARE_INLINE_BELOW:
-            self._run()  # milliseconds: done before the first snapshot is due, so the cadence is exact
+            self._run()  # milliseconds: done before the first snapshot is due
         else:
             self._thread.start()
 
@@ -103,9 +114,8 @@ class Preparation:
             self._thread.join()
         return self.result
 
-    def _run(self) -> None:
-        started = time.perf_counter()
-        dir_fd, rank, staging, replace = self._args
+    def _map(self, dir_fd: int, rank: int, staging: bool, replace: set[int]) -> None:
+        """The usable part, at once: both slots sized and mapped sparse, and the staging buffer."""
         result = self.result
         try:
             for k in SLOTS:
@@ -116,20 +126,40 @@ class Preparation:
                         os.unlink(name, dir_fd=dir_fd)
                     result.renames[k] = name
                 result.slots[k] = Slot(dir_fd, name)
-            paced = self._thread.ident is not None  # on its own thread: in pieces, the training thread between
+            check_room(dir_fd, self.nbytes, list(result.slots.values()))
             for slot in result.slots.values():
-                slot.ensure(self.nbytes, pin=False, paced=paced)
-            if self.cuda is not None:  # after the page walks: registering during one stalled the job's CUDA calls
-                for slot in result.slots.values():
-                    slot.pin()
-            result.pinned = all(slot.pinned for slot in result.slots.values())
+                slot.map_sparse(self.nbytes)
             if self.cuda is not None:
                 wanted = staging and self.budget != 0
                 result.staging = allocate_staging(self.nbytes, self.cuda, budget=self.budget) if wanted else None
                 result.mode = mode_of(self.nbytes, result.staging)
         except BaseException as exc:  # reported by the training thread: snapshots off, one line
             result.error = exc
-        result.seconds = time.perf_counter() - started
+            result.seconds = time.perf_counter() - self._started
+
+    def _run(self) -> None:
+        result = self.result
+        try:
+            paced = self._thread.ident is not None  # on its own thread: in pieces, the training thread between
+            for slot in result.slots.values():
+                slot.fill(paced=paced, gate=self.gate)
+            if self.cuda is not None:  # after the page walks: registering during one stalled the job's CUDA calls
+                for slot in result.slots.values():
+                    slot.pin(self.gate)
+            result.pinned = all(slot.pinned for slot in result.slots.values())
+        except BaseException as exc:  # reported by the training thread: snapshots off, one line
+            result.error = exc
+        result.seconds = time.perf_counter() - self._started
+
+
+def check_room(dir_fd: int, nbytes: int, slots: list[Slot]) -> None:
+    """Raise ENOSPC unless the file system has room for every slot at `nbytes` (what they hold counts as room):
+    a snapshot written into a sparse slot before its fill must not meet a full /dev/shm (SIGBUS)."""
+    st = os.fstatvfs(dir_fd)
+    room = st.f_bavail * st.f_frsize + sum(slot.allocated() for slot in slots)
+    need = len(slots) * (HEADER_LEN + nbytes)
+    if room < need:
+        raise OSError(errno.ENOSPC, f"{need} bytes wanted for the slots, {room} free", "/dev/shm")
 
 
 def mode_of(nbytes: int, staging: Any) -> str:

@@ -9,11 +9,14 @@ slot whose state is not COMMITTED, and a reader never uses it (the two state val
 byte, so even a torn 4-byte store is neither); a reader also re-checks every chunk's crc as it
 copies the payload out, so bytes changed after the commit are caught too.
 
-The file is created with fallocate, so a full /dev/shm fails at once with ENOSPC instead of
-killing the rank with SIGBUS at its first copy, and its pages are mapped in before the first
-snapshot, so that one does not pay the page faults. Both go in pieces (SETUP_PIECE) with the GIL
-released: mmap's MAP_POPULATE holds the GIL for the whole page walk (seconds per GiB), and the
-training thread of the same process could not run a line of Python meanwhile.
+A slot is usable as soon as it is sized and mapped (map_sparse: milliseconds); `fill` then
+allocates it (fallocate) and maps its pages in (so no snapshot pays the page faults), and `pin`
+registers it with CUDA. Both walk every page, so they go in pieces (SETUP_PIECE, PIN_PIECE) with
+the GIL released (mmap's MAP_POPULATE holds the GIL for the whole page walk, seconds per GiB, and
+the training thread of the same process could not run a line of Python meanwhile), each piece
+under an optional gate that a snapshot writing the slot meanwhile holds (prepare.py). A sparse
+file written before its fill would kill the rank with SIGBUS if /dev/shm filled up: the set-up
+checks the room for both slots first (prepare.py), and the fill's fallocate fails with ENOSPC.
 """
 
 from __future__ import annotations
@@ -133,13 +136,10 @@ class Slot:
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)
 
-    def ensure(self, payload_len: int, *, pin: bool, paced: bool = False) -> float:
-        """Size the file for `payload_len` bytes (fallocate, map, pin); seconds it took (0 when already so).
+    def ensure(self, payload_len: int, *, pin: bool, paced: bool = False, gate: Any = None) -> float:
+        """Size the file for `payload_len` bytes (map_sparse, fill, pin); seconds it took (0 when already so).
 
         A file already of that size keeps its contents (a committed snapshot stays loadable until begin()).
-        Sizing and populating go in SETUP_PIECE pieces with the GIL released; `paced` (a set-up off the
-        training thread) also pauses after each piece as long as it took, so that the training thread
-        gets the CPU and the process's memory map between pieces.
 
         Raises:
             OSError: no room in the shared-memory file system (ENOSPC), or mapping failed.
@@ -148,29 +148,56 @@ class Slot:
         if self.map is not None and payload_len <= self.payload_capacity and pin == pinned:
             return 0.0
         started = time.monotonic()
+        self.map_sparse(payload_len)
+        self.fill(paced=paced, gate=gate)
+        if pin:
+            self._pin(gate)
+        return time.monotonic() - started
+
+    def map_sparse(self, payload_len: int) -> None:
+        """Size the file (ftruncate: sparse) and map it: milliseconds, and writable at once (pages come on first
+        touch). A file already of that size keeps its contents.
+
+        Raises:
+            OSError: mapping failed.
+        """
         self.release()
         size = HEADER_LEN + tensorfile._align(payload_len, tensorfile.PAGE)
         if os.fstat(self.fd).st_size != size:  # a committed slot of the same size stays loadable until begin()
             self._invalidate_on_disk()
             os.ftruncate(self.fd, size)
-        for offset in range(0, size, SETUP_PIECE):
-            _paced(paced, os.posix_fallocate, self.fd, offset, min(SETUP_PIECE, size - offset))
         self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)  # no MAP_POPULATE: it holds the GIL
         self.size, self.payload_capacity = size, size - HEADER_LEN
+
+    def fill(self, *, paced: bool = False, gate: Any = None) -> None:
+        """Allocate and populate the mapped file (the page walks: seconds per GiB), so no copy pays the faults.
+
+        In SETUP_PIECE pieces with the GIL released; `paced` (a set-up off the training thread) also pauses
+        after each piece as long as it took, so that the training thread gets the CPU and the process's
+        memory map between pieces; `gate` (a lock) is held for each piece, never between them.
+
+        Raises:
+            OSError: no room in the shared-memory file system (ENOSPC).
+        """
+        assert self.map is not None
+        started = time.monotonic()
+        for offset in range(0, self.size, SETUP_PIECE):
+            _paced(paced, gate, os.posix_fallocate, self.fd, offset, min(SETUP_PIECE, self.size - offset))
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-        for offset in range(0, size, SETUP_PIECE):
-            if not _paced(paced, _populate, base + offset, min(SETUP_PIECE, size - offset)):
+        for offset in range(0, self.size, SETUP_PIECE):
+            if not _paced(paced, gate, _populate, base + offset, min(SETUP_PIECE, self.size - offset)):
                 break  # a kernel without MADV_POPULATE_WRITE: the first snapshot pays the page faults
         self.map_s = time.monotonic() - started
-        if pin:
-            self._pin()
-        return time.monotonic() - started
 
-    def pin(self) -> float:
+    def allocated(self) -> int:
+        """Bytes of the file already backed by memory (a sparse file's holes are not)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    def pin(self, gate: Any = None) -> float:
         """Register the mapping with CUDA when it is not yet (see _pin); seconds it took."""
         started = time.monotonic()
         if self.map is not None and not self._registered and not self.pin_failed:
-            self._pin()
+            self._pin(gate)
         return time.monotonic() - started
 
     def _invalidate_on_disk(self) -> None:
@@ -249,7 +276,7 @@ class Slot:
         else:
             self._invalidate_on_disk()
 
-    def _pin(self) -> None:
+    def _pin(self, gate: Any = None) -> None:
         """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are DMA transfers.
 
         Registering walks every page (0.7 s for 16 GiB on an H200) and holds a driver lock the job's
@@ -269,7 +296,8 @@ class Slot:
             cudart = torch.cuda.cudart()
             for address in range(base, base + self.size, PIN_PIECE):
                 started = time.monotonic()
-                code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
+                with gate or contextlib.nullcontext():  # a copy in flight into this slot finishes first
+                    code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
                 if code != 0:
                     reason = _cuda_error(cudart, code)
                     break
@@ -315,10 +343,11 @@ class Slot:
             os.close(self.fd)
 
 
-def _paced(paced: bool, work: Any, *args: Any) -> Any:
-    """work(*args); when paced, then a pause as long as it took (the training thread's turn)."""
+def _paced(paced: bool, gate: Any, work: Any, *args: Any) -> Any:
+    """work(*args) holding `gate` (if any); when paced, then a pause as long as it took (the training thread's turn)."""
     started = time.monotonic()
-    result = work(*args)
+    with gate or contextlib.nullcontext():
+        result = work(*args)
     if paced:
         time.sleep(time.monotonic() - started)
     return result

@@ -174,6 +174,7 @@ class HostSnapshot:
         self._stager: Stager | None = None  # the staged mode's buffer, stream and drain thread
         self._layout: Layout | None = None  # the state's layout, reused while its tensors are the same ones
         self._preparation: Preparation | None = None
+        self._window = False  # the set-up window: snapshots go into the slots as mapped (see _usable)
         self._replace_all = False  # the next preparation makes new files for both slots (the state outgrew them)
         self._prepared: Prepared | None = None
         self._renames: dict[int, str] = {}
@@ -189,6 +190,7 @@ class HostSnapshot:
         self._disk_slot: int | None = None
         self._disk_error: BaseException | None = None
         self.snapshots = 0
+        self.window_snapshots = 0  # of which taken in the set-up window
         self.committed_step: int | None = None
         self.state_bytes = 0
         self.setup_s = 0.0
@@ -323,10 +325,12 @@ class HostSnapshot:
             self._first_t = now
         if self._base is None:
             self._resumed(step - 1)
-        if not self.ready():
-            return  # the set-up's steps are neither plain nor a snapshot's (looptime.py)
+        ready = self.ready()
+        if not ready and not self._usable():
+            return
         job = self._job
-        if interval is not None and self.ready_step != step:
+        timed = ready and self.ready_step != step and not (job is not None and job.window)
+        if interval is not None and timed:  # the set-up window's steps are neither plain nor a snapshot's
             self._time.record(interval, in_flight=job is not None)
             if job is not None:
                 job.intervals.append(interval)
@@ -354,7 +358,7 @@ class HostSnapshot:
 
     def snapshot_now(self, step: int) -> bool:
         """Take a snapshot of `step` and wait for its commit; False when snapshots are off or it failed."""
-        if not self.enabled or not self.ready(wait=True):
+        if not self.enabled or not self._usable():
             return False
         self.wait()
         self._start(step)
@@ -392,6 +396,33 @@ class HostSnapshot:
         self._adopt(preparation.join())
         return self.enabled
 
+    def _usable(self) -> bool:
+        """Whether a snapshot can be taken now: the slots are set up, or (the set-up window) they are mapped.
+
+        In the window a snapshot goes through the path that needs no pinned slot (CopyJob: staged on
+        the GPU when there was room, else device-to-host into pageable memory; on the CPU as always),
+        into the slots as mapped, holding the preparation's gate while it writes: the set-up pauses
+        for it, and the K bound holds from the first step.
+        """
+        if self.ready():
+            return True
+        preparation = self._preparation
+        if not self.enabled or preparation is None:
+            return False
+        if not self._window:
+            self._take_slots(preparation.result)
+            self._window = True
+            self.mode = preparation.result.mode
+        return self.enabled
+
+    def _take_slots(self, prepared: Prepared) -> None:
+        """Use the slots prepared (closing those they replace)."""
+        for k, slot in self._slots.items():
+            if prepared.slots.get(k) is not slot:
+                slot.close()
+        self._slots = dict(prepared.slots)
+        self._renames = dict(prepared.renames)
+
     def _prepare(self) -> None:
         """Lay the state out (references only) and start preparing slots and staging for its size."""
         assert self._dir_fd is not None
@@ -419,10 +450,9 @@ class HostSnapshot:
             error = prepared.error
             self._disable(f"cannot keep the state in {self.directory}: {type(error).__name__}: {error}")
             return
-        for slot in self._slots.values():
-            slot.close()
-        self._slots = dict(prepared.slots)
-        self._renames = dict(prepared.renames)
+        if not self._window:
+            self._take_slots(prepared)
+        self._window = False
         self.setup_s += prepared.seconds
         self.ready_step = self._step_now
         self.ready_s = time.perf_counter() - self._first_t if self._first_t is not None else prepared.seconds
@@ -433,15 +463,16 @@ class HostSnapshot:
         host = "pinned" if prepared.pinned else "pageable" if self._cuda is not None else "host"
         gpu = f", {_size(staged)} of GPU memory for staging" if staged else ""
         mapped = max((slot.map_s for slot in self._slots.values()), default=0.0)
-        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (mapped in %.2f s; set up off "
+        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (filled in %.2f s; set up off "
                  "the training thread)", _size(self.state_bytes), prepared.mode, gpu, host, self.directory,
                  prepared.seconds, mapped)  # fmt: skip
 
     def _due(self, step: int) -> bool:
-        if self._every is None:
+        if self._every is None and not self._window:
             return self._job is None and self._time.plain_steps >= AUTO_WARMUP_STEPS
+        every = self._every or self.max_every  # "auto" in the set-up window: its largest K keeps the bound
         last = self._last_snap_step if self._last_snap_step is not None else 0
-        return step - last >= self._every
+        return step - last >= every
 
     def _start(self, step: int) -> None:
         try:
@@ -457,8 +488,9 @@ class HostSnapshot:
                     return
                 flat, cuda = planned, _cuda_device(planned)
             if cuda != self._cuda or any(slot.payload_capacity < flat.size for slot in self._slots.values()):
-                self._set_up_again(flat.size)
-                return
+                self._set_up_again(flat.size)  # the new slots are usable at once (the set-up window)
+                if not self._usable() or any(s.payload_capacity < flat.size for s in self._slots.values()):
+                    return
             slot = self._target(flat.size, cuda)
             job: CopyJob | StagedJob
             if staged is not None and self._stager is not None and slot.pinned:
@@ -466,9 +498,7 @@ class HostSnapshot:
             else:
                 if self._stager is not None:  # the copy below writes the staging buffer in its own layout
                     self._stager.layout = None
-                staging = self._prepared.staging if self._prepared is not None else None
-                job = CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank,
-                              staging)  # fmt: skip
+                job = self._copy_job(step, slot, flat, cuda)
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
@@ -478,6 +508,24 @@ class HostSnapshot:
         self._job = job
         if not self._optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
+
+    def _copy_job(self, step: int, slot: Slot, flat: tensorfile.FlatState, cuda: int | None) -> CopyJob:
+        """A CopyJob; in the set-up window it holds the preparation's gate (the set-up pauses) until its commit."""
+        gate = self._preparation.gate if self._window and self._preparation is not None else None
+        if gate is not None:
+            gate.acquire()  # waits for one set-up piece at most (milliseconds)
+        try:
+            return CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank,
+                           self._staging(), gate=gate)  # fmt: skip
+        except BaseException:
+            if gate is not None:
+                gate.release()
+            raise
+
+    def _staging(self) -> Any:
+        """The GPU staging buffer (also in the set-up window), or None."""
+        prepared = self._prepared or (self._preparation.result if self._window and self._preparation else None)
+        return prepared.staging if prepared is not None else None
 
     def _set_up_again(self, nbytes: int) -> None:
         """The state outgrew the slots (or moved): new ones are set up off the training thread, under temp names
@@ -489,7 +537,7 @@ class HostSnapshot:
         if self._prepared is not None:
             self._prepared.staging = None  # the GPU memory goes back before the new buffer is taken
         self._prepared, self._preparation, self._layout = None, None, None
-        self._replace_all = True
+        self._replace_all, self._window = True, False
         self.ready()
 
     def _staged_layout(self, state: Any) -> tuple[Layout, Any] | None:
@@ -523,7 +571,7 @@ class HostSnapshot:
         if k == self._aliased:
             self._replace_slot(k)
         slot = self._slot(k)
-        setup_s = slot.ensure(nbytes, pin=cuda is not None)
+        setup_s = 0.0 if self._window else slot.ensure(nbytes, pin=cuda is not None)  # the window: as mapped
         if setup_s:
             log.info("host snapshot slot %s: %s in %s, set up in %.2f s", slot.name, _size(nbytes), self.directory,
                      setup_s)  # fmt: skip
@@ -544,6 +592,9 @@ class HostSnapshot:
         self.snapshots += 1
         self.committed_step = job.step
         self.last_copy_s = job.copy_s
+        if job.window:  # taken while the slots were set up: its steps say nothing of a snapshot's cost
+            self.window_snapshots += 1
+            return
         cost = self._time.snapshot_done(job.intervals, job.host_s, job.worker_s)
         every = self._every
         if cost is not None:
@@ -571,7 +622,7 @@ class HostSnapshot:
 
     def gpu_bytes(self) -> int:
         """The GPU memory the snapshots hold between snapshots (the staging buffer)."""
-        staging = self._prepared.staging if self._prepared is not None else None
+        staging = self._staging()
         return 0 if staging is None else int(staging.numel())
 
     def _choose_every(self) -> None:
@@ -647,7 +698,7 @@ class HostSnapshot:
         self._join_disk()
         job = self._job if self._job is not None and self._job.step == step else None
         k = None if job is not None else self._committed_slot(step)
-        if job is None and k is None and self.ready(wait=True):  # K does not divide the checkpoint cadence
+        if job is None and k is None and self._usable():  # K does not divide the checkpoint cadence
             if self._job is not None:
                 self._finish(self._job)
             if self.enabled:
@@ -817,8 +868,7 @@ class HostSnapshot:
         GPU's (the copies' competition with the steps). ready_step and ready_s: when the slots were set up (off the
         training thread); snapshots start there.
         """
-        staging = self._prepared.staging if self._prepared is not None else None
-        staged = 0 if staging is None else int(staging.numel())
+        staged = self.gpu_bytes()
         mean_cost = self._time.mean_cost()
         return {
             "enabled": self.enabled,
@@ -826,6 +876,7 @@ class HostSnapshot:
             "directory": str(self.directory),
             "every": self._every,
             "snapshots": self.snapshots,
+            "window_snapshots": self.window_snapshots,
             "committed_step": self.committed_step,
             "state_bytes": self.state_bytes,
             "host_bytes": 2 * self.state_bytes,

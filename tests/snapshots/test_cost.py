@@ -1,7 +1,7 @@
 """What a snapshot costs the training loop, judged by the loop's own wall time (not by the copier's clocks).
 
 Two costs the copier cannot see stand in for what an H200 showed: setting a slot up (sizing, mapping and
-pinning 4 GiB of shared memory took 3.3 s there, a sandbox's page walk; here a sleep in Slot.ensure), and
+pinning 4 GiB of shared memory took 3.3 s there, a sandbox's page walk; here a sleep in Slot.fill), and
 a step that runs slower while a snapshot is in flight (the copy competing for memory bandwidth; here the
 step sleeps longer while one is). Steps are sleeps, so a loaded 2-core machine times them well enough.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,14 +27,13 @@ SETUP_S = 0.3  # per slot
 @pytest.fixture
 def slow_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     """Slot set-up as slow as on the H200 (per GiB there); every state is set up off the training thread."""
-    ensure = Slot.ensure
+    fill = Slot.fill
 
-    def slow(self: Slot, payload_len: int, *, pin: bool, paced: bool = False) -> float:
-        if self.map is None:
-            time.sleep(SETUP_S)
-        return ensure(self, payload_len, pin=pin, paced=paced)
+    def slow(self: Slot, **kwargs: Any) -> None:
+        time.sleep(SETUP_S)
+        fill(self, **kwargs)
 
-    monkeypatch.setattr(Slot, "ensure", slow)
+    monkeypatch.setattr(Slot, "fill", slow)
     monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)
 
 
@@ -153,7 +153,7 @@ def test_auto_reports_the_cost_the_loop_s_wall_time_shows(tmp_path: Path, slow_s
     before = loop(steps, None, params, 1)
     snap = _snapshot(tmp_path, params, every="auto", share=share)
     step = 1
-    while snap.stats()["snapshots"] < 2 and step < 2000:  # set up, then the first snapshots choose K
+    while snap.snapshots - snap.window_snapshots < 2 and step < 2000:  # set up, then the first snapshots choose K
         loop(1, snap, params, step)
         step += 1
     with_snapshots = loop(steps, snap, params, step)
@@ -171,14 +171,13 @@ def test_a_state_that_outgrows_its_slots_gets_new_ones_off_the_step(
 ) -> None:
     """A state that grows after snapshots started (a buffer added, an optimizer's state made late) is set up again
     on the preparation's thread, the committed snapshot staying loadable meanwhile; no step waits for it."""
-    ensure = Slot.ensure
+    fill = Slot.fill
 
-    def slow(self: Slot, payload_len: int, *, pin: bool, paced: bool = False) -> float:
-        if payload_len > self.payload_capacity:  # sizing work, as slow as on the H200
-            time.sleep(SETUP_S)
-        return ensure(self, payload_len, pin=pin, paced=paced)
+    def slow(self: Slot, **kwargs: Any) -> None:  # the page walk, as slow as on the H200
+        time.sleep(SETUP_S)
+        fill(self, **kwargs)
 
-    monkeypatch.setattr(Slot, "ensure", slow)
+    monkeypatch.setattr(Slot, "fill", slow)
     monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)
     params = [torch.zeros(1 << 20) for _ in range(2)]
     snap = _snapshot(tmp_path, params, every=2)

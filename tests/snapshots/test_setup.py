@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from gpuwatch.snapshots import HostSnapshot
+from gpuwatch.snapshots import HostSnapshot, prepare
+from gpuwatch.snapshots.slot import Slot
 
 BAR = 4.0  # no step during the set-up slower than this many plain steps
 
@@ -53,7 +56,9 @@ def test_no_step_during_the_set_up_is_slower_than_four_plain_steps(shm_root: str
         started = time.perf_counter()
         train_step()
         plain.append(time.perf_counter() - started)
-    snap = HostSnapshot(state, every=4, optimizer=optim, job_id="setup", root=shm_root)
+    # no snapshot in this window: a step that takes one pays its copy as after the set-up (on the CPU the
+    # update waits for it: test_cost.py); this judges what the set-up itself costs the steps around it
+    snap = HostSnapshot(state, every=10**6, optimizer=optim, job_id="setup", root=shm_root)
     during: list[float] = []
     step, deadline = 0, time.monotonic() + 120
     try:
@@ -74,3 +79,54 @@ def test_no_step_during_the_set_up_is_slower_than_four_plain_steps(shm_root: str
         f"step ({statistics.median(plain) * 1e3:.1f} ms); set-up {stats['setup_s']:.2f} s over {len(during)} steps"
     )
     assert len(during) >= 5, f"the set-up took {len(during)} steps: too few to judge it"
+
+
+K = 3
+LOST_AT = 8
+
+
+def test_a_rank_lost_while_its_slots_are_set_up_redoes_at_most_k_steps(
+    shm_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The K bound holds from the first step: snapshots are taken in the set-up window (into the slots as mapped).
+
+    The set-up is held open (its fill waits until the rank is lost), as a large state's is for many steps.
+    """
+    hold = threading.Event()
+    real_fill = Slot.fill
+
+    def held_fill(self: Slot, **kwargs: Any) -> None:
+        hold.wait(60)
+        real_fill(self, **kwargs)
+
+    monkeypatch.setattr(Slot, "fill", held_fill)
+    monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)  # every state is set up on the thread
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(16, 64)
+
+    def state() -> dict[str, object]:
+        return {"model": model.state_dict(), "optim": optim.state_dict()}
+
+    snap = HostSnapshot(state, every=K, optimizer=optim, job_id="window", root=shm_root)
+    seen: dict[int, torch.Tensor] = {}
+    try:
+        for step in range(1, LOST_AT + 1):
+            model(x).square().mean().backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            snap.step(step)
+            seen[step] = model[0].weight.detach().clone()
+        assert snap.ready_step is None and snap.stats()["setup_s"] == 0.0, "the set-up ended: no window to test"
+        snap.wait()  # the snapshot in flight commits (a death before that loses it too: its drain's steps)
+        # the rank is lost here: its slots stay as they are; a relaunch restores from them
+        again = HostSnapshot(state, every=K, optimizer=optim, job_id="window", root=shm_root)
+        restored = again.restore()
+        again.close(remove=False)
+    finally:
+        hold.set()
+        snap.close(remove=True)
+    assert restored is not None, "nothing in host memory: the set-up window took no snapshot"
+    assert LOST_AT - K <= restored.step <= LOST_AT, f"restored step {restored.step}: more than {K} steps to redo"
+    assert torch.equal(restored.state["model"]["0.weight"], seen[restored.step])
