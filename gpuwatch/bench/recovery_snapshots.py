@@ -121,23 +121,47 @@ def measure_modes(loop: Loop, steps: int, job_id: str, *, modes: tuple[tuple[str
 
 
 def nearly_full(loop: Loop, steps: int, job_id: str, every: int = 8) -> tuple[Run, int]:
-    """The loop with a ballast that leaves less free GPU memory than the state's size; the run and the ballast."""
+    """The loop with a ballast that leaves less free GPU memory than the state's size; the run and the ballast.
+
+    The ballast is taken after a step has put the loop's own peak back in torch's cache (emptying the
+    cache first gives back an earlier staging buffer, and with it the loop's gradients and activations),
+    so the loop still fits; where the GPU still runs out of memory, the ballast shrinks by half the state's
+    size and the run is tried again (three tries).
+    """
     import torch
 
-    ballast = None
-    if loop.device.type == "cuda":
-        _empty_cache(loop.device)  # an earlier staging buffer cached by torch's allocator is free memory too
-        free, _total = torch.cuda.mem_get_info(loop.device)
-        keep = loop.state_bytes // 2  # less than the state: staging cannot hold it all
-        if free > keep:
-            ballast = torch.empty(free - keep, dtype=torch.uint8, device=loop.device)
-    size = 0 if ballast is None else ballast.numel()
-    try:
-        (run,) = measure_modes(loop, steps, job_id, modes=((f"every {every}, GPU nearly full", every),))
-    finally:
-        del ballast
-        _empty_cache(loop.device)
-    return run, size
+    extra = 0
+    for _ in range(3):
+        ballast = _ballast(loop, keep=loop.state_bytes // 2 + extra)
+        size = 0 if ballast is None else ballast.numel()
+        try:
+            (run,) = measure_modes(loop, steps, job_id, modes=((f"every {every}, GPU nearly full", every),))
+            return run, size
+        except torch.cuda.OutOfMemoryError:
+            extra += loop.state_bytes // 2  # keep that much more free on the next try
+        finally:
+            del ballast
+            _empty_cache(loop.device)
+    raise RuntimeError("the loop ran out of GPU memory beside the ballast three times")
+
+
+def _ballast(loop: Loop, keep: int) -> Any:
+    """A GPU tensor that leaves about `keep` bytes free beside the loop's cached peak (None on the CPU or no room)."""
+    import torch
+
+    if loop.device.type != "cuda":
+        return None
+    _empty_cache(loop.device)  # an earlier staging buffer cached by torch's allocator is free memory too
+    loop.train_step()  # the loop's own peak (gradients, activations) back in torch's cache
+    _sync(loop.device)
+    free, _total = torch.cuda.mem_get_info(loop.device)
+    want = free - keep
+    while want > 0:
+        try:
+            return torch.empty(want, dtype=torch.uint8, device=loop.device)
+        except torch.cuda.OutOfMemoryError:
+            want -= 256 << 20
+    return None
 
 
 def restore_time(loop: Loop, job_id: str) -> dict[str, Any]:
@@ -199,6 +223,7 @@ def rows(gib: float, runs: list[Run], plain: Run | None = None) -> list[dict[str
             "cost_share": stats.get("cost_share"),
             "loss_bound_steps": stats.get("loss_bound_steps"),
             "snapshots": stats.get("snapshots"),
+            "window_snapshots": stats.get("window_snapshots"),
             "ready_s": stats.get("ready_s"),
         })  # fmt: skip
     return out

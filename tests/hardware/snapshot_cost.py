@@ -1,7 +1,7 @@
 """What host snapshots cost a one-GPU training loop, mode by mode (run on a GPU machine; CPU in a reduced mode).
 
     python tests/hardware/snapshot_cost.py --device cuda            # 4 and 16 GiB, 300 steps a run (~5 min, H100)
-    python tests/hardware/snapshot_cost.py --device cpu --small      # the same, tiny, to check the script
+    python tests/hardware/snapshot_cost.py --device cpu --small      # the same, tiny, to check the script (~1 min)
 
 Needs torch and gpuwatch.snapshots only. Per state size (fp32 Linear stack built on the CPU with the
 default init, then moved; AdamW; HostSnapshot(..., optimizer=opt, replicated=True)): no snapshots, every 8,
@@ -9,7 +9,8 @@ every 4, auto, each --steps steps (gpuwatch.bench.recovery_snapshots): wall time
 against the plain loop, the longest step (the every-8 run includes the slots' set-up, also shown apart),
 the GPU memory the snapshots hold and their peak extra, K, the mode, the cost_share stats() reports and the
 steps a death may lose. At the last size also: the GPU nearly full (a ballast leaves less free memory than
-the state's size) with snapshots every 8, and a snapshot restored onto the GPU in process (its CUDA
+the state's size, taken beside the loop's own peak; a CUDA out-of-memory shrinks it and tries again) with
+snapshots every 8, and a snapshot restored onto the GPU in process (its CUDA
 context up) and loaded. Prints a markdown table, then one JSON line with every figure.
 """
 
@@ -27,8 +28,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="tiny sizes and few steps (a check of the script)")
-    parser.add_argument("--gib", type=float, nargs="*", help="state sizes (default 4 16; --small: 0.02 0.06)")
-    parser.add_argument("--steps", type=int, help="steps a run (default 300; --small: 40)")
+    parser.add_argument("--gib", type=float, nargs="*", help="state sizes (default 4 16; --small: 0.01 0.03)")
+    parser.add_argument("--steps", type=int, help="steps a run (default 300; --small: 24)")
     parser.add_argument("--batch", type=int, help="rows a step (default 2048; --small: 16)")
     args = parser.parse_args()
     import torch
@@ -41,10 +42,12 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    sizes = args.gib or ([0.02, 0.06] if args.small else [4.0, 16.0])
-    steps = args.steps or (40 if args.small else 300)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # a shared CPU machine: torch's thread pool spins against the load
+    sizes = args.gib or ([0.01, 0.03] if args.small else [4.0, 16.0])
+    steps = args.steps or (24 if args.small else 300)
     batch = args.batch or (16 if args.small else 2048)
-    width = 512 if args.small else rs.WIDTH
+    width = 256 if args.small else rs.WIDTH
     started = time.perf_counter()
     table, extra = [], {}
     for n, gib in enumerate(sizes):
