@@ -234,7 +234,7 @@ class Slot:
         CUDA refuses a copy into host memory that crosses two registrations (invalid argument), so a
         device-to-host copy goes one span at a time.
         """
-        if len(self._registered) < 2:
+        if not self._registered:  # (one registered piece and the rest not, in the set-up window: cut too)
             return [(offset, length)] if length > 0 else []
         out = []
         end = offset + length

@@ -52,6 +52,8 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
         assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # they tile the range
         for at, n in spans:  # each within one piece of the mapping (the header is in the first)
             assert (HEADER_LEN + at) // PIN_PIECE == (HEADER_LEN + at + n - 1) // PIN_PIECE
+        slot._registered = [0]  # the set-up window: the first piece registered, the rest not yet
+        assert slot.spans(offset, length) == spans
         slot._registered = []
         assert slot.spans(offset, length) == [(offset, length)]
     finally:
