@@ -65,9 +65,8 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
 def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A registration that waits for another slot's page walk holds the driver's lock: the job's CUDA calls wait."""
     events: list[tuple[str, str]] = []
-    mapped = lambda self, n, *, pin, paced=False: events.append(("map+pin" if pin else "map", self.name))  # noqa: E731
-    monkeypatch.setattr(Slot, "ensure", mapped)
-    monkeypatch.setattr(Slot, "pin", lambda self: events.append(("pin", self.name)))
+    monkeypatch.setattr(Slot, "fill", lambda self, **_: events.append(("fill", self.name)))
+    monkeypatch.setattr(Slot, "pin", lambda self, gate=None: events.append(("pin", self.name)))
     dir_fd = open_job_dir(str(tmp_path), "order")
     try:
         prepared = prepare.Preparation(dir_fd, 0, 1 << 20, cuda=0, staging=False, replace=set()).join()
@@ -75,7 +74,7 @@ def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monke
         os.close(dir_fd)
     assert prepared.error is None, prepared.error
     kinds = [kind for kind, _ in events]
-    assert kinds == ["map", "map", "pin", "pin"], events
+    assert kinds == ["fill", "fill", "pin", "pin"], events
     names = {"rank-00000.slot0", "rank-00000.slot1"}
     assert {name for _, name in events[:2]} == {name for _, name in events[2:]} == names
     for slot in prepared.slots.values():
