@@ -339,6 +339,8 @@ class HostSnapshot:
         elif isinstance(job, StagedJob):
             job.advance(self._drain_budget())
         if self._due(step):
+            if self._job is not None and self._job.window:
+                return  # a set-up window's drain (pageable) is not waited for: the next starts once it commits
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
                 self._finish(self._job)
             if self.enabled:

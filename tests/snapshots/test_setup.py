@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gpuwatch.snapshots import HostSnapshot, prepare
+from gpuwatch.snapshots.copier import CopyJob
 from gpuwatch.snapshots.slot import Slot
 
 BAR = 4.0  # no step during the set-up slower than this many plain steps
@@ -130,3 +131,43 @@ def test_a_rank_lost_while_its_slots_are_set_up_redoes_at_most_k_steps(
     assert restored is not None, "nothing in host memory: the set-up window took no snapshot"
     assert LOST_AT - K <= restored.step <= LOST_AT, f"restored step {restored.step}: more than {K} steps to redo"
     assert torch.equal(restored.state["model"]["0.weight"], seen[restored.step])
+
+
+def test_in_the_set_up_window_a_snapshot_due_never_waits_for_the_previous_one_to_drain(
+    shm_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window snapshot drains into pageable memory (slow at 16 GiB): the next one due starts after its commit."""
+    hold, drain = threading.Event(), threading.Event()
+    real_fill, real_commit = Slot.fill, CopyJob._commit
+
+    def held_fill(self: Slot, **kwargs: Any) -> None:
+        hold.wait(60)
+        real_fill(self, **kwargs)
+
+    def slow_commit(self: CopyJob, crcs: list[int]) -> None:
+        drain.wait(60)
+        real_commit(self, crcs)
+
+    monkeypatch.setattr(Slot, "fill", held_fill)
+    monkeypatch.setattr(CopyJob, "_commit", slow_commit)
+    monkeypatch.setattr(prepare, "PREPARE_INLINE_BELOW", 0)
+    params = [torch.zeros(1 << 16)]
+    snap = HostSnapshot(lambda: {"params": params}, every=1, job_id="defer", root=shm_root)
+    try:
+        snap.step(1)  # the snapshot of step 1 starts; its drain is held
+        started = time.monotonic()
+        for step in range(2, 6):
+            params[0][0] = step
+            snap.step(step)
+        waited = time.monotonic() - started
+        assert snap.committed_step is None
+        drain.set()
+        snap._job.wait_committed(30)  # type: ignore[union-attr]
+        snap.step(6)  # sees the commit, starts the snapshot due
+        snap.wait()
+        assert snap.committed_step == 6 and snap.ready_step is None, snap.stats()
+    finally:
+        drain.set()
+        hold.set()
+        snap.close(remove=True)
+    assert waited < 5, f"the steps due meanwhile waited {waited:.1f} s for the drain"
