@@ -61,7 +61,7 @@ class CopyJob:
         cuda: the CUDA device the sources are on, or None for the CPU path.
         world_size, rank: recorded in the slot's header.
         staging: a uint8 buffer on the CUDA device (payload bytes [0, its size) go through it), or None.
-        gate: a lock the caller holds for this job (the slots' set-up pauses while it writes, prepare.py);
+        gate: a lock the caller holds for this job (the slot's registration pauses while it writes, slot.py);
             released at the commit. A job with a gate is one of the set-up window (`window`).
     """
 

@@ -65,9 +65,9 @@ class Preparation:
 
     The constructor (on the training thread, milliseconds) checks /dev/shm has room for both slots,
     sizes and maps them sparse (Slot.map_sparse) and takes the staging buffer: `result` holds them
-    from then on, so snapshots can be taken during the set-up window (HostSnapshot; `gate` is held by
-    such a snapshot while it writes a slot). The thread then fills and pins the slots in pieces,
-    each under `gate`.
+    from then on, so snapshots can be taken during the set-up window (HostSnapshot; such a snapshot
+    holds its slot's `gate` while it writes it). The thread then fills and pins the slots in pieces,
+    each registered piece under the slot's gate.
 
     Args:
         dir_fd: the job directory.
@@ -93,7 +93,6 @@ class Preparation:
         budget: int | None = None,
     ) -> None:
         self.nbytes, self.cuda, self.budget = nbytes, cuda, budget
-        self.gate = threading.Lock()
         self.result = Prepared()
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-snapshot-prepare", daemon=True)
@@ -142,10 +141,10 @@ class Preparation:
         try:
             paced = self._thread.ident is not None  # on its own thread: in pieces, the training thread between
             for slot in result.slots.values():
-                slot.fill(paced=paced, gate=self.gate)
+                slot.fill(paced=paced)
             if self.cuda is not None:  # after the page walks: registering during one stalled the job's CUDA calls
                 for slot in result.slots.values():
-                    slot.pin(self.gate)
+                    slot.pin()
             result.pinned = all(slot.pinned for slot in result.slots.values())
         except BaseException as exc:  # reported by the training thread: snapshots off, one line
             result.error = exc

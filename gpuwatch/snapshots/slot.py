@@ -14,7 +14,8 @@ allocates it (fallocate) and maps its pages in (so no snapshot pays the page fau
 registers it with CUDA. Both walk every page, so they go in pieces (SETUP_PIECE, PIN_PIECE) with
 the GIL released (mmap's MAP_POPULATE holds the GIL for the whole page walk, seconds per GiB, and
 the training thread of the same process could not run a line of Python meanwhile), each piece
-under an optional gate that a snapshot writing the slot meanwhile holds (prepare.py). A sparse
+the registration's pieces under the slot's `gate`, which a snapshot writing the slot meanwhile
+holds (the set-up window, prepare.py; the fill needs none: it changes no byte). A sparse
 file written before its fill would kill the rank with SIGBUS if /dev/shm filled up: the set-up
 checks the room for both slots first (prepare.py), and the fill's fallocate fails with ENOSPC.
 """
@@ -29,6 +30,7 @@ import os
 import stat
 import struct
 import sys
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -132,11 +134,12 @@ class Slot:
         self._address: int | None = None  # the payload's address in this process while mapped
         self.map_s = 0.0  # of the last ensure(): sizing and mapping (the rest was pinning)
         self.pin_failed = False
+        self.gate = threading.Lock()  # held for each registered piece, and by a set-up window's copy into the slot
 
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)
 
-    def ensure(self, payload_len: int, *, pin: bool, paced: bool = False, gate: Any = None) -> float:
+    def ensure(self, payload_len: int, *, pin: bool, paced: bool = False) -> float:
         """Size the file for `payload_len` bytes (map_sparse, fill, pin); seconds it took (0 when already so).
 
         A file already of that size keeps its contents (a committed snapshot stays loadable until begin()).
@@ -149,9 +152,9 @@ class Slot:
             return 0.0
         started = time.monotonic()
         self.map_sparse(payload_len)
-        self.fill(paced=paced, gate=gate)
+        self.fill(paced=paced)
         if pin:
-            self._pin(gate)
+            self._pin()
         return time.monotonic() - started
 
     def map_sparse(self, payload_len: int) -> None:
@@ -169,12 +172,12 @@ class Slot:
         self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)  # no MAP_POPULATE: it holds the GIL
         self.size, self.payload_capacity = size, size - HEADER_LEN
 
-    def fill(self, *, paced: bool = False, gate: Any = None) -> None:
+    def fill(self, *, paced: bool = False) -> None:
         """Allocate and populate the mapped file (the page walks: seconds per GiB), so no copy pays the faults.
 
         In SETUP_PIECE pieces with the GIL released; `paced` (a set-up off the training thread) also pauses
         after each piece as long as it took, so that the training thread gets the CPU and the process's
-        memory map between pieces; `gate` (a lock) is held for each piece, never between them.
+        memory map between pieces. A copy into the slot may run meanwhile: neither changes a byte of it.
 
         Raises:
             OSError: no room in the shared-memory file system (ENOSPC).
@@ -182,10 +185,10 @@ class Slot:
         assert self.map is not None
         started = time.monotonic()
         for offset in range(0, self.size, SETUP_PIECE):
-            _paced(paced, gate, os.posix_fallocate, self.fd, offset, min(SETUP_PIECE, self.size - offset))
+            _paced(paced, os.posix_fallocate, self.fd, offset, min(SETUP_PIECE, self.size - offset))
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         for offset in range(0, self.size, SETUP_PIECE):
-            if not _paced(paced, gate, _populate, base + offset, min(SETUP_PIECE, self.size - offset)):
+            if not _paced(paced, _populate, base + offset, min(SETUP_PIECE, self.size - offset)):
                 break  # a kernel without MADV_POPULATE_WRITE: the first snapshot pays the page faults
         self.map_s = time.monotonic() - started
 
@@ -193,11 +196,11 @@ class Slot:
         """Bytes of the file already backed by memory (a sparse file's holes are not)."""
         return os.fstat(self.fd).st_blocks * 512
 
-    def pin(self, gate: Any = None) -> float:
+    def pin(self) -> float:
         """Register the mapping with CUDA when it is not yet (see _pin); seconds it took."""
         started = time.monotonic()
         if self.map is not None and not self._registered and not self.pin_failed:
-            self._pin(gate)
+            self._pin()
         return time.monotonic() - started
 
     def _invalidate_on_disk(self) -> None:
@@ -276,7 +279,7 @@ class Slot:
         else:
             self._invalidate_on_disk()
 
-    def _pin(self, gate: Any = None) -> None:
+    def _pin(self) -> None:
         """Page-lock the mapping for CUDA (cudaHostRegister), so device-to-host copies into it are DMA transfers.
 
         Registering walks every page (0.7 s for 16 GiB on an H200) and holds a driver lock the job's
@@ -296,7 +299,7 @@ class Slot:
             cudart = torch.cuda.cudart()
             for address in range(base, base + self.size, PIN_PIECE):
                 started = time.monotonic()
-                with gate or contextlib.nullcontext():  # a copy in flight into this slot finishes first
+                with self.gate:  # a set-up window's copy in flight into this slot finishes first
                     code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
                 if code != 0:
                     reason = _cuda_error(cudart, code)
@@ -343,11 +346,10 @@ class Slot:
             os.close(self.fd)
 
 
-def _paced(paced: bool, gate: Any, work: Any, *args: Any) -> Any:
-    """work(*args) holding `gate` (if any); when paced, then a pause as long as it took (the training thread's turn)."""
+def _paced(paced: bool, work: Any, *args: Any) -> Any:
+    """work(*args); when paced, then a pause as long as it took (the training thread's turn)."""
     started = time.monotonic()
-    with gate or contextlib.nullcontext():
-        result = work(*args)
+    result = work(*args)
     if paced:
         time.sleep(time.monotonic() - started)
     return result

@@ -403,7 +403,7 @@ class HostSnapshot:
 
         In the window a snapshot goes through the path that needs no pinned slot (CopyJob: staged on
         the GPU when there was room, else device-to-host into pageable memory; on the CPU as always),
-        into the slots as mapped, holding the preparation's gate while it writes: the set-up pauses
+        into the slots as mapped, holding the slot's gate while it writes: the slot's registration pauses
         for it, and the K bound holds from the first step.
         """
         if self.ready():
@@ -512,10 +512,10 @@ class HostSnapshot:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
 
     def _copy_job(self, step: int, slot: Slot, flat: tensorfile.FlatState, cuda: int | None) -> CopyJob:
-        """A CopyJob; in the set-up window it holds the preparation's gate (the set-up pauses) until its commit."""
-        gate = self._preparation.gate if self._window and self._preparation is not None else None
+        """A CopyJob; in the set-up window it holds the slot's gate (its registration pauses) until its commit."""
+        gate = slot.gate if self._window else None
         if gate is not None:
-            gate.acquire()  # waits for one set-up piece at most (milliseconds)
+            gate.acquire()  # waits for one registered piece at most (milliseconds)
         try:
             return CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank,
                            self._staging(), gate=gate)  # fmt: skip

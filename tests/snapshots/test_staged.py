@@ -66,7 +66,7 @@ def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monke
     """A registration that waits for another slot's page walk holds the driver's lock: the job's CUDA calls wait."""
     events: list[tuple[str, str]] = []
     monkeypatch.setattr(Slot, "fill", lambda self, **_: events.append(("fill", self.name)))
-    monkeypatch.setattr(Slot, "pin", lambda self, gate=None: events.append(("pin", self.name)))
+    monkeypatch.setattr(Slot, "pin", lambda self: events.append(("pin", self.name)))
     dir_fd = open_job_dir(str(tmp_path), "order")
     try:
         prepared = prepare.Preparation(dir_fd, 0, 1 << 20, cuda=0, staging=False, replace=set()).join()
