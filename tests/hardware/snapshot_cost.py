@@ -1,7 +1,10 @@
 """What host snapshots cost a one-GPU training loop, mode by mode (run on a GPU machine; CPU in a reduced mode).
 
-    python tests/hardware/snapshot_cost.py --device cuda            # 4 and 16 GiB, 300 steps a run (~5 min, H100)
-    python tests/hardware/snapshot_cost.py --device cpu --small      # the same, tiny, to check the script (~1 min)
+    PYTHONPATH=. python3 tests/hardware/snapshot_cost.py --device cuda        # 4 and 16 GiB, 300 steps a run
+    PYTHONPATH=. python3 tests/hardware/snapshot_cost.py --device cpu --small  # the same, tiny (~1 min)
+
+From the repository root (PYTHONPATH=. when gpuwatch is not installed); the GPU run is about 5 minutes on
+one H100 and must stay under 9.
 
 Needs torch and gpuwatch.snapshots only. Per state size (fp32 Linear stack built on the CPU with the
 default init, then moved; AdamW; HostSnapshot(..., optimizer=opt, replicated=True)): no snapshots, every 8,
