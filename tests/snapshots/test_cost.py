@@ -71,6 +71,7 @@ def test_auto_keeps_the_cost_the_loop_sees_under_its_share(tmp_path: Path, slow_
     params = [torch.zeros(1 << 20) for _ in range(2)]
     without = sum(_loop(steps, None, params))
     snap = _snapshot(tmp_path, params, every="auto", share=share)
+    snap.ready(wait=True)  # "auto" chooses K once set up (in the set-up window it snapshots every max_every)
     with_snapshots = sum(_loop(steps, snap, params))
     stats = snap.stats()
     snap.close(remove=True)
