@@ -124,6 +124,7 @@ def test_the_cost_says_how_much_of_it_the_training_thread_paid(tmp_path: Path, s
         return {"params": params}
 
     snap = HostSnapshot(slow_state, every=4, job_id="cost", root=str(tmp_path))
+    snap.ready(wait=True)  # the costs are measured once set up (the set-up window's snapshots count for neither)
     _loop(120, snap, params)
     stats = snap.stats()
     snap.close(remove=True)
