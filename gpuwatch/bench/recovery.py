@@ -98,6 +98,8 @@ def run(ctx: Context) -> Section:
             entry["checkpoint"] = checkpoint_throughput(ctx.workdir / "ckpt", gib, device, legacy=i == 0)
             progress(f"recovery {label}: host snapshot cost per step")
             entry["snapshot"] = _guarded(errors, snapshot_cost, ctx, gib, device, step_s)
+            progress(f"recovery {label}: host snapshots mode by mode (none, every 8, every 4, auto)")
+            entry["snapshot_modes"] = _guarded(errors, snapshot_modes, ctx, gib, device)
             jobs = ctx.workdir / f"jobs-{i}"
             trial = Trial(
                 ctx, gib, jobs, launch_args, step_s, ckpt_every, kill_after, kill_after + 4, ctx.pick(300, 180)
@@ -320,6 +322,25 @@ def _timed_snapshots(ctx: Context, gib: float, device: Any, step_s: float) -> di
     }
 
 
+def snapshot_modes(ctx: Context, gib: float, device: Any) -> dict[str, Any]:
+    """A Linear stack with AdamW under each snapshot mode (recovery_snapshots.py): the rows it reports."""
+    from gpuwatch.bench import recovery_snapshots as modes
+    from gpuwatch.snapshots import snapshot_root
+
+    if (reason := _shm_short(snapshot_root(), int(gib * 2**30))) is not None:
+        return {"skipped": reason}
+    cuda = device.type == "cuda"
+    loop = modes.build(gib, device, 2048 if cuda else 64, modes.WIDTH if cuda else 1024)
+    job, state_gib = f"bench-modes-{os.getpid()}", loop.state_bytes / 2**30
+    try:
+        runs = modes.measure_modes(loop, int(ctx.pick(300 if cuda else 40, 6)), job)
+    finally:
+        modes.cleanup(job)
+        del loop
+        _free(device)
+    return {"rows": modes.rows(state_gib, runs)}
+
+
 # -- a job killed and relaunched ------------------------------------------------------------------------
 
 
@@ -515,6 +536,7 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
             Row(f"{label}: snapshot drain (boundary → commit)", snap["drain_s"], "s"),
             target(f"{label}: rescue written from host memory", snap["rescue_s"], "s", RESCUE_WINDOW_S),
         ]
+    rows += _mode_rows(label, entry.get("snapshot_modes", {}))
     for name, result in entry["paths"].items():
         if "skipped" in result or "error" in result:
             rows.append(Row(f"{label}: relaunch from {name}", _why(result)))
@@ -530,6 +552,21 @@ def _rows(label: str, entry: dict[str, Any]) -> list[Row]:
                 Row(f"{label}: a replacement joins from its peers (start → its first step)", result["rejoin_s"], "s")
             )
     return rows
+
+
+def _mode_rows(label: str, result: dict[str, Any]) -> list[Row]:
+    """One row per snapshot mode: the loop's wall time, steady and longest step against the plain loop, and what
+    the snapshots took and promise."""
+    if "skipped" in result or "error" in result:
+        return [Row(f"{label}: host snapshots by mode", _why(result))]
+    out = []
+    for r in result.get("rows", []):
+        text = (f"wall {r['wall_s']:.2f} s ({r['wall_vs_plain']:+.2%}), steady step {r['steady_ms']:.2f} ms "
+                f"({r['steady_vs_plain']:+.2%}), longest {r['longest_ms']:.1f} ms ({r['longest_x_plain']:.1f}x); "
+                f"GPU {r['gpu_mib']:g} MiB, K {r['K'] or '-'}, {r['snapshot_mode'] or '-'}, "
+                f"loses <= {r['loss_bound_steps'] or '-'} steps")  # fmt: skip
+        out.append(Row(f"{label}: Linear+AdamW loop, snapshots {r['mode']}", text))
+    return out
 
 
 def _why(result: dict[str, Any]) -> str:

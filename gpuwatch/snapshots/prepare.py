@@ -4,10 +4,11 @@ Sizing a slot (fallocate), mapping it with its pages populated, and registering 
 every page of it: seconds per GiB under a sandbox's memory manager (an H200 in gVisor: 8.6 s to map
 16 GiB, 0.7 s to register it). Done at the first snapshot, that landed on the step; here it runs on
 its own thread from the first `HostSnapshot.step`, and snapshots start once it is done (a state
-under 128 MiB is set up at once, in milliseconds). Both slots are mapped at once, then registered
-one after the other: a registration waits for a page walk in progress while it holds the driver's
-lock, and every CUDA call of the job waits with it (a step stalled 12.8 s so on the H200); and a
-registration goes in pieces (Slot._pin).
+under 128 MiB is set up at once, in milliseconds). Each slot is sized and populated in pieces with
+pauses between them (Slot.ensure: mmap's MAP_POPULATE held the GIL for the whole page walk, so the
+training thread stood still), both before either is registered: a registration waits for a page
+walk in progress while it holds the driver's lock, and every CUDA call of the job waits with it (a
+step stalled 12.8 s so on the H200); and a registration goes in pieces too (Slot._pin).
 
 The mode says how a CUDA snapshot leaves the GPU (staged.py, copier.py):
 
@@ -19,13 +20,14 @@ The mode says how a CUDA snapshot leaves the GPU (staged.py, copier.py):
 * "cpu": the state is on the CPU, copied on a thread.
 
 The staging buffer is taken from the GPU memory free after the first step, less a headroom (the
-larger of 2 GiB and 5 % of the GPU), so it does not take what the job's next steps need.
+larger of 2 GiB and 5 % of the GPU), so it does not take what the job's next steps need; a budget
+(HostSnapshot's gpu_budget) caps it further, 0 turns staging off.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import errno
 import os
 import sys
 import threading
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.snapshots.layout import SLOTS, slot_name
-from gpuwatch.snapshots.slot import Slot
+from gpuwatch.snapshots.slot import HEADER_LEN, Slot
 
 STAGING_HEADROOM = 2 << 30
 STAGING_HEADROOM_SHARE = 0.05
@@ -59,7 +61,13 @@ class Prepared:
 
 
 class Preparation:
-    """Prepares the slots (and staging) for a state of `nbytes` on a thread; `done` says when.
+    """Prepares the slots (and staging) for a state of `nbytes`: usable at once, set up on a thread; `done` says when.
+
+    The constructor (on the training thread, milliseconds) checks /dev/shm has room for both slots,
+    sizes and maps them sparse (Slot.map_sparse) and takes the staging buffer: `result` holds them
+    from then on, so snapshots can be taken during the set-up window (HostSnapshot; such a snapshot
+    holds its slot's `gate` while it writes it). The thread then fills and pins the slots in pieces,
+    each registered piece under the slot's gate.
 
     Args:
         dir_fd: the job directory.
@@ -67,20 +75,32 @@ class Preparation:
         nbytes: the state's flat size.
         cuda: the CUDA device of the state, or None.
         staging: whether to stage on the GPU at all.
+        budget: the most GPU memory (bytes) staging may take; None: what is free less the headroom.
         replace: slots whose files must be replaced, not reused (a restored state is a mapping of them):
             a new file is made under the temp name, and the old one keeps its snapshot until the new one
             takes its name (HostSnapshot, when it first writes that slot).
     """
 
     def __init__(
-        self, dir_fd: int, rank: int, nbytes: int, cuda: int | None, *, staging: bool, replace: set[int]
+        self,
+        dir_fd: int,
+        rank: int,
+        nbytes: int,
+        cuda: int | None,
+        *,
+        staging: bool,
+        replace: set[int],
+        budget: int | None = None,
     ) -> None:
-        self.nbytes, self.cuda = nbytes, cuda
+        self.nbytes, self.cuda, self.budget = nbytes, cuda, budget
         self.result = Prepared()
-        self._args = (dir_fd, rank, staging, replace)
+        self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-snapshot-prepare", daemon=True)
+        self._map(dir_fd, rank, staging, replace)
+        if self.result.error is not None:
+            return
         if nbytes < PREPARE_INLINE_BELOW:
-            self._run()  # milliseconds: done before the first snapshot is due, so the cadence is exact
+            self._run()  # milliseconds: done before the first snapshot is due
         else:
             self._thread.start()
 
@@ -93,9 +113,8 @@ class Preparation:
             self._thread.join()
         return self.result
 
-    def _run(self) -> None:
-        started = time.perf_counter()
-        dir_fd, rank, staging, replace = self._args
+    def _map(self, dir_fd: int, rank: int, staging: bool, replace: set[int]) -> None:
+        """The usable part, at once: both slots sized and mapped sparse, and the staging buffer."""
         result = self.result
         try:
             for k in SLOTS:
@@ -106,20 +125,40 @@ class Preparation:
                         os.unlink(name, dir_fd=dir_fd)
                     result.renames[k] = name
                 result.slots[k] = Slot(dir_fd, name)
-            with concurrent.futures.ThreadPoolExecutor(len(SLOTS)) as pool:  # both page walks at once
-                sizing = [pool.submit(slot.ensure, self.nbytes, pin=False) for slot in result.slots.values()]
-                for done in sizing:
-                    done.result()
+            check_room(dir_fd, self.nbytes, list(result.slots.values()))
+            for slot in result.slots.values():
+                slot.map_sparse(self.nbytes)
+            if self.cuda is not None:
+                wanted = staging and self.budget != 0
+                result.staging = allocate_staging(self.nbytes, self.cuda, budget=self.budget) if wanted else None
+                result.mode = mode_of(self.nbytes, result.staging)
+        except BaseException as exc:  # reported by the training thread: snapshots off, one line
+            result.error = exc
+            result.seconds = time.perf_counter() - self._started
+
+    def _run(self) -> None:
+        result = self.result
+        try:
+            paced = self._thread.ident is not None  # on its own thread: in pieces, the training thread between
+            for slot in result.slots.values():
+                slot.fill(paced=paced)
             if self.cuda is not None:  # after the page walks: registering during one stalled the job's CUDA calls
                 for slot in result.slots.values():
                     slot.pin()
             result.pinned = all(slot.pinned for slot in result.slots.values())
-            if self.cuda is not None:
-                result.staging = allocate_staging(self.nbytes, self.cuda) if staging else None
-                result.mode = mode_of(self.nbytes, result.staging)
         except BaseException as exc:  # reported by the training thread: snapshots off, one line
             result.error = exc
-        result.seconds = time.perf_counter() - started
+        result.seconds = time.perf_counter() - self._started
+
+
+def check_room(dir_fd: int, nbytes: int, slots: list[Slot]) -> None:
+    """Raise ENOSPC unless the file system has room for every slot at `nbytes` (what they hold counts as room):
+    a snapshot written into a sparse slot before its fill must not meet a full /dev/shm (SIGBUS)."""
+    st = os.fstatvfs(dir_fd)
+    room = st.f_bavail * st.f_frsize + sum(slot.allocated() for slot in slots)
+    need = len(slots) * (HEADER_LEN + nbytes)
+    if room < need:
+        raise OSError(errno.ENOSPC, f"{need} bytes wanted for the slots, {room} free", "/dev/shm")
 
 
 def mode_of(nbytes: int, staging: Any) -> str:
@@ -128,11 +167,20 @@ def mode_of(nbytes: int, staging: Any) -> str:
     return "staged" if capacity >= nbytes else "partial" if capacity else "direct"
 
 
-def allocate_staging(nbytes: int, device: int, *, free_bytes: Callable[[int], tuple[int, int]] | None = None) -> Any:
-    """A uint8 buffer on `device` of up to `nbytes` (what fits under the headroom), or None when too little fits."""
+def allocate_staging(
+    nbytes: int,
+    device: int,
+    *,
+    budget: int | None = None,
+    free_bytes: Callable[[int], tuple[int, int]] | None = None,
+) -> Any:
+    """A uint8 buffer on `device` of up to `nbytes` (what fits under the headroom and the budget), or None when
+    too little fits."""
     torch = sys.modules["torch"]
     free, total = (free_bytes or torch.cuda.mem_get_info)(device)
     room = free - max(STAGING_HEADROOM, int(total * STAGING_HEADROOM_SHARE))
+    if budget is not None:
+        room = min(room, budget)
     want = min(_round_up(nbytes), room // _ALIGN * _ALIGN)
     with torch.cuda.device(device):
         while want >= MIN_STAGING:

@@ -9,9 +9,15 @@ slot whose state is not COMMITTED, and a reader never uses it (the two state val
 byte, so even a torn 4-byte store is neither); a reader also re-checks every chunk's crc as it
 copies the payload out, so bytes changed after the commit are caught too.
 
-The file is created with fallocate, so a full /dev/shm fails at once with ENOSPC instead of
-killing the rank with SIGBUS at its first copy, and mapped with MAP_POPULATE, so the first snapshot
-does not pay the page faults.
+A slot is usable as soon as it is sized and mapped (map_sparse: milliseconds); `fill` then
+allocates it (fallocate) and maps its pages in (so no snapshot pays the page faults), and `pin`
+registers it with CUDA. Both walk every page, so they go in pieces (SETUP_PIECE, PIN_PIECE) with
+the GIL released (mmap's MAP_POPULATE holds the GIL for the whole page walk, seconds per GiB, and
+the training thread of the same process could not run a line of Python meanwhile), each piece
+the registration's pieces under the slot's `gate`, which a snapshot writing the slot meanwhile
+holds (the set-up window, prepare.py; the fill needs none: it changes no byte). A sparse
+file written before its fill would kill the rank with SIGBUS if /dev/shm filled up: the set-up
+checks the room for both slots first (prepare.py), and the fill's fallocate fails with ENOSPC.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import stat
 import struct
 import sys
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -47,6 +54,8 @@ _CRC = struct.Struct("<I")
 HEADER_LEN = tensorfile.PAGE
 _MAX_CHUNKS = (HEADER_LEN - _FIXED.size - _CRC.size) // _CRC.size
 PIN_PIECE = 64 << 20  # registered with CUDA one piece at a time (see Slot._pin)
+SETUP_PIECE = 8 << 20  # sized and populated one piece at a time (see Slot.ensure)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in, writable, without writing it
 
 
 @dataclass(frozen=True)
@@ -125,12 +134,13 @@ class Slot:
         self._address: int | None = None  # the payload's address in this process while mapped
         self.map_s = 0.0  # of the last ensure(): sizing and mapping (the rest was pinning)
         self.pin_failed = False
+        self.gate = threading.Lock()  # held for each registered piece, and by a set-up window's copy into the slot
 
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)
 
-    def ensure(self, payload_len: int, *, pin: bool) -> float:
-        """Size the file for `payload_len` bytes (fallocate, map, pin); seconds it took (0 when already so).
+    def ensure(self, payload_len: int, *, pin: bool, paced: bool = False) -> float:
+        """Size the file for `payload_len` bytes (map_sparse, fill, pin); seconds it took (0 when already so).
 
         A file already of that size keeps its contents (a committed snapshot stays loadable until begin()).
 
@@ -141,18 +151,50 @@ class Slot:
         if self.map is not None and payload_len <= self.payload_capacity and pin == pinned:
             return 0.0
         started = time.monotonic()
+        self.map_sparse(payload_len)
+        self.fill(paced=paced)
+        if pin:
+            self._pin()
+        return time.monotonic() - started
+
+    def map_sparse(self, payload_len: int) -> None:
+        """Size the file (ftruncate: sparse) and map it: milliseconds, and writable at once (pages come on first
+        touch). A file already of that size keeps its contents.
+
+        Raises:
+            OSError: mapping failed.
+        """
         self.release()
         size = HEADER_LEN + tensorfile._align(payload_len, tensorfile.PAGE)
         if os.fstat(self.fd).st_size != size:  # a committed slot of the same size stays loadable until begin()
             self._invalidate_on_disk()
             os.ftruncate(self.fd, size)
-        os.posix_fallocate(self.fd, 0, size)
-        self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        self.map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)  # no MAP_POPULATE: it holds the GIL
         self.size, self.payload_capacity = size, size - HEADER_LEN
+
+    def fill(self, *, paced: bool = False) -> None:
+        """Allocate and populate the mapped file (the page walks: seconds per GiB), so no copy pays the faults.
+
+        In SETUP_PIECE pieces with the GIL released; `paced` (a set-up off the training thread) also pauses
+        after each piece as long as it took, so that the training thread gets the CPU and the process's
+        memory map between pieces. A copy into the slot may run meanwhile: neither changes a byte of it.
+
+        Raises:
+            OSError: no room in the shared-memory file system (ENOSPC).
+        """
+        assert self.map is not None
+        started = time.monotonic()
+        for offset in range(0, self.size, SETUP_PIECE):
+            _paced(paced, os.posix_fallocate, self.fd, offset, min(SETUP_PIECE, self.size - offset))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        for offset in range(0, self.size, SETUP_PIECE):
+            if not _paced(paced, _populate, base + offset, min(SETUP_PIECE, self.size - offset)):
+                break  # a kernel without MADV_POPULATE_WRITE: the first snapshot pays the page faults
         self.map_s = time.monotonic() - started
-        if pin:
-            self._pin()
-        return time.monotonic() - started
+
+    def allocated(self) -> int:
+        """Bytes of the file already backed by memory (a sparse file's holes are not)."""
+        return os.fstat(self.fd).st_blocks * 512
 
     def pin(self) -> float:
         """Register the mapping with CUDA when it is not yet (see _pin); seconds it took."""
@@ -195,7 +237,7 @@ class Slot:
         CUDA refuses a copy into host memory that crosses two registrations (invalid argument), so a
         device-to-host copy goes one span at a time.
         """
-        if len(self._registered) < 2:
+        if not self._registered:  # (one registered piece and the rest not, in the set-up window: cut too)
             return [(offset, length)] if length > 0 else []
         out = []
         end = offset + length
@@ -257,7 +299,8 @@ class Slot:
             cudart = torch.cuda.cudart()
             for address in range(base, base + self.size, PIN_PIECE):
                 started = time.monotonic()
-                code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
+                with self.gate:  # a set-up window's copy in flight into this slot finishes first
+                    code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
                 if code != 0:
                     reason = _cuda_error(cudart, code)
                     break
@@ -301,6 +344,32 @@ class Slot:
         self.release()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _paced(paced: bool, work: Any, *args: Any) -> Any:
+    """work(*args); when paced, then a pause as long as it took (the training thread's turn)."""
+    started = time.monotonic()
+    result = work(*args)
+    if paced:
+        time.sleep(time.monotonic() - started)
+    return result
+
+
+_LIBC: list[Any] = []
+
+
+def _populate(address: int, length: int) -> bool:
+    """Fault [address, address + length) of a shared mapping in (madvise, GIL released); False where unsupported."""
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            _LIBC.append(libc)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    libc = _LIBC[0]
+    return libc is not None and libc.madvise(address, length, _MADV_POPULATE_WRITE) == 0
 
 
 def _cuda_error(cudart: Any, code: int) -> str:

@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
-import statistics
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ from gpuwatch.snapshots.layout import (
     snapshot_root,
     user_dir_name,
 )
+from gpuwatch.snapshots.looptime import LoopTime
 from gpuwatch.snapshots.prepare import Preparation, Prepared
 from gpuwatch.snapshots.restore import (
     Candidate,
@@ -81,8 +81,6 @@ log = logging.getLogger("gpuwatch.snapshots")
 
 AUTO_WARMUP_STEPS = 3
 """With every="auto": step intervals measured before the first snapshot (its cost is judged against them)."""
-_INTERVALS = 50
-_COSTS = 8
 
 
 @dataclass(frozen=True)
@@ -118,9 +116,12 @@ class HostSnapshot:
         max_every: with every="auto", the largest K it picks.
         staging: on a GPU, stage the copy in GPU memory (as much of the state as fits) so the optimizer
             waits only for a device-to-device copy (prepare.py); False: copy device-to-host directly.
+        gpu_budget: the most GPU memory (bytes) staging may take; None: what is free after the first
+            step, less a headroom; 0: none (as staging=False). stats()["gpu_bytes"] says what it took.
 
     Raises:
-        ValueError: every is neither a positive integer nor "auto", or there is no job id.
+        ValueError: every is neither a positive integer nor "auto", there is no job id, or gpu_budget is
+            not a number of bytes.
     """
 
     def __init__(
@@ -137,9 +138,15 @@ class HostSnapshot:
         share: float = TARGET_SHARE,
         max_every: int = MAX_EVERY,
         staging: bool = True,
+        gpu_budget: int | None = None,
     ) -> None:
+        if gpu_budget is not None and (
+            isinstance(gpu_budget, bool) or not isinstance(gpu_budget, int) or gpu_budget < 0
+        ):
+            raise ValueError(f"gpu_budget must be a number of bytes (0 or more) or None, not {gpu_budget!r}")
         self._state_fn = state
         self._staging_wanted = staging
+        self.gpu_budget = gpu_budget
         self._every = parse_every(every)
         self._auto = self._every is None
         self.share, self.max_every = share, max_every
@@ -167,16 +174,15 @@ class HostSnapshot:
         self._stager: Stager | None = None  # the staged mode's buffer, stream and drain thread
         self._layout: Layout | None = None  # the state's layout, reused while its tensors are the same ones
         self._preparation: Preparation | None = None
+        self._window = False  # the set-up window: snapshots go into the slots as mapped (see _usable)
+        self._replace_all = False  # the next preparation makes new files for both slots (the state outgrew them)
         self._prepared: Prepared | None = None
         self._renames: dict[int, str] = {}
         self._seq = self._max_seq() + 1
         self._base: int | None = None  # the step this process resumed from (None: not told yet)
         self._last_snap_step: int | None = None
-        self._last_t: float | None = None
-        self._plain: deque[float] = deque(maxlen=_INTERVALS)  # step intervals with no snapshot in flight
-        self._costs: deque[float] = deque(maxlen=_COSTS)  # each snapshot's excess over the plain steps
-        self._hosts: deque[float] = deque(maxlen=_COSTS)  # of that, each one's time inside step (its host_s)
-        self._drains: deque[float] = deque(maxlen=_COSTS)  # boundary to commit, per snapshot
+        self._time = LoopTime()  # the loop's step intervals: what snapshots cost its wall time
+        self._wall_floor = 0  # with "auto": the least K the measured wall-time share allows
         self._cuda: int | None = None
         self._aliased: int | None = None  # the own slot the restored state is a mapping of
         self._disk_lock = threading.Lock()
@@ -184,9 +190,14 @@ class HostSnapshot:
         self._disk_slot: int | None = None
         self._disk_error: BaseException | None = None
         self.snapshots = 0
+        self.window_snapshots = 0  # of which taken in the set-up window
         self.committed_step: int | None = None
         self.state_bytes = 0
         self.setup_s = 0.0
+        self.ready_step: int | None = None  # the step at which the slots were ready (snapshots start from there)
+        self.ready_s: float | None = None  # seconds from the first step() to then, all off the training thread
+        self._first_t: float | None = None
+        self._step_now: int | None = None
         self.last_copy_s: float | None = None
         self.last_cost_s: float | None = None
         self.last_host_s: float | None = None
@@ -308,25 +319,28 @@ class HostSnapshot:
             self._job.host_s += time.perf_counter() - now
 
     def _on_step(self, step: int, now: float) -> None:
-        interval = now - self._last_t if self._last_t is not None else None
-        self._last_t = now
+        interval = self._time.tick(now)
+        self._step_now = step
+        if self._first_t is None:
+            self._first_t = now
         if self._base is None:
             self._resumed(step - 1)
-        if not self.ready():
-            if interval is not None:
-                self._plain.append(interval)
+        ready = self.ready()
+        if not ready and not self._usable():
             return
         job = self._job
-        if interval is not None:
+        timed = ready and self.ready_step != step and not (job is not None and job.window)
+        if interval is not None and timed:  # the set-up window's steps are neither plain nor a snapshot's
+            self._time.record(interval, in_flight=job is not None)
             if job is not None:
                 job.intervals.append(interval)
-            else:
-                self._plain.append(interval)
         if job is not None and job.committed.is_set():
             self._finish(job)
         elif isinstance(job, StagedJob):
             job.advance(self._drain_budget())
         if self._due(step):
+            if self._job is not None and self._job.window:
+                return  # a set-up window's drain (pageable) is not waited for: the next starts once it commits
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
                 self._finish(self._job)
             if self.enabled:
@@ -337,7 +351,7 @@ class HostSnapshot:
     def _drain_budget(self) -> int:
         """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time."""
         assert self._stager is not None
-        return self._stager.budget(statistics.median(self._plain) if self._plain else None)
+        return self._stager.budget(self._time.median_plain_step(recent=64))
 
     def wait(self) -> None:
         """Wait until the snapshot in flight (if any) is committed."""
@@ -346,7 +360,7 @@ class HostSnapshot:
 
     def snapshot_now(self, step: int) -> bool:
         """Take a snapshot of `step` and wait for its commit; False when snapshots are off or it failed."""
-        if not self.enabled or not self.ready(wait=True):
+        if not self.enabled or not self._usable():
             return False
         self.wait()
         self._start(step)
@@ -384,6 +398,33 @@ class HostSnapshot:
         self._adopt(preparation.join())
         return self.enabled
 
+    def _usable(self) -> bool:
+        """Whether a snapshot can be taken now: the slots are set up, or (the set-up window) they are mapped.
+
+        In the window a snapshot goes through the path that needs no pinned slot (CopyJob: staged on
+        the GPU when there was room, else device-to-host into pageable memory; on the CPU as always),
+        into the slots as mapped, holding the slot's gate while it writes: the slot's registration pauses
+        for it, and the K bound holds from the first step.
+        """
+        if self.ready():
+            return True
+        preparation = self._preparation
+        if not self.enabled or preparation is None:
+            return False
+        if not self._window:
+            self._take_slots(preparation.result)
+            self._window = True
+            self.mode = preparation.result.mode
+        return self.enabled
+
+    def _take_slots(self, prepared: Prepared) -> None:
+        """Use the slots prepared (closing those they replace)."""
+        for k, slot in self._slots.items():
+            if prepared.slots.get(k) is not slot:
+                slot.close()
+        self._slots = dict(prepared.slots)
+        self._renames = dict(prepared.renames)
+
     def _prepare(self) -> None:
         """Lay the state out (references only) and start preparing slots and staging for its size."""
         assert self._dir_fd is not None
@@ -396,10 +437,11 @@ class HostSnapshot:
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
-        replace = {self._aliased} if self._aliased is not None else set()
+        replace = set(SLOTS) if self._replace_all else {self._aliased} if self._aliased is not None else set()
+        self._replace_all = False
         self._cuda, self.state_bytes = cuda, flat.size
         self._preparation = Preparation(self._dir_fd, self.rank, flat.size, cuda, staging=self._staging_wanted,
-                                        replace=replace)  # fmt: skip
+                                        replace=replace, budget=self.gpu_budget)  # fmt: skip
 
     def _adopt(self, prepared: Prepared) -> None:
         """Take the prepared slots over, or turn snapshots off (one line) when they could not be made."""
@@ -410,11 +452,12 @@ class HostSnapshot:
             error = prepared.error
             self._disable(f"cannot keep the state in {self.directory}: {type(error).__name__}: {error}")
             return
-        for slot in self._slots.values():
-            slot.close()
-        self._slots = dict(prepared.slots)
-        self._renames = dict(prepared.renames)
+        if not self._window:
+            self._take_slots(prepared)
+        self._window = False
         self.setup_s += prepared.seconds
+        self.ready_step = self._step_now
+        self.ready_s = time.perf_counter() - self._first_t if self._first_t is not None else prepared.seconds
         self.mode = prepared.mode
         if prepared.mode == "staged" and prepared.pinned and self._cuda is not None:
             self._stager = Stager(prepared.staging, self._cuda)
@@ -422,15 +465,16 @@ class HostSnapshot:
         host = "pinned" if prepared.pinned else "pageable" if self._cuda is not None else "host"
         gpu = f", {_size(staged)} of GPU memory for staging" if staged else ""
         mapped = max((slot.map_s for slot in self._slots.values()), default=0.0)
-        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (mapped in %.2f s; set up off "
+        log.info("host snapshots of %s: mode %s%s, %s slots in %s, ready in %.2f s (filled in %.2f s; set up off "
                  "the training thread)", _size(self.state_bytes), prepared.mode, gpu, host, self.directory,
                  prepared.seconds, mapped)  # fmt: skip
 
     def _due(self, step: int) -> bool:
-        if self._every is None:
-            return self._job is None and len(self._plain) >= AUTO_WARMUP_STEPS
+        if self._every is None and not self._window:
+            return self._job is None and self._time.plain_steps >= AUTO_WARMUP_STEPS
+        every = self._every or self.max_every  # "auto" in the set-up window: its largest K keeps the bound
         last = self._last_snap_step if self._last_snap_step is not None else 0
-        return step - last >= self._every
+        return step - last >= every
 
     def _start(self, step: int) -> None:
         try:
@@ -445,6 +489,10 @@ class HostSnapshot:
                     self._disable("the state holds values a flat tensor file cannot (custom objects, sparse tensors)")
                     return
                 flat, cuda = planned, _cuda_device(planned)
+            if cuda != self._cuda or any(slot.payload_capacity < flat.size for slot in self._slots.values()):
+                self._set_up_again(flat.size)  # the new slots are usable at once (the set-up window)
+                if not self._usable() or any(s.payload_capacity < flat.size for s in self._slots.values()):
+                    return
             slot = self._target(flat.size, cuda)
             job: CopyJob | StagedJob
             if staged is not None and self._stager is not None and slot.pinned:
@@ -452,9 +500,7 @@ class HostSnapshot:
             else:
                 if self._stager is not None:  # the copy below writes the staging buffer in its own layout
                     self._stager.layout = None
-                staging = self._prepared.staging if self._prepared is not None else None
-                job = CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank,
-                              staging)  # fmt: skip
+                job = self._copy_job(step, slot, flat, cuda)
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
@@ -464,6 +510,37 @@ class HostSnapshot:
         self._job = job
         if not self._optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
+
+    def _copy_job(self, step: int, slot: Slot, flat: tensorfile.FlatState, cuda: int | None) -> CopyJob:
+        """A CopyJob; in the set-up window it holds the slot's gate (its registration pauses) until its commit."""
+        gate = slot.gate if self._window else None
+        if gate is not None:
+            gate.acquire()  # waits for one registered piece at most (milliseconds)
+        try:
+            return CopyJob(step, self._seq, slot, flat, self._owned(flat), cuda, self.world_size, self.rank,
+                           self._staging(), gate=gate)  # fmt: skip
+        except BaseException:
+            if gate is not None:
+                gate.release()
+            raise
+
+    def _staging(self) -> Any:
+        """The GPU staging buffer (also in the set-up window), or None."""
+        prepared = self._prepared or (self._preparation.result if self._window and self._preparation else None)
+        return prepared.staging if prepared is not None else None
+
+    def _set_up_again(self, nbytes: int) -> None:
+        """The state outgrew the slots (or moved): new ones are set up off the training thread, under temp names
+        so that the committed snapshots stay loadable meanwhile; snapshots resume once they are ready."""
+        log.info("host snapshot state is now %s: setting its slots up again, off the training thread", _size(nbytes))
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._prepared is not None:
+            self._prepared.staging = None  # the GPU memory goes back before the new buffer is taken
+        self._prepared, self._preparation, self._layout = None, None, None
+        self._replace_all, self._window = True, False
+        self.ready()
 
     def _staged_layout(self, state: Any) -> tuple[Layout, Any] | None:
         """In the staged mode: the state's layout (reused while its tensors are the same ones) and, when reused,
@@ -496,7 +573,7 @@ class HostSnapshot:
         if k == self._aliased:
             self._replace_slot(k)
         slot = self._slot(k)
-        setup_s = slot.ensure(nbytes, pin=cuda is not None)
+        setup_s = 0.0 if self._window else slot.ensure(nbytes, pin=cuda is not None)  # the window: as mapped
         if setup_s:
             log.info("host snapshot slot %s: %s in %s, set up in %.2f s", slot.name, _size(nbytes), self.directory,
                      setup_s)  # fmt: skip
@@ -517,29 +594,63 @@ class HostSnapshot:
         self.snapshots += 1
         self.committed_step = job.step
         self.last_copy_s = job.copy_s
-        self._drains.append(job.worker_s)
-        if self._plain and job.intervals:
-            plain = statistics.median(self._plain)
-            cost = sum(interval - plain for interval in job.intervals)
-            self.last_cost_s = cost
-            self.last_host_s = job.host_s
-            self._costs.append(cost)
-            self._hosts.append(job.host_s)
+        if job.window:  # taken while the slots were set up: its steps say nothing of a snapshot's cost
+            self.window_snapshots += 1
+            return
+        cost = self._time.snapshot_done(job.intervals, job.host_s, job.worker_s)
+        every = self._every
+        if cost is not None:
+            self.last_cost_s, self.last_host_s = cost, job.host_s
             if self._auto:
-                self._choose_every(plain)
+                self._choose_every()
+        if self.snapshots == 1 or every != self._every:
+            log.info("%s", self.describe())
 
-    def _choose_every(self, step_s: float) -> None:
-        """ "auto": the K that keeps the mean stall snapshots cost the loop under the share, given the drain's floor."""
-        cost_s = max(0.0, statistics.fmean(self._costs))
-        drain_s = statistics.median(self._drains)
-        every = choose_every(cost_s, step_s, share=self.share, max_every=self.max_every, background_s=drain_s)
-        self.auto_basis = (cost_s, step_s)
+    def describe(self) -> str:
+        """One line: the mode, the GPU memory it takes, the cadence and the steps a death may lose."""
+        bound = self.loss_bound()
+        every = f"every {self._every} step(s)" if self._every else "K not chosen yet"
+        lose = "?" if bound is None or not self._every else f"{bound} ({self._every} + {bound - self._every} of drain)"
+        return (f"host snapshots of {_size(self.state_bytes)}: mode {self.mode}, {_size(self.gpu_bytes())} of GPU "
+                f"memory, {every}; a death with no survivor loses at most {lose} steps")  # fmt: skip
+
+    def loss_bound(self) -> int | None:
+        """Steps a death with no survivor loses at most: K, plus the steps a snapshot's drain spans (the one in
+        flight is not committed yet). None until a snapshot was measured."""
+        step_s, drain_s = self._time.plain_step(), self._time.median_drain()
+        if not self._every or not step_s or drain_s is None:
+            return None
+        return self._every + math.ceil(drain_s / step_s)
+
+    def gpu_bytes(self) -> int:
+        """The GPU memory the snapshots hold between snapshots (the staging buffer)."""
+        staging = self._staging()
+        return 0 if staging is None else int(staging.numel())
+
+    def _choose_every(self) -> None:
+        """ "auto": the K that keeps what snapshots cost the loop's wall time under the share (looptime.py)."""
+        step_s, cost_s = self._time.median_plain_step(), self._time.mean_cost()
+        assert step_s is not None and cost_s is not None
+        drain_s = self._time.median_drain() or 0.0
+        every = choose_every(max(0.0, cost_s), step_s, share=self.share, max_every=self.max_every,
+                             background_s=drain_s)  # fmt: skip
+        measured = self._time.wall_share()
+        if (
+            self._every
+            and measured is not None
+            and measured > self.share
+            and self._time.since_restart >= 3 * self._every
+        ):
+            self._wall_floor = min(self.max_every, math.ceil(self._every * measured / self.share))
+        every = max(every, self._wall_floor)  # a K the wall time showed too short is not chosen again
+        self.auto_basis = (max(0.0, cost_s), step_s)
         if every != self._every:
             log.info(
                 "host snapshot of %s costs the loop %.4f s per snapshot (%d measured) of a %.4f s step, drains in "
                 "%.3f s: every %d step(s) keeps it under %g %%",
-                _size(self.state_bytes), cost_s, len(self._costs), step_s, drain_s, every, self.share * 100,
+                _size(self.state_bytes), cost_s, len(self._time.costs), step_s, drain_s, every, self.share * 100,
             )  # fmt: skip
+            self._time.restart_window()
         self._every = every
 
     def _target_slot(self) -> int:
@@ -589,7 +700,7 @@ class HostSnapshot:
         self._join_disk()
         job = self._job if self._job is not None and self._job.step == step else None
         k = None if job is not None else self._committed_slot(step)
-        if job is None and k is None and self.ready(wait=True):  # K does not divide the checkpoint cadence
+        if job is None and k is None and self._usable():  # K does not divide the checkpoint cadence
             if self._job is not None:
                 self._finish(self._job)
             if self.enabled:
@@ -747,43 +858,47 @@ class HostSnapshot:
         self.close(remove=finished)
 
     def stats(self) -> dict[str, Any]:
-        """What the snapshots cost and hold, for logs and the bench.
+        """What the snapshots cost and hold, for logs and the bench (looptime.py says how the costs are measured).
 
-        cost_s is what the last snapshot cost the loop: the step intervals it was in flight for, less
-        as many plain steps (step_s, their median); cost_share is the mean of that over K plain steps.
-        drain_s: from a snapshot's boundary to its commit (its bytes in the host slot, checksummed).
-        host_s is the part of cost_s the training thread spent inside `step` for that snapshot (the
-        boundary and the drain's portions); the rest is the GPU's (the copies' competition with the steps).
-        mean_cost_s and mean_host_s: the same over the last snapshots (what "auto" reads).
+        cost_share is what snapshots cost the loop's wall time: the mean step interval over the recent
+        steps since snapshots run (at the current K) against the mean plain step (step_s), less one.
+        cost_s is what the last snapshot added to the loop: the step intervals it was in flight for,
+        less as many typical (median) plain steps; mean_cost_s the same over the last snapshots
+        ("auto" chooses K from it, then raises K while cost_share is over its share). drain_s: from a
+        snapshot's boundary to its commit. host_s is the part of cost_s the training thread spent
+        inside `step` for that snapshot (the boundary and the drain's portions); the rest is the
+        GPU's (the copies' competition with the steps). ready_step and ready_s: when the slots were set up (off the
+        training thread); snapshots start there.
         """
-        staging = self._prepared.staging if self._prepared is not None else None
-        staged = 0 if staging is None else int(staging.numel())
-        mean_cost = statistics.fmean(self._costs) if self._costs else None
-        step_s = statistics.median(self._plain) if self._plain else None
-        cost_share = None
-        if mean_cost is not None and step_s and self._every:
-            cost_share = max(0.0, mean_cost) / (self._every * step_s)
+        staged = self.gpu_bytes()
+        mean_cost = self._time.mean_cost()
         return {
             "enabled": self.enabled,
             "disabled_reason": self.disabled_reason,
             "directory": str(self.directory),
             "every": self._every,
             "snapshots": self.snapshots,
+            "window_snapshots": self.window_snapshots,
             "committed_step": self.committed_step,
             "state_bytes": self.state_bytes,
             "host_bytes": 2 * self.state_bytes,
             "setup_s": self.setup_s,
+            "ready_step": self.ready_step,
+            "ready_s": self.ready_s,
             "mode": self.mode,
             "pinned": bool(self._prepared and self._prepared.pinned),
             "staging_bytes": staged,
+            "gpu_bytes": self.gpu_bytes(),
+            "gpu_budget": self.gpu_budget,
+            "loss_bound_steps": self.loss_bound(),
             "copy_s": self.last_copy_s,
-            "drain_s": statistics.median(self._drains) if self._drains else None,
+            "drain_s": self._time.median_drain(),
             "cost_s": self.last_cost_s,
             "host_s": self.last_host_s,
-            "mean_host_s": statistics.fmean(self._hosts) if self._hosts else None,
+            "mean_host_s": self._time.mean_host(),
             "mean_cost_s": mean_cost,
-            "step_s": step_s,
-            "cost_share": cost_share,
+            "step_s": self._time.plain_step(),
+            "cost_share": self._time.wall_share(),
             "device": "cpu" if self._cuda is None else f"cuda:{self._cuda}",
             "auto_basis": self.auto_basis,
         }

@@ -166,6 +166,7 @@ class StagedJob:
         self.committed = threading.Event()
         self.error: BaseException | None = None
         self.released = False
+        self.window = False  # staged snapshots start once the slots are set up (pinned)
         self.started = time.perf_counter()
         self.worker_s = self.copy_s = self.drain_s = 0.0
         self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)

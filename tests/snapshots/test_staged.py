@@ -52,6 +52,8 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
         assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # they tile the range
         for at, n in spans:  # each within one piece of the mapping (the header is in the first)
             assert (HEADER_LEN + at) // PIN_PIECE == (HEADER_LEN + at + n - 1) // PIN_PIECE
+        slot._registered = [0]  # the set-up window: the first piece registered, the rest not yet
+        assert slot.spans(offset, length) == spans
         slot._registered = []
         assert slot.spans(offset, length) == [(offset, length)]
     finally:
@@ -63,8 +65,7 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
 def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A registration that waits for another slot's page walk holds the driver's lock: the job's CUDA calls wait."""
     events: list[tuple[str, str]] = []
-    mapped = lambda self, n, *, pin: events.append(("map+pin" if pin else "map", self.name))  # noqa: E731
-    monkeypatch.setattr(Slot, "ensure", mapped)
+    monkeypatch.setattr(Slot, "fill", lambda self, **_: events.append(("fill", self.name)))
     monkeypatch.setattr(Slot, "pin", lambda self: events.append(("pin", self.name)))
     dir_fd = open_job_dir(str(tmp_path), "order")
     try:
@@ -73,7 +74,7 @@ def test_both_slots_are_mapped_before_either_is_registered(tmp_path: Path, monke
         os.close(dir_fd)
     assert prepared.error is None, prepared.error
     kinds = [kind for kind, _ in events]
-    assert kinds == ["map", "map", "pin", "pin"], events
+    assert kinds == ["fill", "fill", "pin", "pin"], events
     names = {"rank-00000.slot0", "rank-00000.slot1"}
     assert {name for _, name in events[:2]} == {name for _, name in events[2:]} == names
     for slot in prepared.slots.values():

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             link.step(job.step, loss)
             line: dict[str, Any] = {"t": time.time(), "pid": os.getpid(), "rank": job.rank, "world": job.world_size}
             line.update(generation=job.generation, step=job.step, loss=loss)
+            snapshot = getattr(job.source, "snapshot", None)  # snapshots start once its slots are set up
+            line["snapshots_from"] = snapshot.ready_step if snapshot is not None else None
             if args.checksum:
                 line["checksum"] = sum(float(p.double().sum()) for p in model.parameters())
             if first:
