@@ -34,7 +34,18 @@ def shm_root(tmp_path: Path) -> Iterator[str]:
         yield root
 
 
-def test_no_step_during_the_set_up_is_slower_than_four_plain_steps(shm_root: str) -> None:
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The training thread computes on one core, as a GPU job's host thread does: torch's intra-op pool on
+    every core would make each step wait for whichever core the set-up (or another test) is busy on."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow  # a bar on step times: judged in the serial lane, with no other test on the machine's cores
+def test_no_step_during_the_set_up_is_slower_than_four_plain_steps(shm_root: str, one_thread: None) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     frozen = torch.nn.Embedding(1 << 16, 1024)  # 256 MiB the loop reads and never trains (a frozen table)
