@@ -26,7 +26,12 @@ WHOLE_SYSTEM = {
 }
 # Tests that read a measurement's own code: the store's coordinator loop as the scale bench hosts it (it runs
 # against older checkouts too), and the interference bench's condition names the metrics page mentions.
-READS_THE_BENCH = {"inplace/test_relay.py", "inplace/test_membership_scale.py", "serving/test_metrics.py"}
+READS_THE_BENCH = {
+    "inplace/test_relay.py",
+    "inplace/test_membership_scale.py",
+    "serving/test_metrics.py",
+    "hardware/snapshot_cost.py",  # the GPU script that prints the bench's snapshot modes
+}
 
 
 def imported_modules(path: Path) -> set[str]:
