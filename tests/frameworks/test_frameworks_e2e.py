@@ -77,8 +77,11 @@ def test_after_a_killed_rank_and_the_resume_every_logged_loss_equals_an_uninterr
     log, stderr = _strike_past_step_70(node, framework, tmp_path / "out", FAULTS["sigkill"][0])
 
     assert log.lost() == 0 and log.launches[1][-1] == 110, stderr[-3000:]
-    assert sorted(log.losses) == sorted(plain.losses) == list(range(1, 111))
-    differ = {s: (log.losses[s], plain.losses[s]) for s in plain.losses if log.losses[s] != plain.losses[s]}
+    assert sorted(plain.losses) == list(range(1, 111))
+    # HF logs a step's loss after its step-end callbacks, where the survivor's rescue saves that step and
+    # ends the run: the rescued step may have no loss line of its own (it is not redone). No other may lack one.
+    assert set(plain.losses) - set(log.losses) <= {log.resumed_from}, (log.resumed_from, sorted(log.losses))
+    differ = {s: (log.losses[s], plain.losses[s]) for s in log.losses if log.losses[s] != plain.losses[s]}
     assert not differ, f"resumed from step {log.resumed_from}; losses that differ: {differ}"
     print(f"\n{framework}: resumed from step {log.resumed_from}; every loss equals the uninterrupted run's")
 
