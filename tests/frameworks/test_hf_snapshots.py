@@ -54,9 +54,12 @@ class DieAfter(TrainerCallback):  # type: ignore[misc]
 @pytest.fixture
 def link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TrainerLink]:
     monkeypatch.setenv("GPUWATCH_JOB_ID", "hf-snapshot-test")
-    previous = signal.getsignal(signal.SIGTERM)
+    # A closed link leaves SIGUSR1 ignored (a late stop must not kill a job's epilogue): put both back, or
+    # every child this test process starts later would inherit the ignored SIGUSR1.
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
     yield TrainerLink(tmp_path / "run", report_interval_s=3600.0, gpu_uuid="GPU-test")
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def _trainer(out: Path, link: TrainerLink, spy: DieAfter, steps: int = 30) -> tuple[Trainer, GpuwatchCallback]:
