@@ -211,7 +211,7 @@ class StepEngine:
         self._quarantined = False
         self._in_collective = False
         self._aborted_for = 0
-        self._group_sockets: dict[int, int] = {}  # fd -> inode of the current gloo group's connections
+        self._group_sockets: dict[int, int] = {}  # fd -> inode: the generation's group's and source's
         self._pending: tuple[int, float] | None = None  # (generation, since): to form at the next step's start
         self._gpu_uuid = link.gpu_uuid if link is not None else _visible_uuid()
         runtime_dir = (
@@ -380,10 +380,14 @@ class StepEngine:
             self._leave(generation)
         marks.append(time.monotonic())
         rank, world = self._position(generation), len(generation.members)
+        sockets_before = socket_inodes()
         self._form_group(generation, rank, world)
         marks.append(time.monotonic())
         held = self._step if self._has_state else None
-        synced = self.source.sync(Group(rank, world, self._place_count(), held, self._device))
+        try:
+            synced = self.source.sync(Group(rank, world, self._place_count(), held, self._device))
+        finally:  # the source's own groups too (a device mesh's subgroups): a failure shuts them down with it
+            self._group_sockets = {fd: ino for fd, ino in socket_inodes().items() if sockets_before.get(fd) != ino}
         self._step, self._has_state = synced.step, True
         if self.source.keeps_place and world != self._place_count():  # shrunk or grown: the job's places now
             self._places = world
@@ -406,12 +410,10 @@ class StepEngine:
 
     def _form_group(self, generation: Generation, rank: int, world: int) -> None:
         """The one place a generation's process group is formed (the default group, under `pg/<generation>/`)."""
-        sockets_before = socket_inodes()
         form_group(  # the group proves itself (gpuwatch.inplace.groupproof) before it carries state
             self.backend, self._store, f"pg/{generation.number}", rank, world,
             self._timeout, self._secret, self._device, label=f"generation {generation.number}",
         )  # fmt: skip
-        self._group_sockets = {fd: ino for fd, ino in socket_inodes().items() if sockets_before.get(fd) != ino}
         self._gen = generation
         self._aborted_for = 0
 

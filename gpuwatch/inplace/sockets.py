@@ -4,10 +4,12 @@ torch 2.13's ProcessGroupGloo cannot be aborted, and its connections close only 
 reference to the group goes (DDP's hooks on the module's parameters keep one for the module's
 life). A rank whose collective failed must still free the peers that wait to receive from it (it is
 alive, so gloo sees no error there), so it shuts those connections down itself: the peers get
-"connection closed" at once. The group's sockets are told from the others by taking the process's
-socket descriptors before and after the group is created; a descriptor number reused since is left
-alone (its inode differs), and so are listening sockets (gloo's listener thread ends the process
-when its accept() fails). Linux only (/proc/self/fd); elsewhere nothing is found and nothing is done.
+"connection closed" at once. The generation's sockets are told from the others by taking the
+process's socket descriptors before its group is formed and after its state source is synced (a
+device mesh's subgroups are formed there, and a survivor may wait on one of those); a descriptor
+number reused since is left alone (its inode differs), and so are listening sockets (gloo's listener
+thread ends the process when its accept() fails) and anything but TCP (a unix socket to the daemon
+made meanwhile). Linux only (/proc/self/fd); elsewhere nothing is found and nothing is done.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def shut_down(sockets: dict[int, int]) -> None:
         with contextlib.suppress(OSError):
             dup = socket.socket(fileno=os.dup(fd))
             try:
-                if dup.type == socket.SOCK_STREAM and not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                tcp = dup.family in (socket.AF_INET, socket.AF_INET6) and dup.type == socket.SOCK_STREAM
+                if tcp and not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     dup.getpeername()  # raises for a socket that is not connected
                     dup.shutdown(socket.SHUT_RDWR)  # acts on the socket itself: gloo's own descriptor sees it
             finally:
