@@ -35,7 +35,9 @@ torchrun numbers the ranks across nodes of different sizes, though its docs only
 
 Its parts: torchrun's command line (launcher.torchrun_args), its process and how it ended
 (launcher.torchrun_process), the job's progress (launcher.launch_progress), the relaunch policy
-(launcher.relaunch_policy), the command's options and checks (launcher.launch_options).
+(launcher.relaunch_policy), the command's options and checks (launcher.launch_options). The loop
+runs in the command's thread and takes no lock: the quarantine watch tells it to stop only through
+a StopSwitch (an Event), and the progress watch's fields are read after its thread is joined.
 """
 
 from __future__ import annotations

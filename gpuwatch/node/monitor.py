@@ -115,6 +115,7 @@ class Monitor:
 
     @property
     def _injections(self) -> dict[int, Injection]:
+        """The injections in force, by GPU (the overlay's own dict: a test plants a bad one there)."""
         return self._drills.injections
 
     # ---------------------------------------------------------------------------------------
