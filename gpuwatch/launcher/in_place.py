@@ -61,7 +61,13 @@ from gpuwatch.inplace.relay import RELAY_ENV, NodeRelay, node_relay
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S, JoinWatch
 from gpuwatch.spares.pool import Spare, SparePool
-from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV, SPARE_STAGE_ENV, SPARE_WARM_S_ENV
+from gpuwatch.trainer.contract import (
+    EXIT_RESUME,
+    RUNTIME_DIR_ENV,
+    SPARE_STAGE_ENV,
+    SPARE_WARM_S_ENV,
+    STANDBY_BESIDE_ENV,
+)
 
 EXIT_STOPPED = 3
 
@@ -353,6 +359,8 @@ class Supervisor:
         env[JOB_ENV] = self.plan.job_id
         env[STORE_ENV] = self.address
         env[SECRET_FILE_ENV] = self.secret_file
+        if self.spares is not None and self.spares.count and self.spares.standby:
+            env[STANDBY_BESIDE_ENV] = "1"  # its snapshots leave the next standby's room on the GPU
         return env
 
     def _standby_env(self, uuid: str) -> dict[str, str] | None:

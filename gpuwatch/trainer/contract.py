@@ -65,6 +65,9 @@ SPARE_STAGE_ENV = "GPUWATCH_SPARE_STAGE"  # how far a spare was at its hand-over
 SPARE_STAGES = ("standby", "warm", "starting")  # the job's set-up done up to its join; torch imported; neither
 """Set in a rank's environment when a warm spare took the rank over (gpuwatch.spares): the seconds it waited warm.
 A rank with it reports `spare: true`, so the daemon records that a spare brought its job back."""
+STANDBY_BESIDE_ENV = "GPUWATCH_STANDBY_BESIDE"
+"""Set to "1" by `gpuwatch launch --in-place` for its ranks when it keeps standbys of the job beside them: host
+snapshots then leave a standby's room on the GPU by default (gpuwatch.snapshots.budget)."""
 
 _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
 
