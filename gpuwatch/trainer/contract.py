@@ -195,6 +195,17 @@ def hello(pid: int | None = None) -> bytes:
     return json.dumps(body).encode()
 
 
+EXIT_NOTE_PREFIX = b'{"rank_exit"'
+"""An exit note, sent on the report socket by the launcher that started a rank (`gpuwatch launch --in-place`):
+`{"rank_exit": {"pid": P, "t": T}}`, T the Unix time the launcher saw the rank's exit begin. The daemon dates
+that rank's death by it (a kill's teardown ends seconds later) and takes it only from the rank's parent."""
+
+
+def exit_note(pid: int, t: float) -> bytes:
+    """The exit note of rank `pid`, whose exit began at Unix time `t`."""
+    return json.dumps({"rank_exit": {"pid": pid, "t": round(t, 6)}}).encode()
+
+
 def hello_protocol(data: bytes) -> int | None:
     """The protocol version a hello message names (0 for a hello that names none sensibly), or None: no hello."""
     if not data.startswith(b'{"hello"'):
