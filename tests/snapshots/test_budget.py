@@ -6,57 +6,27 @@ free memory and a torch whose `empty` hands out sized placeholders.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
 from gpuwatch.snapshots import prepare
 from gpuwatch.snapshots.budget import staging_budget
 from gpuwatch.snapshots.layout import open_job_dir
 from gpuwatch.trainer.contract import STANDBY_BESIDE_ENV
+from tests.snapshots.conftest import GIB, free_gib
 
-GIB = 1 << 30
 STANDBY = {STANDBY_BESIDE_ENV: "1"}
-
-
-def _free(free_gib: float, total_gib: float = 80) -> Any:
-    return lambda _device: (int(free_gib * GIB), int(total_gib * GIB))
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A torch whose CUDA allocations are placeholders of their size, and whose GPU (80 GiB) has 56 GiB free."""
-    asked: list[int] = []
-
-    def empty(n: int, **_: Any) -> Any:
-        asked.append(n)
-        return SimpleNamespace(numel=lambda: n)
-
-    fake = SimpleNamespace(
-        empty=empty,
-        uint8=torch.uint8,
-        cuda=SimpleNamespace(
-            device=lambda _: contextlib.nullcontext(),
-            OutOfMemoryError=RuntimeError,
-            mem_get_info=_free(56),
-            is_available=lambda: False,  # the slots stay unpinned
-        ),
-    )
-    monkeypatch.setitem(sys.modules, "torch", fake)
-    return asked
 
 
 def test_with_standbys_the_budget_leaves_free_what_the_rank_then_holds_plus_the_headroom() -> None:
     # The 16 GiB job on an 80 GiB GPU: 24 GiB in use after the rank's first step, 56 GiB free; the headroom
     # is 4 GiB (5 % of 80). Staging may take (56 - 4 - 24) / 2 = 14 GiB: then 42 GiB stay free, the rank
     # holds 38 GiB, and the launcher's check for a standby (free >= held) passes with the 4 GiB to spare.
-    budget = staging_budget(None, 0, environ=STANDBY, free_bytes=_free(56))
+    budget = staging_budget(None, 0, environ=STANDBY, free_bytes=free_gib(56))
     assert budget.limit == 14 * GIB
     assert budget.why == "leaves a standby's room: (56.00 GiB free - 4.00 GiB headroom - 24.00 GiB in use) / 2"
     free_after, held_after = 56 * GIB - budget.limit, 24 * GIB + budget.limit
@@ -64,11 +34,11 @@ def test_with_standbys_the_budget_leaves_free_what_the_rank_then_holds_plus_the_
 
 
 def test_the_headroom_is_2_gib_on_a_small_gpu() -> None:
-    assert staging_budget(None, 0, environ=STANDBY, free_bytes=_free(30, 40)).limit == 9 * GIB  # (30 - 2 - 10) / 2
+    assert staging_budget(None, 0, environ=STANDBY, free_bytes=free_gib(30, 40)).limit == 9 * GIB  # (30 - 2 - 10) / 2
 
 
 def test_no_room_left_is_a_budget_of_zero_not_a_negative_one() -> None:
-    assert staging_budget(None, 0, environ=STANDBY, free_bytes=_free(30)).limit == 0  # (30 - 4 - 50) < 0
+    assert staging_budget(None, 0, environ=STANDBY, free_bytes=free_gib(30)).limit == 0  # (30 - 4 - 50) < 0
 
 
 def test_without_standbys_and_with_a_given_budget_nothing_is_measured() -> None:
@@ -128,7 +98,7 @@ def test_a_gpu_with_no_room_beside_the_standby_drains_directly(
     tmp_path: Path, fake_gpu: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(STANDBY_BESIDE_ENV, "1")
-    monkeypatch.setattr(sys.modules["torch"].cuda, "mem_get_info", _free(30))  # 50 GiB in use: (30 - 4 - 50) < 0
+    monkeypatch.setattr(sys.modules["torch"].cuda, "mem_get_info", free_gib(30))  # 50 GiB in use: (30 - 4 - 50) < 0
     prepared = _prepare(tmp_path, 1 << 20)
     assert prepared.budget is not None and prepared.budget.limit == 0
     assert prepared.mode == "direct" and prepared.staging is None and fake_gpu == []
