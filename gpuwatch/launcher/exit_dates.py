@@ -2,9 +2,11 @@
 
 A killed rank with many GiB of pinned memory takes the kernel a second or more to tear down, and the
 daemon's exit watch fires only then; its guess of the onset (the last step's end plus a step time) errs by
-the step in flight. The in-place launcher sees the exit begin within milliseconds (the spare's runner, its
-/proc flags; else the reap), so it sends an exit note on the daemon's report socket, the channel its ranks
-report on, as the rank's parent: the daemon takes a note from that process only (gpuwatch.reports.board).
+the step in flight. The in-place launcher sees the exit of a rank under the spare's runner (every rank of
+a launch with spares) begin within milliseconds (its runner's last word, its /proc flags), so it sends an
+exit note on the daemon's report socket, the channel its ranks report on, as the rank's parent: the daemon
+takes a note from that process only (gpuwatch.reports.board). A rank without the runner is known only at
+its reap, after the teardown: no note (the daemon's guess is closer).
 A note that cannot be sent (no daemon) costs nothing but the daemon's guess.
 """
 

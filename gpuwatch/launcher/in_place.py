@@ -143,7 +143,7 @@ class _Worker:
     process: subprocess.Popen[bytes]
     code: int | None = None
     runner: Spare | None = None  # the spare's runner it runs under: its last word
-    exit_t: float | None = None  # the Unix time its exit was seen to begin (or its reap, without a runner)
+    exit_t: float | None = None  # the Unix time its exit was seen to begin (or its reap, if that came first)
 
 
 @dataclass
@@ -471,7 +471,8 @@ class Supervisor:
             after = _SPARE_AFTER_S if self.spares is not None and self.spares.count else _REPLACE_AFTER_S
             self.gpus.replace_at[worker.uuid] = time.monotonic() + after
             how = _how(code) if not began else "killed" if code == _NO_WORD else f"ending with {code}"
-            self._exit_dates.exit_began(worker.process.pid, worker.exit_t or time.time())  # the incident's onset
+            if worker.runner is not None:  # its exit was watched as it began: the incident's onset (exit_dates)
+                self._exit_dates.exit_began(worker.process.pid, worker.exit_t or time.time())
             self.echo(f"gpuwatch launch: in place: {worker.member} on {where} {how}: the others go on")
 
     def _grow(self) -> None:
