@@ -59,9 +59,16 @@ from gpuwatch.inplace.protocol import (
 )
 from gpuwatch.inplace.relay import RELAY_ENV, NodeRelay, node_relay
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
+from gpuwatch.launcher.exit_dates import ExitDates
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S, JoinWatch
 from gpuwatch.spares.pool import Spare, SparePool
-from gpuwatch.trainer.contract import EXIT_RESUME, RUNTIME_DIR_ENV, SPARE_STAGE_ENV, SPARE_WARM_S_ENV
+from gpuwatch.trainer.contract import (
+    EXIT_RESUME,
+    RUNTIME_DIR_ENV,
+    SPARE_STAGE_ENV,
+    SPARE_WARM_S_ENV,
+    STANDBY_BESIDE_ENV,
+)
 
 EXIT_STOPPED = 3
 
@@ -136,6 +143,7 @@ class _Worker:
     process: subprocess.Popen[bytes]
     code: int | None = None
     runner: Spare | None = None  # the spare's runner it runs under: its last word
+    exit_t: float | None = None  # the Unix time its exit was seen to begin (or its reap, if that came first)
 
 
 @dataclass
@@ -181,6 +189,7 @@ class Supervisor:
         self._relay: NodeRelay | None = None  # the node's one watcher of the job's store, for its ranks
         self._coordinator: threading.Thread | None = None
         self._join_watch: JoinWatch | None = None  # until a worker joins: made when the store is open
+        self._exit_dates = ExitDates(plan.runtime_dir)  # a death's onset, for the daemon's incident
 
     def run(self) -> int:
         """Run the job until it finishes; 0 on success.
@@ -200,6 +209,7 @@ class Supervisor:
         try:
             return self._run(chosen, want, str(made or self.plan.secret_file))
         finally:
+            self._exit_dates.close()
             if self._relay is not None:
                 self._relay.close()
             if self._server is not None:
@@ -339,8 +349,7 @@ class Supervisor:
         self.workers.append(worker)
         self.gpus.used.add(uuid)
         # A thread blocked in waitpid per worker: its exit is known the moment it happens, at no cost meanwhile.
-        waiter = threading.Thread(target=lambda: self._exits.put((worker, process.wait(), False)), daemon=True)
-        waiter.start()
+        threading.Thread(target=self._wait, args=(worker,), daemon=True).start()
         if runner is not None:
             threading.Thread(target=self._watch_exit, args=(worker,), daemon=True).start()
 
@@ -353,6 +362,8 @@ class Supervisor:
         env[JOB_ENV] = self.plan.job_id
         env[STORE_ENV] = self.address
         env[SECRET_FILE_ENV] = self.secret_file
+        if self.spares is not None and self.spares.count and self.spares.standby:
+            env[STANDBY_BESIDE_ENV] = "1"  # its snapshots leave the next standby's room on the GPU
         return env
 
     def _standby_env(self, uuid: str) -> dict[str, str] | None:
@@ -367,6 +378,11 @@ class Supervisor:
             return None
         return self._rank_env(uuid)
 
+    def _wait(self, worker: _Worker) -> None:
+        code = worker.process.wait()
+        worker.exit_t = worker.exit_t or time.time()
+        self._exits.put((worker, code, False))
+
     def _watch_exit(self, worker: _Worker) -> None:
         """A worker under the spare's runner is taken for dead at once (its reap comes when its memory is
         freed): when its job said it failed (a code other than 0 and 75: only the interpreter's shutdown
@@ -380,6 +396,7 @@ class Supervisor:
             if began is None:
                 return  # reaped meanwhile: the waiter has it
             if word is not None or began:
+                worker.exit_t = time.time()
                 self._exits.put((worker, _NO_WORD if word is None else word, True))
                 return
             time.sleep(_EXIT_POLL_S)
@@ -454,6 +471,8 @@ class Supervisor:
             after = _SPARE_AFTER_S if self.spares is not None and self.spares.count else _REPLACE_AFTER_S
             self.gpus.replace_at[worker.uuid] = time.monotonic() + after
             how = _how(code) if not began else "killed" if code == _NO_WORD else f"ending with {code}"
+            if worker.runner is not None:  # its exit was watched as it began: the incident's onset (exit_dates)
+                self._exit_dates.exit_began(worker.process.pid, worker.exit_t or time.time())
             self.echo(f"gpuwatch launch: in place: {worker.member} on {where} {how}: the others go on")
 
     def _grow(self) -> None:

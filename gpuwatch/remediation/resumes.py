@@ -26,6 +26,7 @@ from collections.abc import Callable
 from gpuwatch.model import TrainerInfo
 from gpuwatch.node.ranks import JobKey
 from gpuwatch.remediation.incidents import PATH_IN_PLACE, PATH_SPARE, Incident
+from gpuwatch.remediation.onset import launcher_onset
 from gpuwatch.reports import Report
 
 log = logging.getLogger("gpuwatch.remediation")
@@ -73,6 +74,7 @@ class ResumeWatches:
         for incident in self.incidents():
             if incident.status == "stopping":
                 continue  # its own ranks are still going
+            launcher_onset(incident, reports)  # an exit note read since the incident opened dates the death
             if self._back(incident, reports):
                 log.warning(
                     "job %s %s at step %d, %.1f s after the %s on GPU %s began (%s step(s) lost)",

@@ -352,7 +352,7 @@ class Remediation:
             reason,
             rank.gpu,
             [] if in_place else peers,
-            began_t=cause.t if cause is not None else death_onset(report.info, now),
+            began_t=cause.t if cause is not None else death_onset(report.info, now, report.exit_t),
             t=now,
             dead=[dead],
             path=PATH_IN_PLACE if in_place else PATH_RELAUNCH,

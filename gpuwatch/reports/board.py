@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from gpuwatch.base.procfs import ProcFs
 from gpuwatch.base.sourcelog import SourceLog
 from gpuwatch.model import TrainerInfo
+from gpuwatch.reports.exit_notes import parse_exit_note
 from gpuwatch.reports.parse import ReportError, parse_report
 from gpuwatch.trainer.contract import REPORT_PROTOCOL, STEP_PAGE_BYTES, StepPage, read_step_page
 
@@ -46,6 +47,7 @@ class Report:
     info: TrainerInfo
     owner_uid: int
     alive: bool
+    exit_t: float | None = None  # when its exit began, as its launcher (its parent) said: an exit note
 
     @property
     def running(self) -> bool:
@@ -63,14 +65,22 @@ class _Entry:
     page_fd: int | None = None
     connected: int = 0  # connections of this process now open
     gone_mono: float | None = None  # when the process was first found gone
+    parent: int | None = None  # its parent's pid when it connected: the only process whose exit note it takes
+    exit_t: float | None = None  # when its exit began, from its parent's exit note
 
 
 class ReportBoard:
     """The entries, keyed by pid; every method may be called from any thread."""
 
-    def __init__(self, proc: ProcFs | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        proc: ProcFs | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.proc = proc or ProcFs()
         self.clock = clock
+        self.wall = wall  # the Unix time an exit note is checked against
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self.refused: Counter[str] = Counter()
@@ -102,6 +112,7 @@ class ReportBoard:
                 entry = self._entries[pid] = _Entry(pid, uid, start_time if start_time is not None else _GONE)
                 identity = self.proc.known_identity(pid)
                 entry.exe = identity.exe if identity is not None else None
+                entry.parent = self.proc.parent(pid)
             elif entry.connected >= MAX_CONNECTIONS_PER_PID:
                 return self._refused("user_limit", uid, "pid %d (uid %d) is connected already", pid, uid)
             entry.connected += 1
@@ -133,6 +144,28 @@ class ReportBoard:
                 entry.info = parse_report(data, pid)
             except ReportError as exc:
                 self._refuse("invalid", entry.uid, "ignoring a report of pid %d (uid %d): %s", pid, entry.uid, exc)
+            return True
+
+    def exit_note(self, pid: int, data: bytes, start_time: int | None = None) -> bool:
+        """An exit note (gpuwatch.reports.exit_notes) of an admitted connection: the time the exit of one of its
+        children began, taken for that child only when this process is its parent (of the same user). A note
+        of any other process, or out of bounds, changes nothing and is said in one line. False as `receive`."""
+        with self._lock:
+            sender = self._admitted(pid, None, start_time)
+            if sender is None:
+                return False
+            try:
+                child, t = parse_exit_note(data, self.wall())
+            except ReportError as exc:
+                uid = sender.uid
+                self._refuse("invalid", uid, "ignoring an exit note of pid %d (uid %d): %s", pid, uid, exc)
+                return True
+            entry = self._entries.get(child)
+            if entry is None or entry.parent != pid or entry.uid != sender.uid:
+                self._refuse("invalid", sender.uid, "ignoring an exit note of pid %d (uid %d): pid %d is no rank it "
+                             "started", pid, sender.uid, child)  # fmt: skip
+                return True
+            entry.exit_t = t
             return True
 
     def hello(self, pid: int, protocol: int, page_fd: int | None = None, start_time: int | None = None) -> bool:
@@ -234,7 +267,7 @@ class ReportBoard:
             )
         if page is not None and page.pause_until != info.pause_until:  # the page changes as a pause begins and ends
             changes.update(pause_until=page.pause_until, pause=info.pause or "a declared pause")
-        return Report(replace(info, **changes), entry.uid, alive)  # type: ignore[arg-type]
+        return Report(replace(info, **changes), entry.uid, alive, entry.exit_t)  # type: ignore[arg-type]
 
     def _read_page(self, entry: _Entry) -> StepPage | None:
         fd = entry.page_fd

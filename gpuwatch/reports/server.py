@@ -47,7 +47,7 @@ from pathlib import Path
 
 from gpuwatch.base.unixsock import address as socket_address
 from gpuwatch.reports.board import MAX_RANKS_PER_UID, ReportBoard
-from gpuwatch.trainer.contract import MAX_REPORT_BYTES, hello, hello_protocol
+from gpuwatch.trainer.contract import EXIT_NOTE_PREFIX, MAX_REPORT_BYTES, hello, hello_protocol
 
 log = logging.getLogger("gpuwatch.reports")
 
@@ -273,6 +273,12 @@ class ReportServer:
                         return
                     continue
                 self.board.hello(who[0], 1, None, who[1])  # an older rank: its first report is what it sends first
+            if data.startswith(EXIT_NOTE_PREFIX):  # a launcher dates its rank's exit (ReportBoard.exit_note)
+                _close_all([page] if page is not None else [])
+                if not self.board.exit_note(who[0], data, who[1]):
+                    self._disconnect(connection)
+                    return
+                continue
             if not self.board.receive(who[0], data, page, who[1]):  # its process is not the pid's any more
                 self._disconnect(connection)
                 return

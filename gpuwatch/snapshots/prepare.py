@@ -21,7 +21,8 @@ The mode says how a CUDA snapshot leaves the GPU (staged.py, copier.py):
 
 The staging buffer is taken from the GPU memory free after the first step, less a headroom (the
 larger of 2 GiB and 5 % of the GPU), so it does not take what the job's next steps need; a budget
-(HostSnapshot's gpu_budget) caps it further, 0 turns staging off.
+caps it further (budget.py: HostSnapshot's gpu_budget, 0 turns staging off; by default, under a
+launcher that keeps standbys of the job, what leaves a standby's room).
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatch.snapshots.budget import StagingBudget, headroom, staging_budget
 from gpuwatch.snapshots.layout import SLOTS, slot_name
 from gpuwatch.snapshots.slot import HEADER_LEN, Slot
 
-STAGING_HEADROOM = 2 << 30
-STAGING_HEADROOM_SHARE = 0.05
 MIN_STAGING = 64 << 20  # below this a staging buffer saves too little of the wait to be worth the memory
 _ALIGN = 2 << 20
 TEMP = ".tmp"
@@ -58,6 +58,7 @@ class Prepared:
     pinned: bool = False
     seconds: float = 0.0
     error: BaseException | None = None
+    budget: StagingBudget | None = None  # the most GPU memory staging could take, and why (None: a CPU state)
 
 
 class Preparation:
@@ -75,7 +76,7 @@ class Preparation:
         nbytes: the state's flat size.
         cuda: the CUDA device of the state, or None.
         staging: whether to stage on the GPU at all.
-        budget: the most GPU memory (bytes) staging may take; None: what is free less the headroom.
+        budget: the most GPU memory (bytes) staging may take; None: the default (budget.staging_budget).
         replace: slots whose files must be replaced, not reused (a restored state is a mapping of them):
             a new file is made under the temp name, and the old one keeps its snapshot until the new one
             takes its name (HostSnapshot, when it first writes that slot).
@@ -129,8 +130,10 @@ class Preparation:
             for slot in result.slots.values():
                 slot.map_sparse(self.nbytes)
             if self.cuda is not None:
-                wanted = staging and self.budget != 0
-                result.staging = allocate_staging(self.nbytes, self.cuda, budget=self.budget) if wanted else None
+                off = StagingBudget(0, "staging=False")
+                result.budget = staging_budget(self.budget, self.cuda) if staging else off
+                limit = result.budget.limit
+                result.staging = allocate_staging(self.nbytes, self.cuda, budget=limit) if limit != 0 else None
                 result.mode = mode_of(self.nbytes, result.staging)
         except BaseException as exc:  # reported by the training thread: snapshots off, one line
             result.error = exc
@@ -178,7 +181,7 @@ def allocate_staging(
     too little fits."""
     torch = sys.modules["torch"]
     free, total = (free_bytes or torch.cuda.mem_get_info)(device)
-    room = free - max(STAGING_HEADROOM, int(total * STAGING_HEADROOM_SHARE))
+    room = free - headroom(total)
     if budget is not None:
         room = min(room, budget)
     want = min(_round_up(nbytes), room // _ALIGN * _ALIGN)

@@ -65,6 +65,9 @@ SPARE_STAGE_ENV = "GPUWATCH_SPARE_STAGE"  # how far a spare was at its hand-over
 SPARE_STAGES = ("standby", "warm", "starting")  # the job's set-up done up to its join; torch imported; neither
 """Set in a rank's environment when a warm spare took the rank over (gpuwatch.spares): the seconds it waited warm.
 A rank with it reports `spare: true`, so the daemon records that a spare brought its job back."""
+STANDBY_BESIDE_ENV = "GPUWATCH_STANDBY_BESIDE"
+"""Set to "1" by `gpuwatch launch --in-place` for its ranks when it keeps standbys of the job beside them: host
+snapshots then leave a standby's room on the GPU by default (gpuwatch.snapshots.budget)."""
 
 _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
 
@@ -190,6 +193,17 @@ def hello(pid: int | None = None) -> bytes:
     if pid is not None:
         body["pid"] = pid
     return json.dumps(body).encode()
+
+
+EXIT_NOTE_PREFIX = b'{"rank_exit"'
+"""An exit note, sent on the report socket by the launcher that started a rank (`gpuwatch launch --in-place`):
+`{"rank_exit": {"pid": P, "t": T}}`, T the Unix time the launcher saw the rank's exit begin. The daemon dates
+that rank's death by it (a kill's teardown ends seconds later) and takes it only from the rank's parent."""
+
+
+def exit_note(pid: int, t: float) -> bytes:
+    """The exit note of rank `pid`, whose exit began at Unix time `t`."""
+    return json.dumps({"rank_exit": {"pid": pid, "t": round(t, 6)}}).encode()
 
 
 def hello_protocol(data: bytes) -> int | None:

@@ -21,7 +21,9 @@ same run. Prints a markdown table, then the whole result as JSON (--out: also to
 is said on stderr as it ends, with its seconds (`standby_recovery: ...`), and each row's `phases_s` says
 where the launch's wall time went (the first step, each wait for the next spare to be ready, each fault
 to the next step, the drill's own end, the launch's end); `--wait-s` bounds each wait, so one stuck
-launch costs at most that and the others still run.
+launch costs at most that and the others still run. Each fault's `onset_error_s` is the daemon's incident
+onset (`began_t`) less the fault's time, and `snapshots` says each rank process's host snapshot mode, its
+staging bytes and its GPU budget with the reason (a standby's room is left on the GPU by default).
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ def main() -> int:
             for fault in row["faults"]:
                 found = [i for i in rows_incidents if fault.get("victim") in {r["pid"] for r in i["ranks"]}]
                 if found:
-                    fault["incident"] = {k: found[0].get(k) for k in ("kind", "path", "time_to_resume_s", "steps_lost")}
+                    keys = ("kind", "path", "time_to_resume_s", "steps_lost", "began_t")
+                    fault["incident"] = {k: found[0].get(k) for k in keys}
+                    # the incident's onset against the fault's time (a kill's; a drill's: the rank's last step)
+                    fault["onset_error_s"] = round(found[0]["began_t"] - fault["fault_t"], 3)
     finally:
         daemon.stop()
     print(_table(rows, faults))
@@ -116,11 +121,13 @@ def _one_launch(
         first = min(_lines(logs), key=lambda ln: ln["t"])
         row["cold_start_s"] = round(first["t"] - first["started"], 2)
         row["setup_s"] = round(first["setup_s"], 2)
+        row["snapshots"] = _snapshot_budgets(logs)
         for fault in faults:
             wait_until(f"a ready {kind}", lambda: _ready(kind, logs), args.wait_s, 0.1)
             phases.end(f"{fault}: the next {kind} ready")
             row.setdefault("spare_memory", _spare_memory(kind, logs))
             row["faults"].append(_fault(daemon, logs, fault, env, kind, args.wait_s, phases))
+            row["snapshots"] = _snapshot_budgets(logs)
     except Exception as exc:  # one launch's failure is said in its row; the others still run
         row["error"] = f"{type(exc).__name__}: {exc}"
         phases.end(f"failed: {row['error'][:80]}")
@@ -239,11 +246,17 @@ def _fault(
     return {
         "fault": fault,
         "victim": victim,
+        "fault_t": at,
         "next_step_s": round(after["t"] - at, 2),
         "steps_redone": last - (after["step"] - 1),
         "waited_as_spare_s": after.get("spare_warm_s"),
         "join_parts": after.get("join_parts"),  # the replacement's join: rendezvous, group, state (s)
     }
+
+
+def _snapshot_budgets(logs: Path) -> dict[int, Any]:
+    """Each rank process's host snapshots as set up: mode, staging bytes, budget and why (the loop logs them)."""
+    return {ln["pid"]: ln["snapshot"] for ln in _lines(logs) if ln.get("snapshot")}
 
 
 def _listed(daemon: DaemonProcess, pid: int) -> bool:

@@ -101,3 +101,23 @@ def test_staged_snapshots_into_pinned_shared_memory_hold_each_boundarys_state(tm
         assert not torch.equal(boundary[8][0], params[0].detach().cpu())  # the state moved on after the boundary
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_under_a_launcher_with_standbys_staging_leaves_a_standbys_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPUWATCH_STANDBY_BESIDE=1 (what `launch --in-place` with standbys sets): after the staging buffer, the GPU
+    still has free at least what is in use on it (the launcher's room for the next standby), and stats() says
+    the budget and why."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("GPUWATCH_STANDBY_BESIDE", "1")
+    params = [torch.nn.Parameter(torch.randn(64 << 20, device="cuda")) for _ in range(4)]  # 1 GiB
+    snap = HostSnapshot(lambda: {"params": [p.detach() for p in params]}, every=1, job_id="room", root=str(tmp_path))
+    snap.step(1)
+    assert snap.ready(wait=True)
+    free, total = torch.cuda.mem_get_info()
+    stats = snap.stats()
+    snap.close(remove=True)
+    assert stats["gpu_budget_why"].startswith("leaves a standby's room"), stats
+    assert stats["staging_bytes"] <= stats["gpu_budget"] and free >= total - free, (stats, free, total)

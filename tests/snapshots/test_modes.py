@@ -6,13 +6,10 @@ memory and a torch whose `empty` hands out sized placeholders; the rest runs as 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,47 +17,24 @@ import torch
 
 from gpuwatch.snapshots import HostSnapshot, prepare
 from gpuwatch.snapshots.layout import open_job_dir
-
-GIB = 1 << 30
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A torch whose CUDA allocations are placeholders of their size; the sizes asked for are recorded."""
-    asked: list[int] = []
-
-    def empty(n: int, **_: Any) -> Any:
-        asked.append(n)
-        return SimpleNamespace(numel=lambda: n)
-
-    fake = SimpleNamespace(
-        empty=empty,
-        uint8=torch.uint8,
-        cuda=SimpleNamespace(device=lambda _: contextlib.nullcontext(), OutOfMemoryError=RuntimeError),
-    )
-    monkeypatch.setitem(sys.modules, "torch", fake)
-    return asked
-
-
-def _free(free_gib: float, total_gib: float = 80) -> Any:
-    return lambda _device: (int(free_gib * GIB), int(total_gib * GIB))
+from tests.snapshots.conftest import GIB, free_gib
 
 
 def test_with_room_the_whole_state_is_staged(fake_gpu: list[int]) -> None:
-    staging = prepare.allocate_staging(16 * GIB, 0, free_bytes=_free(60))
+    staging = prepare.allocate_staging(16 * GIB, 0, free_bytes=free_gib(60))
     assert prepare.mode_of(16 * GIB, staging) == "staged" and fake_gpu == [16 * GIB]
 
 
 def test_a_nearly_full_gpu_stages_only_what_fits_under_the_headroom(fake_gpu: list[int]) -> None:
-    staging = prepare.allocate_staging(16 * GIB, 0, free_bytes=_free(6))  # the headroom: 5 % of 80 GiB
+    staging = prepare.allocate_staging(16 * GIB, 0, free_bytes=free_gib(6))  # the headroom: 5 % of 80 GiB
     assert prepare.mode_of(16 * GIB, staging) == "partial"
     assert staging.numel() <= 2 * GIB  # 6 GiB free less the 4 GiB headroom
 
 
 def test_the_budget_caps_the_staging_and_a_full_gpu_drains_directly(fake_gpu: list[int]) -> None:
-    capped = prepare.allocate_staging(16 * GIB, 0, budget=GIB, free_bytes=_free(60))
+    capped = prepare.allocate_staging(16 * GIB, 0, budget=GIB, free_bytes=free_gib(60))
     assert capped.numel() == GIB and prepare.mode_of(16 * GIB, capped) == "partial"
-    full = prepare.allocate_staging(16 * GIB, 0, free_bytes=_free(3))
+    full = prepare.allocate_staging(16 * GIB, 0, free_bytes=free_gib(3))
     assert full is None and prepare.mode_of(16 * GIB, full) == "direct"
 
 

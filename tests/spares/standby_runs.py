@@ -81,6 +81,17 @@ def fault_short_of_snapshot(run: InPlaceRun, rank: int, every: int, how: str = "
     return victim, at
 
 
+def kill_in_slow_step(run: InPlaceRun, step: int, into_s: float) -> tuple[int, float]:
+    """SIGKILL the rank that logged `step` (the loop's --slow-step) `into_s` seconds after that line, in the
+    slow step that follows it: its pid and the kill's time."""
+    run.wait_for(f"step {step}", lambda ls: any(ln["step"] == step for ln in ls))
+    line = next(ln for ln in run.steps() if ln["step"] == step)
+    time.sleep(max(0.0, line["t"] + into_s - time.time()))
+    at = time.time()
+    os.kill(line["pid"], signal.SIGKILL)
+    return line["pid"], at
+
+
 def losses(lines: list[dict[str, Any]]) -> dict[tuple[int, int], set[float]]:
     """Every loss logged, by (step, rank): a redone step's too."""
     found: dict[tuple[int, int], set[float]] = {}

@@ -26,6 +26,7 @@ from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.inplace.jobs import InPlaceRun, sim_node
 from tests.spares.standby_runs import (
     fault_short_of_snapshot,
+    kill_in_slow_step,
     launch_loop,
     losses,
     open_gate,
@@ -40,16 +41,20 @@ K = 4
 STEPS = 60  # the replacement runs for seconds: the daemon sees it step before the job ends
 NEXT_STEP_S = 3.0
 LOOP_ARGS = ("--steps", str(STEPS), "--every", str(K), "--step-sleep", "0.05", "--index-items", "3000000", "--checksum")
+# A kill 1.5 s into a 3 s step after step 15 (one short of a snapshot): a guess from the last step's end and the
+# step time would date the death about 1.4 s early; the launcher's exit note dates it within milliseconds.
+SLOW_STEP, SLOW_S, INTO_S = 15, 3.0, 1.5
+SLOW_ARGS = ("--slow-step", str(SLOW_STEP), "--slow-s", str(SLOW_S))
 
 
 @contextlib.contextmanager
 def _run(
-    tmp: Path, gpus: int, launch_args: tuple[str, ...], *, gate: bool = True
+    tmp: Path, gpus: int, launch_args: tuple[str, ...], *, gate: bool = True, loop_args: tuple[str, ...] = ()
 ) -> Iterator[tuple[DaemonProcess, InPlaceRun]]:
     with sim_node(tmp / "node", gpus=gpus) as node:
         if not gate:
             open_gate(tmp)
-        run = launch_loop(node, tmp, launch_args, LOOP_ARGS)
+        run = launch_loop(node, tmp, launch_args, (*LOOP_ARGS, *loop_args))
         try:
             yield node, run
         finally:
@@ -84,13 +89,18 @@ def _resumed_incident(node: DaemonProcess, victim: int) -> dict[str, Any]:
 def _recovered(
     tmp: Path, gpus: int, launch_args: tuple[str, ...], how: str, ranks: int = 1, rank: int = 0
 ) -> tuple[list[dict[str, Any]], dict[str, Any], str, int, float, int]:
-    """Run the loop, fault `rank` once its standby waits at the join, let the job finish: its lines, the
-    daemon's incident, the launcher's stderr, the victim, the fault's time and the standby's pid."""
-    with _run(tmp, gpus, ("--spares", "1", *launch_args)) as (node, run):
+    """Run the loop, fault `rank` once its standby waits at the join (`slow-kill`: SIGKILL in a slow step), let
+    the job finish: its lines, the daemon's incident, the launcher's stderr, the victim, the fault's time and
+    the standby's pid."""
+    slow = how == "slow-kill"
+    with _run(tmp, gpus, ("--spares", "1", *launch_args), loop_args=SLOW_ARGS if slow else ()) as (node, run):
         run.wait_for("every rank at the gate", lambda ls: len({ln["rank"] for ln in ls if ln["step"] >= 10}) == ranks)
         standby = wait_for_standby(run)
         open_gate(tmp)
-        victim, at = fault_short_of_snapshot(run, rank, K, how)
+        if slow:
+            victim, at = kill_in_slow_step(run, SLOW_STEP, INTO_S)
+        else:
+            victim, at = fault_short_of_snapshot(run, rank, K, how)
         _, err = run.output(120)
         assert run.process.returncode == 0, err
         incident = _resumed_incident(node, victim)
@@ -123,13 +133,16 @@ def _exact(lines: list[dict[str, Any]], reference: dict[tuple[int, int], set[flo
 def test_a_killed_one_rank_loop_is_back_from_its_standby_sooner_than_its_own_set_up(
     tmp_path: Path, one_rank_reference: dict[tuple[int, int], set[float]]
 ) -> None:
-    lines, incident, err, victim, at, standby = _recovered(tmp_path, 1, (), "kill")
+    """Killed in a slow step: the incident's onset is the kill's (the launcher's exit note), not a step-time guess."""
+    lines, incident, err, victim, at, standby = _recovered(tmp_path, 1, (), "slow-kill")
     gap, redone = _check(lines, victim, at, standby)
     _exact(lines, one_rank_reference)
     assert "a standby at the job's join" in err, err
     assert incident["path"] == "spare" and incident["spare_stage"] == "standby", incident
+    assert abs(incident["began_t"] - at) <= 0.5, (incident["began_t"] - at, incident)
     assert abs(incident["time_to_resume_s"] - gap) <= 0.5 and incident["steps_lost"] == redone, (incident, gap, redone)
-    print(f"\none rank, SIGKILL: next step {gap:.2f} s, redone {redone}; incident {incident['time_to_resume_s']} s")
+    print(f"\none rank, SIGKILL in a slow step: next step {gap:.2f} s, redone {redone}; incident"
+          f" {incident['time_to_resume_s']} s, onset {incident['began_t'] - at:+.3f} s from the kill")  # fmt: skip
 
 
 def test_on_a_node_of_8_gpus_the_standby_takes_the_rank_not_a_cold_worker_elsewhere(

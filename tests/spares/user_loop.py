@@ -10,10 +10,12 @@ step and the rank only, so a run's loss at every step can be compared with an un
 
 Each process writes `setup.<pid>.json` when its set-up is done (before the join: a standby writes it
 too) and appends one JSON line per step to `steps.<pid>.jsonl`: t, pid, rank, world, generation, step,
-loss (and on its first line the set-up's seconds and how it got its state), so a test reads its
-figures from the loop itself. `--read-rank-early` reads $RANK before the set-up (a script the standby
-cannot run ahead: it waits there). `--gate FILE` holds the loop at step 10 until FILE exists, so a
-test faults it only once its standby is ready.
+loss (and on its first line the set-up's seconds and how it got its state; on the first line after its
+host snapshots are set up their mode and GPU budget), so a test reads its figures from the loop itself.
+`--read-rank-early` reads $RANK before the set-up (a script the standby cannot run ahead: it waits there).
+`--gate FILE` holds the loop at step 10 until FILE exists, so a test faults it only once its standby is ready.
+`--slow-step N --slow-s S`: the step after step N takes S seconds more (an evaluation, a checkpoint: a fault
+in it comes long after the last step's end).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checksum", action="store_true", help="log the parameters' sum (float64) at every step")
     parser.add_argument("--allow-drills", action="store_true")
     parser.add_argument("--gate", help="from step 10 on, step only while this file exists (a test's pause)")
+    parser.add_argument("--slow-step", type=int, default=0, help="the step after which the loop sleeps --slow-s")
+    parser.add_argument("--slow-s", type=float, default=0.0, help="... instead of --step-sleep (a slow step in flight)")
     args = parser.parse_args(argv)
     if args.read_rank_early:
         print(f"user loop: rank {os.environ.get('RANK')}", flush=True)
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     link = TrainerLink(report_interval_s=0.2, allow_drills=args.allow_drills)
     with link, (log_dir / f"steps.{os.getpid()}.jsonl").open("a") as log:
         job = ShardedJob(model, optimizer, link, every=args.every, backend="nccl" if device.type == "cuda" else "gloo")
-        first = True
+        first, slowed, said_snapshot = True, False, False
         while job.step < args.steps:
             while args.gate and job.step >= 10 and not os.path.exists(args.gate):
                 time.sleep(0.01)
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             line.update(generation=job.generation, step=job.step, loss=loss)
             snapshot = getattr(job.source, "snapshot", None)  # snapshots start once its slots are set up
             line["snapshots_from"] = snapshot.ready_step if snapshot is not None else None
+            if snapshot is not None and snapshot.ready_step is not None and not said_snapshot:
+                stats = snapshot.stats()
+                line["snapshot"] = {k: stats[k] for k in ("mode", "gpu_bytes", "gpu_budget", "gpu_budget_why")}
+                said_snapshot = True
             if args.checksum:
                 line["checksum"] = sum(float(p.double().sum()) for p in model.parameters())
             if first:
@@ -103,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                 first = False
             log.write(json.dumps(line) + "\n")
             log.flush()
-            if args.step_sleep > 0:
-                time.sleep(args.step_sleep)
+            slow = job.step == args.slow_step and not slowed  # once: a step redone after a fault is not slow
+            slowed = slowed or slow
+            pause = args.slow_s if slow else args.step_sleep
+            if pause > 0:
+                time.sleep(pause)
         job.close()
     return 0
 
