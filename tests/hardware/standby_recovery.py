@@ -17,7 +17,8 @@ spare is ready: kill -9 of the rank, its own XID 31 (`gpuwatch drill --fault-ran
 SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stopped rank). The fault's
 time is the kill's, or for a drill the rank's last step before it (the fault came after it: this
 errs long by less than a step). The cold start is the first rank's own start → its first step in the
-same run. Prints a markdown table, then the whole result as JSON (--out: also to that file). Each step
+same run. Prints a markdown table, then the whole result as JSON (--out: also to that file, and each
+launch's whole log beside it as `<out>.<kind>-<gib>GiB.launch.log`). Each step
 is said on stderr as it ends, with its seconds (`standby_recovery: ...`), and each row's `phases_s` says
 where the launch's wall time went (the first step, each wait for the next spare to be ready, each fault
 to the next step, the drill's own end, the launch's end); `--wait-s` bounds each wait, so one stuck
@@ -141,6 +142,9 @@ def _one_launch(
         shutil.rmtree(shm, ignore_errors=True)
         phases.end("the launch's end")
         row["launch_log_tail"] = (work / "launch.log").read_text()[-1500:]
+        if args.out:  # the whole log beside the result: which spare took each rank, and why
+            out = Path(args.out)
+            shutil.copyfile(work / "launch.log", out.with_name(f"{out.stem}.{kind}-{gib:g}GiB.launch.log"))
     return row
 
 
