@@ -24,13 +24,11 @@ WHOLE_SYSTEM = {
     "test_readme.py",
     "test_sampling_thread.py",
 }
-# Tests that read a measurement's own code: the store's coordinator loop as the scale bench hosts it (it runs
-# against older checkouts too), and the interference bench's condition names the metrics page mentions.
+# Tests that read a measurement's own code: the interference bench's condition names the metrics page mentions,
+# and the GPU script that prints the bench's snapshot modes.
 READS_THE_BENCH = {
-    "inplace/test_relay.py",
-    "inplace/test_membership_scale.py",
     "serving/test_metrics.py",
-    "hardware/snapshot_cost.py",  # the GPU script that prints the bench's snapshot modes
+    "hardware/snapshot_cost.py",
 }
 
 

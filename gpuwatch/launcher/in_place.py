@@ -40,10 +40,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from gpuwatch.errors import GpuwatchError
-from gpuwatch.inplace.coordinator import Coordinator
 from gpuwatch.inplace.jobstore import JobStore, StoreServer
 from gpuwatch.inplace.protocol import (
-    DONE,
     GONE,
     JOB_ENV,
     MEMBER_ENV,
@@ -53,12 +51,11 @@ from gpuwatch.inplace.protocol import (
     append_event,
     job_prefix,
     latest_generation,
-    publish_generation,
-    read_events,
     read_generation,
 )
 from gpuwatch.inplace.relay import RELAY_ENV, NodeRelay, node_relay
 from gpuwatch.inplace.secret import SECRET_FILE_ENV, SecretError, new_secret_file, read_secret
+from gpuwatch.launcher.coordination import coordinate
 from gpuwatch.launcher.exit_dates import ExitDates
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S, JoinWatch
 from gpuwatch.spares.pool import Spare, SparePool
@@ -287,34 +284,10 @@ class Supervisor:
             raise InPlaceStopped(EXIT_STOPPED, f"the job's store at {self.plan.endpoint}: {exc}") from None
 
     def _coordinate(self, store: dist.Store) -> None:
-        """The host's thread: read the events, publish each new generation; it ends only with the launcher.
-
-        A bad event is said once and skipped (Coordinator.apply); any other error is said once per
-        kind and the loop goes on (a thread that ends anyway stops the job: _supervise).
-        """
-        store = dist.PrefixStore(job_prefix(self.plan.job_id), store)
-        coordinator = Coordinator(expected_nodes=_min_nodes(self.plan.nnodes))
-        seen, said_done, errors = 0, False, set()
-        while not self._stop.wait(_POLL_S / 4):
-            try:
-                events = read_events(store, seen)
-                seen += len(events)  # first: an event that fails is never read again
-                for why in coordinator.apply(events):
-                    self.echo(f"gpuwatch launch: in place: skipped a bad event: {why}")
-                generation = coordinator.next_generation(time.time())
-                if generation is not None:
-                    publish_generation(store, generation)
-                    self.echo(
-                        f"gpuwatch launch: in place: generation {generation.number}, {len(generation.members)}"
-                        f" rank(s) ({generation.reason})"
-                    )
-                if coordinator.done and not said_done:
-                    store.set(DONE, "1")  # no generation comes any more: a late joiner ends instead of waiting
-                    said_done = True
-            except Exception as exc:
-                if type(exc) not in errors:
-                    errors.add(type(exc))
-                    self.echo(f"gpuwatch launch: in place: the coordinator goes on after {type(exc).__name__}: {exc}")
+        """The host's thread: the job's coordinator loop (launcher.coordination); it ends only with the launcher."""
+        coordinate(
+            dist.PrefixStore(job_prefix(self.plan.job_id), store), _min_nodes(self.plan.nnodes), self._stop, self.echo
+        )
 
     # -- workers --------------------------------------------------------------------------------
 

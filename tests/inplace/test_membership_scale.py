@@ -3,8 +3,8 @@ where nothing changes asks the store nothing.
 
 Each simulated rank is the rank-side code itself, as InPlaceJob holds it: two proved JobStore
 connections, its `join` event, and a Membership (the long poll's thread, the counter meeting). The
-store and the coordinator loop are the hosting launcher's (StoreServer, and its loop as the scale
-bench runs it). Before, every rank's watcher asked `check` and `get` every 20 ms: 100 requests a
+store and the coordinator loop are the hosting launcher's (StoreServer and launcher.coordination).
+Before, every rank's watcher asked `check` and `get` every 20 ms: 100 requests a
 second per rank, 51,200 a second here, and the store saturated near 250 ranks.
 """
 
@@ -23,10 +23,10 @@ pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from gpuwatch.bench.scale_host import coordinate  # noqa: E402
 from gpuwatch.inplace.jobstore import JobStore, StoreServer  # noqa: E402
 from gpuwatch.inplace.membership import Membership  # noqa: E402
 from gpuwatch.inplace.protocol import GONE, JOIN, NODE, append_event, job_prefix  # noqa: E402
+from gpuwatch.launcher.coordination import coordinate  # noqa: E402
 
 RANKS, PER_NODE = 512, 8
 NODES = RANKS // PER_NODE
@@ -57,7 +57,7 @@ def job() -> Iterator[tuple[StoreServer, dist.Store, list[Rank]]]:
     server = StoreServer("127.0.0.1", 0, SECRET)
     store = dist.PrefixStore(PREFIX, server.data)
     stop = threading.Event()
-    threading.Thread(target=coordinate, args=(store, NODES, stop), daemon=True).start()
+    threading.Thread(target=coordinate, args=(store, NODES, stop, print), daemon=True).start()
     for node in range(NODES):
         append_event(store, NODE, node=node, workers=PER_NODE)
     members = [(f"n{i // PER_NODE}.g{i % PER_NODE}.{i}", i // PER_NODE) for i in range(RANKS)]

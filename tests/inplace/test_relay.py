@@ -15,11 +15,11 @@ pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from gpuwatch.bench.scale_host import coordinate  # noqa: E402
 from gpuwatch.inplace.jobstore import JobStore, StoreServer  # noqa: E402
 from gpuwatch.inplace.membership import Membership  # noqa: E402
 from gpuwatch.inplace.protocol import GONE, JOIN, NODE, append_event, job_prefix  # noqa: E402
 from gpuwatch.inplace.relay import node_relay, read_relay  # noqa: E402
+from gpuwatch.launcher.coordination import coordinate  # noqa: E402
 
 NODES, PER_NODE = 8, 8
 SECRET = os.urandom(32).hex().encode()
@@ -30,7 +30,7 @@ def test_a_change_reaches_every_rank_through_its_node_and_costs_the_store_a_push
     server = StoreServer("127.0.0.1", 0, SECRET)
     store = dist.PrefixStore(PREFIX, server.data)
     stop = threading.Event()
-    threading.Thread(target=coordinate, args=(store, NODES, stop), daemon=True).start()
+    threading.Thread(target=coordinate, args=(store, NODES, stop, print), daemon=True).start()
     relays = [node_relay(f"127.0.0.1:{server.port}", SECRET, PREFIX) for _ in range(NODES)]
     ranks: list[tuple[str, Membership, JobStore]] = []
     try:
