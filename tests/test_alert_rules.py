@@ -66,6 +66,7 @@ def test_promtool_check_rules() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_promtool_unit_tests() -> None:
     assert RULE_TESTS, "no promtool test files"
     proc = run(program("promtool"), "test", "rules", *map(str, RULE_TESTS))

@@ -31,6 +31,7 @@ def test_replay_shared_healthy_trace_is_healthy_throughout() -> None:
     assert [f for f in gpu["findings"] if f["severity"] in {"degraded", "unhealthy"}] == []
 
 
+@pytest.mark.slow
 def test_record_then_replay_a_faulty_sim(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     recorded = run_gpuwatch(

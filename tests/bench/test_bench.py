@@ -110,6 +110,7 @@ def _check_interference(figures: dict[str, Any], notes: list[str]) -> None:
     assert attribution["daemons"]["daemon:serving"]["scrapes"] > attribution["daemons"]["daemon:no_nvml"]["scrapes"]
 
 
+@pytest.mark.slow
 def test_detection_times_an_xid_line_through_the_kernel_log_path_on_the_sim(tmp_path: Path) -> None:
     """The real path (a kmsg record to the log the daemon follows) is measured and printed, apart from injection."""
     out = tmp_path / "bench.json"

@@ -98,6 +98,7 @@ def _cpu_s(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_a_connect_storm_keeps_the_report_thread_bounded_and_another_users_rank_connects_at_once(
     users: tuple[int, int], runtime: RuntimeDir
 ) -> None:

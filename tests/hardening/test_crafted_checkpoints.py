@@ -125,6 +125,7 @@ def _load_in_child(directory: Path) -> subprocess.CompletedProcess[str]:
         "pt-inflates-1000-fold",
     ],  # fmt: skip
 )
+@pytest.mark.slow
 def test_a_crafted_newest_checkpoint_falls_back_to_the_older_good_one(tmp_path: Path, case: str) -> None:
     directory = tmp_path / "ckpt"
     save_checkpoint(directory, GOOD, {"w": torch.full((2,), float(GOOD))}, keep=5)
@@ -163,6 +164,7 @@ def test_a_crafted_newest_checkpoint_falls_back_to_the_older_good_one(tmp_path: 
         assert lines[1].startswith(f"skipped step-{CRAFTED:08d} {expected[case]}"), lines
 
 
+@pytest.mark.slow
 def test_a_manifest_or_step_dir_that_is_a_link_is_skipped(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     save_checkpoint(directory, GOOD, {"w": torch.full((2,), float(GOOD))}, keep=5)

@@ -42,6 +42,7 @@ def database_full(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 def test_an_automatic_quarantine_on_a_full_disk_survives_restarts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

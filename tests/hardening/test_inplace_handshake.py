@@ -152,6 +152,7 @@ def test_another_users_held_handshakes_do_not_keep_a_rank_out(server: StoreServe
     assert waited < 3.0, f"a rank's connect waited {waited:.1f} s behind mallory's handshakes"
 
 
+@pytest.mark.slow
 def test_a_handshake_that_drips_is_closed_at_its_deadline_from_accept(server: StoreServer) -> None:
     """Where the kernel cannot tell whose the connection is (another node), the deadline is total."""
     sock = socket.create_connection(("127.0.0.1", server.port))
@@ -185,6 +186,7 @@ def _proofs_in(heard: list[list[str]]) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_squatter_on_the_endpoint_gets_nothing_to_test_a_guess_against(mallory: int) -> None:
     attack = as_mallory(mallory, "squat")
     try:

@@ -97,6 +97,7 @@ def spawn_with_pid(pid: int) -> FakeRank | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_connection_dies_with_its_process_and_never_speaks_for_the_next_one_with_its_pid(
     runtime: RuntimeDir, mallory: int
 ) -> None:

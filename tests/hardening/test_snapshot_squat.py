@@ -94,6 +94,7 @@ def _victim_job(shm: Path, victim: pwd.struct_passwd, mode: str) -> dict[str, ob
     return result
 
 
+@pytest.mark.slow
 def test_a_squatted_snapshot_dir_does_not_turn_snapshots_off(
     users: tuple[pwd.struct_passwd, pwd.struct_passwd], shm: Path
 ) -> None:

@@ -35,6 +35,7 @@ def mallory() -> Iterator[int]:
         yield user.pw_uid
 
 
+@pytest.mark.slow
 def test_a_torch_py_in_the_working_directory_never_runs_in_the_spare(mallory: int) -> None:
     shared = Path(tempfile.mkdtemp(prefix="gw-spare-"))
     try:

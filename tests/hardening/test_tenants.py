@@ -207,6 +207,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_flood_of_one_users_incidents_keeps_the_others(
     node: SimNode, users: tuple[int, int], ranks: list[FakeRank]
 ) -> None:

@@ -47,6 +47,7 @@ def get(base: str, path: str) -> dict:  # type: ignore[type-arg]
         return json.load(answer)  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_another_user_sees_no_pid_job_or_role_of_others_and_root_sees_all(tmp_path: Path, mallory: int) -> None:
     with sim_node(tmp_path / "node", gpus=1) as node:
         rank = FakeRank()

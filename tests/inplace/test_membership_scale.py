@@ -92,6 +92,7 @@ def seen_by_all(ranks: list[Rank], number: int, limit_s: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_change_reaches_512_ranks_within_a_second_and_an_idle_job_asks_the_store_nothing(
     job: tuple[StoreServer, dist.Store, list[Rank]],
 ) -> None:

@@ -41,6 +41,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_a_rank_with_no_state_receives_the_whole_training_state_in_small_chunks() -> None:
     port = str(free_port())
     procs = []

@@ -500,6 +500,7 @@ sys.exit(CODES[rank])
 """
 
 
+@pytest.mark.slow
 def test_a_planned_stop_prints_one_line_per_rank_instead_of_torchruns_traceback(
     tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
 ) -> None:
@@ -516,6 +517,7 @@ def test_a_planned_stop_prints_one_line_per_rank_instead_of_torchruns_traceback(
     assert len(said) == 2
 
 
+@pytest.mark.slow
 def test_a_crash_is_one_line_naming_the_rank_its_exit_its_own_error_and_the_log(
     tmp_path: Path, capfdbinary: pytest.CaptureFixture[bytes]
 ) -> None:

@@ -196,6 +196,7 @@ def test_a_stopped_rank_is_found_even_inside_a_declared_pause(stopped: subproces
     assert second <= 3
 
 
+@pytest.mark.slow
 def test_a_busy_gpu_is_no_frozen_rank_and_a_busy_cpu_waits_for_the_long_limit(
     spinning: subprocess.Popen[bytes],
 ) -> None:

@@ -88,6 +88,7 @@ def hang_incidents(node: DaemonProcess) -> list[dict[str, Any]]:
     return [i for i in node.get("/v1/incidents?limit=100")["incidents"] if i["kind"] == "trainer_hang"]
 
 
+@pytest.mark.slow
 def test_declared_and_undeclared_pauses_keep_running_and_a_stopped_rank_is_found_within_5_s(
     daemon: DaemonProcess,
 ) -> None:

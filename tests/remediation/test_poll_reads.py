@@ -38,6 +38,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]]:
     yield seen
 
 
+@pytest.mark.slow
 def test_a_hang_poll_reads_no_identity_file_of_a_rank_it_knows(tmp_path: Path, reads: list[tuple[int, str]]) -> None:
     sim = start_sim_node(tmp_path, gpus=2)
     ranks = [FakeRank() for _ in range(3)]

@@ -159,6 +159,7 @@ def test_a_bad_report_beside_good_ones_never_turns_stopping_off(sim: SimNode, sp
     assert liar.poll() is None, "a rank whose report was rejected is never signalled on its word"
 
 
+@pytest.mark.slow
 def test_quarantine_release_cycles_leave_no_threads(tmp_path: Path, spawn: Spawn) -> None:
     """100 cycles with a rank that ignores the stop: one remediation thread, whatever happens."""
     sim = start_sim_node(tmp_path, gpus=2, **{"trainer.grace_period_s": 3600.0})

@@ -59,6 +59,7 @@ def settle(sim: SimNode, seconds: float = 3.0) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_a_restart_with_a_recent_app_xid_in_the_kernel_log_stops_no_healthy_job(node: SimNode, tmp_path: Path) -> None:
     """The daemon restarts 95 s after an XID 31 of a long-gone process; a new, healthy job runs: no signal."""
     rank = FakeRank("signal.signal(signal.SIGUSR1, lambda *_: os._exit(75))")
@@ -83,6 +84,7 @@ def test_a_restart_with_a_recent_app_xid_in_the_kernel_log_stops_no_healthy_job(
         rank.wait()
 
 
+@pytest.mark.slow
 def test_an_app_xid_of_a_process_in_no_job_stops_nothing_and_stays_a_warning(node: SimNode, spawn: Spawn) -> None:
     rank = spawn()
     node.report(rank, 0, rank=0, step=10, first_step=1)
@@ -126,6 +128,7 @@ def test_an_app_xid_that_names_a_ranks_child_stops_that_job_only(node: SimNode, 
         ours.wait()
 
 
+@pytest.mark.slow
 def test_an_app_xid_with_no_pid_waits_for_the_kernel_log_then_stops_the_gpus_jobs(node: SimNode, spawn: Spawn) -> None:
     rank = spawn()
     node.report(rank, 0, rank=0, step=10, first_step=1)

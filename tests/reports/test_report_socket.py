@@ -403,6 +403,7 @@ def _old_daemon(path: Path, greeting: bytes | None) -> tuple[socket.socket, thre
     (b'{"hello": "gpuwatch", "protocol": 3}', f"speaks report protocol 3, this rank's gpuwatch {REPORT_PROTOCOL}"),
     (b'{"hello": "gpuwatch", "protocol": 2}', None),
 ])  # fmt: skip
+@pytest.mark.slow
 def test_a_rank_says_once_when_the_daemon_speaks_another_version(
     tmp_path: Path, greeting: bytes | None, line: str | None, caplog: Any
 ) -> None:

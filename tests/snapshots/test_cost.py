@@ -65,6 +65,7 @@ def test_no_step_waits_for_the_slots_to_be_set_up(tmp_path: Path, slow_slots: No
     assert max(times[1:]) < SETUP_S * 0.8, f"a step stalled {max(times):.3f} s (the set-up is {2 * SETUP_S} s)"
 
 
+@pytest.mark.slow
 def test_auto_keeps_the_cost_the_loop_sees_under_its_share(tmp_path: Path, slow_slots: None) -> None:
     """The promise of every="auto", against the loop's own wall time with and without snapshots."""
     share, steps = 0.05, 200
@@ -84,6 +85,7 @@ def test_auto_keeps_the_cost_the_loop_sees_under_its_share(tmp_path: Path, slow_
     )
 
 
+@pytest.mark.slow
 def test_a_relaunch_sets_its_slots_up_off_the_step_and_never_writes_over_the_restored_state(
     tmp_path: Path, slow_slots: None
 ) -> None:
@@ -113,6 +115,7 @@ def test_a_relaunch_sets_its_slots_up_off_the_step_and_never_writes_over_the_res
     assert final is not None and final.step == again.committed_step
 
 
+@pytest.mark.slow
 def test_the_cost_says_how_much_of_it_the_training_thread_paid(tmp_path: Path, slow_slots: None) -> None:
     """host_s is the time inside snap.step (here a slow state callback at each boundary); the rest of the cost
     is what only the step's own time shows (here the slower steps in flight)."""
@@ -133,6 +136,7 @@ def test_the_cost_says_how_much_of_it_the_training_thread_paid(tmp_path: Path, s
     assert stats["mean_cost_s"] - stats["mean_host_s"] >= SLOWER_IN_FLIGHT_S * 0.5, stats
 
 
+@pytest.mark.slow
 def test_auto_reports_the_cost_the_loop_s_wall_time_shows(tmp_path: Path, slow_slots: None) -> None:
     """cost_share is the loop's wall time with snapshots against without, also when plain steps vary (here one step
     in 8 is a long one, a log line or an evaluation, the same ones in each run): "auto" keeps that figure, not a
@@ -168,6 +172,7 @@ def test_auto_reports_the_cost_the_loop_s_wall_time_shows(tmp_path: Path, slow_s
     assert overhead <= share + 0.03, f"{overhead:.2%} over the loop without snapshots; promised {share:.0%}"
 
 
+@pytest.mark.slow
 def test_a_state_that_outgrows_its_slots_gets_new_ones_off_the_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -71,6 +71,7 @@ def _slot_state(path: Path) -> int:
     return int(struct.unpack_from("<I", path.read_bytes()[:HEADER_LEN], 12)[0])
 
 
+@pytest.mark.slow
 def test_a_death_between_the_copy_and_the_commit_never_loads_the_torn_slot(tmp_path: Path) -> None:
     rank = _rank(tmp_path, 3, 100, **{DIE_BEFORE_COMMIT_ENV: "6"})
     _, stderr = rank.communicate(timeout=120)
@@ -100,6 +101,7 @@ def other_user() -> Iterator[pwd.struct_passwd]:
         subprocess.run(["userdel", name], check=False)
 
 
+@pytest.mark.slow
 def test_another_user_cannot_open_the_snapshot(other_user: pwd.struct_passwd) -> None:
     root = Path(tempfile.mkdtemp(prefix="gwsnap-test-", dir="/dev/shm"))  # a root the other user can reach
     root.chmod(0o1777)  # world-writable and sticky, like /dev/shm itself
@@ -131,6 +133,7 @@ def test_another_user_cannot_open_the_snapshot(other_user: pwd.struct_passwd) ->
     assert modes == [0o600, 0o700, 0o700]
 
 
+@pytest.mark.slow
 def test_the_daemon_prunes_a_dead_jobs_slots_after_the_grace_period(tmp_path: Path) -> None:
     rank = _rank(tmp_path, 2, 6)
     _wait_for(rank, "done")

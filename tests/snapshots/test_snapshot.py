@@ -109,6 +109,7 @@ def test_a_relaunch_restores_the_newest_snapshot_exactly(tmp_path: Path) -> None
     assert _job_dir(tmp_path).parent.stat().st_mode & 0o777 == 0o700
 
 
+@pytest.mark.slow
 def test_the_copy_holds_the_boundarys_state_while_the_next_update_waits(tmp_path: Path) -> None:
     """The next optimizer step runs right after the boundary: its in-place update must not reach the snapshot.
 

@@ -26,6 +26,7 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
 def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_path: Path) -> None:
     script, result = tmp_path / "job.py", tmp_path / "result.json"
     script.write_text(JOB)

@@ -163,6 +163,7 @@ def test_where_the_gpu_has_no_room_beside_its_rank_the_spare_is_no_standby_and_s
         rank.wait()
 
 
+@pytest.mark.slow
 def test_the_spare_behind_a_standby_handed_over_starts_only_once_its_rank_stepped(tmp_path: Path) -> None:
     """While the new rank restores its state, no standby's set-up competes with it for CPU and memory: the next
     one starts when the rank says its first step (the step engine calls first_step_done after each step)."""

@@ -327,6 +327,7 @@ def test_single_writer_needs_no_barrier_and_ignores_the_rank(tmp_path: Path) -> 
     assert (tmp_path / LATEST).read_text() == "step-00000005\n"
 
 
+@pytest.mark.slow
 def test_survivors_saving_the_same_step_at_once_leave_one_verified_checkpoint(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     survivors = [

@@ -453,6 +453,7 @@ def test_a_pending_stop_aborts_a_stuck_step_and_the_step_does_not_count(
     assert saves == [7]
 
 
+@pytest.mark.slow
 def test_nccl_is_aborted_from_the_thread_and_gloo_is_said_to_be_unabortable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -52,6 +52,7 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+@pytest.mark.slow
 def test_a_rank_blocked_by_a_hung_peer_gets_out_saves_and_exits_75(tmp_path: Path, serve_reports: ServeReports) -> None:
     runtime_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     runtime = serve_reports(runtime_dir)

@@ -233,6 +233,7 @@ def test_api_release_validate(tmp_path: Path) -> None:
         sim.close()
 
 
+@pytest.mark.slow
 def test_the_real_gpu_test_without_a_gpu_fails_in_one_line() -> None:
     """The default program (python3 -m gpuwatch.validation.gpu_test) on a machine with no CUDA device."""
     result = validate(H200, (), Config(validation=ValidationConfig(dcgm_diag=False)))
