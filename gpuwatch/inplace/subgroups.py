@@ -37,16 +37,20 @@ PROOF_WAIT_S = 60.0
 _POLL_S = 0.02
 _HOLDERS = ("torch.distributed.distributed_c10d", "torch.distributed", "torch.distributed.device_mesh")
 _MARK = "_gpuwatch_proves"
-_proofs: dict[str, int] = {}  # group name -> how many groups of that name this process proved (their keys)
+Again = Callable[[Callable[..., Any], dict[str, Any]], Callable[[list[int]], Any]]  # how members form it again
+# group name -> groups of that name proved under the current default group (their keys), and that group's
+# store: a new default group (an in-place job's next generation; a replacement starts at 0) starts over.
+_proofs: dict[str, int] = {}
+_counted_for: list[dist.Store] = []
 
 
 def install() -> None:
     """Wrap torch's new_group and split_group in every module that holds them by name (idempotent)."""
-    for name, wrap in (("new_group", _proving_new_group), ("split_group", _proving_split_group)):
+    for name, again in (("new_group", _new_group_again), ("split_group", _split_group_again)):
         original = getattr(c10d, name, None)
         if original is None or getattr(original, _MARK, False):
             continue
-        wrapped = wrap(original)
+        wrapped = _proving(original, again)
         setattr(wrapped, _MARK, True)
         for holder in _HOLDERS:
             module = importlib.import_module(holder)
@@ -54,47 +58,35 @@ def install() -> None:
                 setattr(module, name, wrapped)
 
 
-def _proving_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
+def _proving(original: Callable[..., Any], again: Again) -> Callable[..., Any]:
+    """`original` (new_group or split_group), returning only a group that proved itself."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def new_group(*args: Any, **kwargs: Any) -> Any:
+    def proving(*args: Any, **kwargs: Any) -> Any:
         proved = groupproof.proved()
         if proved is None:  # the default group did not prove itself (the script chose its own store): as asked
             return original(*args, **kwargs)
         given = signature.bind(*args, **kwargs)
         given.apply_defaults()
-        a = given.arguments
         before = socket_inodes()
         group = original(*args, **kwargs)
-        keys = ("timeout", "backend", "pg_options", "group_desc", "device_id", "sort_ranks")
-        again = {k: a[k] for k in keys if k in a}  # as the script asked, for its members alone
-        return _proved(
-            group, before, proved, a["timeout"], lambda ranks: original(ranks, **again, use_local_synchronization=True)
-        )
+        return _proved(group, before, proved, given.arguments["timeout"], again(original, given.arguments))
 
-    return new_group
+    return proving
 
 
-def _proving_split_group(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
+def _new_group_again(original: Callable[..., Any], asked: dict[str, Any]) -> Callable[[list[int]], Any]:
+    """A refused new_group formed again by its members alone, as the script asked for it."""
+    keys = ("timeout", "backend", "pg_options", "group_desc", "device_id", "sort_ranks")
+    again = {k: asked[k] for k in keys if k in asked}
+    return lambda ranks: original(ranks, **again, use_local_synchronization=True)
 
-    @functools.wraps(original)
-    def split_group(*args: Any, **kwargs: Any) -> Any:
-        proved = groupproof.proved()
-        if proved is None:
-            return original(*args, **kwargs)
-        given = signature.bind(*args, **kwargs)
-        given.apply_defaults()
-        a = given.arguments
-        before = socket_inodes()
-        group = original(*args, **kwargs)
-        again = {"timeout": a["timeout"], "group_desc": a["group_desc"], "use_local_synchronization": True}
-        return _proved(
-            group, before, proved, a["timeout"], lambda ranks: inspect.unwrap(c10d.new_group)(ranks, **again)
-        )
 
-    return split_group
+def _split_group_again(_: Callable[..., Any], asked: dict[str, Any]) -> Callable[[list[int]], Any]:
+    """A refused split_group's group formed again by its members alone, through (torch's own) new_group."""
+    again = {"timeout": asked["timeout"], "group_desc": asked["group_desc"]}
+    return lambda ranks: inspect.unwrap(c10d.new_group)(ranks, **again, use_local_synchronization=True)
 
 
 def _proved(
@@ -110,6 +102,9 @@ def _proved(
     store, secret = proved
     name, ranks = group.group_name, dist.get_process_group_ranks(group)
     rank, world = group.rank(), group.size()
+    if not _counted_for or _counted_for[0] is not store:
+        _proofs.clear()
+        _counted_for[:] = [store]
     seq = _proofs[name] = _proofs.get(name, 0) + 1
     wait = timeout or c10d.default_pg_timeout
     device = groupproof.proof_device(str(dist.get_backend(group)), getattr(group, "bound_device_id", None))
