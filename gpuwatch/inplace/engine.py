@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gpuwatch.errors import InPlaceError
+from gpuwatch.inplace import subgroups
 from gpuwatch.inplace.groupproof import form_group
 from gpuwatch.inplace.jobstore import JobStore
 from gpuwatch.inplace.membership import Membership
@@ -414,6 +415,7 @@ class StepEngine:
             self.backend, self._store, f"pg/{generation.number}", rank, world,
             self._timeout, self._secret, self._device, label=f"generation {generation.number}",
         )  # fmt: skip
+        subgroups.install()  # the groups the script makes later prove themselves too
         self._gen = generation
         self._aborted_for = 0
 

@@ -21,16 +21,18 @@ signed (docs/security.md says what that leaves).
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import hmac
 import logging
 import os
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from gpuwatch.errors import InPlaceError
 
@@ -39,6 +41,8 @@ log = logging.getLogger("gpuwatch.inplace")
 ATTEMPTS = 5  # forms of one generation's group before the rank gives up (a stranger keeps winning the race)
 _DIGEST = 32
 _refused = 0  # groups destroyed for a failed proof in this process
+_proved: tuple[dist.Store, bytes] | None = None  # the default group's store and secret, once it proved itself
+G = TypeVar("G")
 
 
 class GroupProofError(InPlaceError, RuntimeError):
@@ -73,33 +77,90 @@ def form_group(
     Raises:
         GroupProofError: no attempt's group proved itself (or a rank's verdict never came).
     """
+    global _proved
+
+    def form(attempt: int) -> None:
+        meet = dist.PrefixStore(f"{prefix}.{attempt}" if attempt else prefix, store)
+        dist.init_process_group(backend, store=meet, rank=rank, world_size=world, timeout=timeout, **(options or {}))
+
+    attempt, _ = until_proved(
+        form, lambda attempt: dist.PrefixStore(f"{prefix}/proof/{attempt}", store), lambda _: _destroy(),
+        secret, rank, world, timeout, device, label,
+    )  # fmt: skip
+    _proved = (c10d._world.pg_map[c10d._get_default_group()][1], secret)  # for later groups (subgroups.py)
+    return attempt
+
+
+def until_proved(
+    form: Callable[[int], G],
+    proofs_of: Callable[[int], dist.Store],
+    destroy: Callable[[G | None], None],
+    secret: bytes,
+    rank: int,
+    world: int,
+    timeout: datetime.timedelta,
+    device: torch.device,
+    label: str,
+    gather: Callable[[G, dist.Store, list[torch.Tensor], torch.Tensor], None] | None = None,
+) -> tuple[int, G]:
+    """Form a group until one proves itself: (the attempt that held, what `form` returned for it).
+
+    Args:
+        form: makes attempt N's group on this rank (its handle; None for the default group).
+        proofs_of: attempt N's store for the nonces and verdicts (the authenticated store, a fresh prefix).
+        destroy: takes down a refused attempt's group (its handle, None when `form` raised).
+        gather: the proof's all-gather over the group (default: a blocking dist.all_gather on the handle).
+
+    Raises:
+        GroupProofError: no attempt's group proved itself (or a rank's verdict never came).
+    """
     global _refused
     for attempt in range(ATTEMPTS):
-        proofs = dist.PrefixStore(f"{prefix}/proof/{attempt}", store)
-        meet = dist.PrefixStore(f"{prefix}.{attempt}" if attempt else prefix, store)
+        proofs = proofs_of(attempt)
+        group: G | None = None
         try:
-            dist.init_process_group(
-                backend, store=meet, rank=rank, world_size=world, timeout=timeout, **(options or {})
-            )
-            problem = _prove(proofs, secret, rank, world, timeout, device)
+            group = form(attempt)
+            exchange = functools.partial(gather, group, proofs) if gather else functools.partial(_gather, group)
+            problem = _prove(proofs, secret, rank, world, timeout, device, exchange)
         except Exception as exc:  # the group did not form, or a stranger's bytes broke the proof's exchange
             problem = f"no proof: {type(exc).__name__}: {_first_line(exc)[:300]}"
         proofs.set(f"verdict/{rank}", problem or "ok")
         verdicts = _verdicts(proofs, world, timeout)
         bad = {r: v for r, v in verdicts.items() if v != "ok"}
         if not bad:
-            return attempt
+            return attempt, group  # type: ignore[return-value]  # a good verdict means form() returned
         _refused += 1
         log.warning(
             "process group %s attempt %d of rank %d did not prove itself (%s): destroyed, formed again"
             " (%d refused in this process)",
             label, attempt, rank, "; ".join(f"rank {r}: {v}" for r, v in sorted(bad.items())), _refused,
         )  # fmt: skip
-        _destroy()
+        destroy(group)
     raise GroupProofError(f"process group {label}: no group proved itself in {ATTEMPTS} attempts")
 
 
-def _prove(store: dist.Store, secret: bytes, rank: int, world: int, timeout: datetime.timedelta, device: Any) -> str:
+def proved() -> tuple[dist.Store, bytes] | None:
+    """(the default group's store, the secret) when the current default group proved itself, else None."""
+    if _proved is None or not dist.is_initialized():
+        return None
+    held = c10d._world.pg_map.get(c10d._get_default_group())
+    return _proved if held is not None and held[1] is _proved[0] else None
+
+
+def proof_device(backend: str | None, device_id: Any) -> torch.device:
+    """Where a proof's tensors live: the GPU for an NCCL-only group, else the CPU (gloo)."""
+    name = str(backend or "").lower()
+    if "nccl" not in name or "gloo" in name:
+        return torch.device("cpu")
+    if isinstance(device_id, torch.device):
+        return device_id
+    return torch.device("cuda", device_id if isinstance(device_id, int) else int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _prove(
+    store: dist.Store, secret: bytes, rank: int, world: int, timeout: datetime.timedelta, device: Any,
+    gather: Callable[[list[torch.Tensor], torch.Tensor], None],
+) -> str:  # fmt: skip
     """'' when every rank's proof over the group is right; else what is wrong."""
     store.set(f"nonce/{rank}", os.urandom(_DIGEST).hex())
     keys = [f"nonce/{r}" for r in range(world)]
@@ -107,10 +168,14 @@ def _prove(store: dist.Store, secret: bytes, rank: int, world: int, timeout: dat
     nonces = b"".join(bytes.fromhex(store.get(k).decode()) for k in keys)
     mine = torch.tensor(list(_mac(secret, rank, world, nonces)), dtype=torch.uint8, device=device)
     gathered = [torch.zeros(_DIGEST, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    gather(gathered, mine)
     got = [bytes(t.cpu().tolist()) for t in gathered]
     forged = [r for r in range(world) if not hmac.compare_digest(got[r], _mac(secret, r, world, nonces))]
     return f"forged or missing proof of rank {', '.join(map(str, forged))}" if forged else ""
+
+
+def _gather(group: Any, gathered: list[torch.Tensor], mine: torch.Tensor) -> None:
+    dist.all_gather(gathered, mine, group=group)
 
 
 def _verdicts(store: dist.Store, world: int, timeout: datetime.timedelta) -> dict[int, str]:

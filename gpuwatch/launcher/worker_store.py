@@ -28,17 +28,18 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from gpuwatch.inplace.groupproof import form_group
+from gpuwatch.inplace import subgroups
+from gpuwatch.inplace.groupproof import form_group, proof_device
 from gpuwatch.inplace.jobstore import JobStore
 from gpuwatch.inplace.secret import read_secret
 from gpuwatch.launcher.worker_plane import WORKER_SECRET_ENV
 
 _CALLERS = ("torch.distributed.distributed_c10d", "torch.distributed", "torch.distributed.device_mesh")
 _PREFIX = "default_pg"  # where torch's own init meets in its store: the first attempt's keys are torch's
+_held: list[dist.Store] = []  # a Python store that only torch holds loses its methods (later groups use it)
 
 
 def main(argv: list[str]) -> int:
@@ -68,7 +69,7 @@ def install(secret: bytes) -> None:
         store, rank, world = next(_env_rendezvous(secret, "env://", timeout, rank=a["rank"], world=a["world_size"]))
         options = {k: a[k] for k in ("group_name", "pg_options", "device_id") if a[k] not in (None, "")}
         form_group(
-            a["backend"], store, _PREFIX, rank, world, timeout, secret, _proof_device(a["backend"], a["device_id"]),
+            a["backend"], store, _PREFIX, rank, world, timeout, secret, proof_device(a["backend"], a["device_id"]),
             "default", options=options,
         )  # fmt: skip
         return None
@@ -77,6 +78,7 @@ def install(secret: bytes) -> None:
         module = importlib.import_module(name)
         if getattr(module, "init_process_group", None) is original:
             module.init_process_group = init_process_group  # type: ignore[attr-defined]
+    subgroups.install()  # and every group the script makes later proves itself too
 
 
 def _env_rendezvous(
@@ -88,18 +90,9 @@ def _env_rendezvous(
     rank = int(query.get("rank", rank if rank >= 0 else os.environ["RANK"]))
     world = int(query.get("world_size", world if world >= 0 else os.environ["WORLD_SIZE"]))
     store = JobStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), secret, timeout)
+    _held.append(store)
     yield store, rank, world
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
-
-
-def _proof_device(backend: str | None, device_id: Any) -> torch.device:
-    """Where the proof's tensors live: the GPU for an NCCL-only group, else the CPU (gloo)."""
-    name = str(backend or "").lower()
-    if "nccl" not in name or "gloo" in name:
-        return torch.device("cpu")
-    if isinstance(device_id, torch.device):
-        return device_id
-    return torch.device("cuda", device_id if isinstance(device_id, int) else int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _run(argv: list[str]) -> None:

@@ -27,9 +27,11 @@ print("sum", t.item(), "argv", sys.argv[1:], "path0", sys.path[0] == __import__(
 """
 
 
-def _workers(argv: list[str], tmp_path: Path, port: int, secret: Path, world: int = 2) -> list[subprocess.Popen[str]]:
+def _workers(
+    argv: list[str], tmp_path: Path, port: int, secret: Path, world: int = 2, env: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
     entry = secured_job_args(argv, sys.executable)[2:]  # what torchrun starts with --no-python
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    env = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
     env.update({WORKER_SECRET_ENV: str(secret), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": tmp_path}
     return [
