@@ -30,11 +30,12 @@ stops for resume or dies leaves them for the relaunch, and the daemon prunes a d
 after a grace period (prune.py). A reboot clears /dev/shm. What lives where: layout.py.
 
 HostSnapshot ties its parts together, each with what it owns: pacing.py (when a snapshot is due,
-"auto"'s K), rankslots.py (the rank's two slot files), recall.py (which snapshot a relaunch restores),
-diskwrite.py (disk checkpoints from a snapshot, on their own thread), updates.py (the optimizers'
-hook). Locking: HostSnapshot itself takes none; it is called on the training thread only (the
-optimizers' hook runs there too), and the other threads (the set-up, a copy's drain, the disk
-write) reach it only through the objects they were handed.
+"auto"'s K), rankslots.py (the rank's two slot files), slotsetup.py (where their set-up stands),
+recall.py (which snapshot a relaunch restores), diskwrite.py (disk checkpoints from a snapshot, on
+their own thread), updates.py (the optimizers' hook); it keeps the snapshot in flight itself.
+Locking: HostSnapshot takes none; it is called on the training thread only (the optimizers' hook
+runs there too), and the other threads (the set-up, a copy's drain, the disk write) reach it only
+through the objects they were handed.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from gpuwatch.snapshots.cadence import MAX_EVERY, TARGET_SHARE
 from gpuwatch.snapshots.copier import CopyJob
 from gpuwatch.snapshots.diskwrite import DiskWriter
 from gpuwatch.snapshots.layout import (
-    SLOTS,
     SnapshotDirError,
     job_dir_name,
     open_job_dir,
@@ -63,11 +63,12 @@ from gpuwatch.snapshots.layout import (
     user_dir_name,
 )
 from gpuwatch.snapshots.pacing import Pacing, size_text
-from gpuwatch.snapshots.prepare import Preparation, Prepared
+from gpuwatch.snapshots.prepare import Prepared
 from gpuwatch.snapshots.rankslots import RankSlots
 from gpuwatch.snapshots.recall import recall
 from gpuwatch.snapshots.restore import like, localize
 from gpuwatch.snapshots.slot import Slot
+from gpuwatch.snapshots.slotsetup import SlotSetup
 from gpuwatch.snapshots.staged import Layout, LayoutChanged, StagedJob, Stager, layout_of, tensor_ptrs
 from gpuwatch.snapshots.updates import Updates
 from gpuwatch.trainer import tensorfile
@@ -161,10 +162,7 @@ class HostSnapshot:
         self._job: CopyJob | StagedJob | None = None
         self._stager: Stager | None = None  # the staged mode's buffer, stream and drain thread
         self._layout: Layout | None = None  # the state's layout, reused while its tensors are the same ones
-        self._preparation: Preparation | None = None
-        self._window = False  # the set-up window: snapshots go into the slots as mapped (see _usable)
-        self._replace_all = False  # the next preparation makes new files for both slots (the state outgrew them)
-        self._prepared: Prepared | None = None
+        self._setup = SlotSetup()
         self._seq = (self._files.newest_seq() if self.enabled else 0) + 1
         self._base: int | None = None  # the step this process resumed from (None: not told yet)
         self._cuda: int | None = None
@@ -312,7 +310,7 @@ class HostSnapshot:
             self._finish(job)
         elif isinstance(job, StagedJob):
             job.advance(self._drain_budget())
-        if self._pacing.due(step, window=self._window, idle=self._job is None):
+        if self._pacing.due(step, window=self._setup.window, idle=self._job is None):
             if self._job is not None and self._job.window:
                 return  # a set-up window's drain (pageable) is not waited for: the next starts once it commits
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
@@ -357,13 +355,13 @@ class HostSnapshot:
         `step` calls it; call it yourself (wait=True) to have them before the loop starts, once the
         state exists (after the optimizer's first step, or the restore). False: not yet, or snapshots are off.
         """
-        if self._prepared is not None:
+        if self._setup.prepared is not None:
             return self.enabled
         if not self.enabled:
             return False
-        if self._preparation is None:
+        if self._setup.preparation is None:
             self._prepare()
-        preparation = self._preparation
+        preparation = self._setup.preparation
         if preparation is None or not (wait or preparation.done):
             return False
         self._adopt(preparation.join())
@@ -379,12 +377,12 @@ class HostSnapshot:
         """
         if self.ready():
             return True
-        preparation = self._preparation
+        preparation = self._setup.preparation
         if not self.enabled or preparation is None:
             return False
-        if not self._window:
+        if not self._setup.window:
             self._files.take(preparation.result)
-            self._window = True
+            self._setup.window = True
             self.mode = preparation.result.mode
         return self.enabled
 
@@ -400,26 +398,22 @@ class HostSnapshot:
         except (OSError, ValueError) as exc:
             self._disable(f"cannot keep the state in {self.directory}: {exc}")
             return
-        aliased = self._files.aliased
-        replace = set(SLOTS) if self._replace_all else {aliased} if aliased is not None else set()
-        self._replace_all = False
         self._cuda, self.state_bytes = cuda, flat.size
-        self._preparation = Preparation(self._files.dir_fd, self.rank, flat.size, cuda,
-                                        staging=self._staging_wanted, replace=replace,
-                                        budget=self.gpu_budget)  # fmt: skip
+        self._setup.start(self._files.dir_fd, self.rank, flat.size, cuda, staging=self._staging_wanted,
+                          aliased=self._files.aliased, budget=self.gpu_budget)  # fmt: skip
 
     def _adopt(self, prepared: Prepared) -> None:
         """Take the prepared slots over, or turn snapshots off (one line) when they could not be made."""
-        self._prepared = prepared
+        self._setup.prepared = prepared
         if prepared.error is not None:
             for slot in prepared.slots.values():
                 slot.close()
             error = prepared.error
             self._disable(f"cannot keep the state in {self.directory}: {type(error).__name__}: {error}")
             return
-        if not self._window:
+        if not self._setup.window:
             self._files.take(prepared)
-        self._window = False
+        self._setup.window = False
         self.setup_s += prepared.seconds
         self.ready_step = self._step_now
         self.ready_s = time.perf_counter() - self._first_t if self._first_t is not None else prepared.seconds
@@ -442,16 +436,9 @@ class HostSnapshot:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-        if self._prepared is not None:
-            self._prepared.staging = None  # the GPU memory goes back before the new buffer is taken
-        self._prepared, self._preparation, self._layout = None, None, None
-        self._replace_all, self._window = True, False
+        self._setup.again()  # the GPU memory goes back before the new buffer is taken
+        self._layout = None
         self.ready()
-
-    def _staging(self) -> Any:
-        """The GPU staging buffer (also in the set-up window), or None."""
-        prepared = self._prepared or (self._preparation.result if self._window and self._preparation else None)
-        return prepared.staging if prepared is not None else None
 
     # -- one snapshot: its start and its commit (copier.py, staged.py) -----------------------------------
 
@@ -492,12 +479,12 @@ class HostSnapshot:
 
     def _copy_job(self, step: int, slot: Slot, flat: tensorfile.FlatState, cuda: int | None) -> CopyJob:
         """A CopyJob; in the set-up window it holds the slot's gate (its registration pauses) until its commit."""
-        gate = slot.gate if self._window else None
+        gate = slot.gate if self._setup.window else None
         if gate is not None:
             gate.acquire()  # waits for one registered piece at most (milliseconds)
         try:
             return CopyJob(step, self._seq, slot, flat, self._updates.owned(flat), cuda, self.world_size, self.rank,
-                           self._staging(), gate=gate)  # fmt: skip
+                           self._setup.staging(), gate=gate)  # fmt: skip
         except BaseException:
             if gate is not None:
                 gate.release()
@@ -528,7 +515,7 @@ class HostSnapshot:
         if self._disk.slot == k:
             self._disk.join()
         slot = self._files.claim(k)
-        setup_s = 0.0 if self._window else slot.ensure(nbytes, pin=cuda is not None)  # the window: as mapped
+        setup_s = 0.0 if self._setup.window else slot.ensure(nbytes, pin=cuda is not None)  # the window: as mapped
         if setup_s:
             log.info("host snapshot slot %s: %s in %s, set up in %.2f s", slot.name, size_text(nbytes),
                      self.directory, setup_s)  # fmt: skip
@@ -572,7 +559,7 @@ class HostSnapshot:
 
     def gpu_bytes(self) -> int:
         """The GPU memory the snapshots hold between snapshots (the staging buffer)."""
-        staging = self._staging()
+        staging = self._setup.staging()
         return 0 if staging is None else int(staging.numel())
 
     # -- disk checkpoints from the snapshot (diskwrite.py) ----------------------------------------------
@@ -669,8 +656,8 @@ class HostSnapshot:
             if self._job is not None and self.enabled:
                 self._finish(self._job)
             self._disk.join()
-            if self._preparation is not None and self._prepared is None:
-                self._adopt(self._preparation.join())  # its slots are closed below
+            if self._setup.preparation is not None and self._setup.prepared is None:
+                self._adopt(self._setup.preparation.join())  # its slots are closed below
         except Exception as exc:  # at exit, perhaps after another error (a lost GPU): say it, do not mask that one
             log.error("host snapshot of rank %s at close: %s: %s", self.rank, type(exc).__name__, exc)
         finally:
@@ -679,9 +666,8 @@ class HostSnapshot:
                 self._stager.close()
                 self._stager = None
             self._layout = None
-            if self._prepared is not None:
-                self._prepared.staging = None  # the GPU memory goes back to the caching allocator
-            self._files.close(drop_renames=self._prepared is not None)
+            self._setup.release_staging()  # the GPU memory goes back to the caching allocator
+            self._files.close(drop_renames=self._setup.prepared is not None)
             if remove and self._files.dir_fd is not None:
                 self._files.remove_files(self.world_size)
             if self._files.dir_fd is not None:
@@ -727,7 +713,7 @@ class HostSnapshot:
             "ready_step": self.ready_step,
             "ready_s": self.ready_s,
             "mode": self.mode,
-            "pinned": bool(self._prepared and self._prepared.pinned),
+            "pinned": self._setup.pinned,
             "staging_bytes": staged,
             "gpu_bytes": self.gpu_bytes(),
             "gpu_budget": self.gpu_budget,
