@@ -183,7 +183,7 @@ def _drop_cache(path: Path) -> None:
 
 def checkpoint_throughput(directory: Path, gib: float, device: Any, *, legacy: bool) -> dict[str, Any]:
     """GiB/s of save_checkpoint and of load_latest (verify included, the cache dropped first); legacy: v1 too."""
-    from gpuwatch.bench.recovery_job import make_state, state_of
+    from gpuwatch.examples.recovery_job import make_state, state_of
     from gpuwatch.trainer.checkpoint import load_latest, save_checkpoint
 
     params, optim = make_state(gib, device)
@@ -262,7 +262,7 @@ def snapshot_cost(ctx: Context, gib: float, device: Any, step_s: float) -> dict[
 
 def _timed_snapshots(ctx: Context, gib: float, device: Any, step_s: float) -> dict[str, Any]:
     """The same loop without snapshots, then with (after a warm-up in which the slots are set up off the step)."""
-    from gpuwatch.bench.recovery_job import make_compute, make_state, state_of
+    from gpuwatch.examples.recovery_job import make_compute, make_state, state_of
     from gpuwatch.snapshots import HostSnapshot
 
     steps = int(ctx.pick(40, 6))
@@ -375,7 +375,7 @@ def in_place(trial: Trial) -> dict[str, Any]:
 
 
 def _one_rank_in_place(trial: Trial, *, spare: bool) -> dict[str, Any]:
-    """A 1-rank job under the in-place launcher (gpuwatch.inplace.sharded_worker, a host snapshot every
+    """A 1-rank job under the in-place launcher (gpuwatch.examples.sharded_worker, a host snapshot every
     SPARE_EVERY steps), SIGKILLed; its replacement is a warm spare or a cold start (gpuwatch.bench.recovery_spare)."""
     from gpuwatch.bench.recovery_spare import measure_spare
     from gpuwatch.snapshots import snapshot_root
@@ -415,7 +415,7 @@ def _killed_job(trial: Trial, name: str, extra: list[str]) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     log, ckpt = workdir / "steps.jsonl", workdir / "ckpt"
-    job = ["-m", "gpuwatch.bench.recovery_job", "--state-gib", f"{trial.gib:g}", "--ckpt-dir", str(ckpt)]
+    job = ["-m", "gpuwatch.examples.recovery_job", "--state-gib", f"{trial.gib:g}", "--ckpt-dir", str(ckpt)]
     job += ["--step-log", str(log), "--steps", str(trial.steps), "--ckpt-every", str(trial.ckpt_every)]
     job += ["--step-s", f"{trial.step_s:g}", *extra]
     args = [sys.executable, "-m", "gpuwatch", "launch", "--nproc-per-node", "1", "--max-restarts", "2"]

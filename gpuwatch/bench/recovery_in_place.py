@@ -4,7 +4,7 @@
 
 prints one JSON line per state size (the dict below).
 
-For `gpuwatch bench --only recovery` (its in-place column). A job of `gpuwatch.inplace.bench_worker`
+For `gpuwatch bench --only recovery` (its in-place column). A job of `gpuwatch.examples.bench_worker`
 ranks runs under the in-place supervisor (in this process, on a thread), with fake GPUs on the CPU
 (3 gloo ranks) or this machine's GPUs (NCCL, one rank each). Once every rank has taken 5 steps, the
 last rank is SIGKILLed; the figures come from the job's own step logs:
@@ -62,7 +62,7 @@ def measure_in_place(
         raise ValueError(f"an in-place measurement needs at least 2 ranks, not {len(gpus)}")
     logs = Path(workdir) / f"steps-{state_bytes}"
     logs.mkdir(parents=True, exist_ok=True)
-    command = ("-m", "gpuwatch.inplace.bench_worker", "--state-bytes", str(state_bytes), "--log-dir", str(logs))
+    command = ("-m", "gpuwatch.examples.bench_worker", "--state-bytes", str(state_bytes), "--log-dir", str(logs))
     plan = InPlacePlan(
         job_id=f"bench-{uuid.uuid4().hex[:8]}",
         command=(*command, "--backend", backend),

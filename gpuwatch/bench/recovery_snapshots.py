@@ -281,14 +281,8 @@ def _until_ready(loop: Loop, snap: Any, limit_s: float = 300.0) -> list[float]:
 
 def _switch(snap: Any, every: int | str) -> None:
     """Another cadence for the same HostSnapshot (its slots are set up once), measured afresh."""
-    from gpuwatch.snapshots.looptime import LoopTime
-
     snap.wait()
-    snap._every = None if every == "auto" else int(every)
-    snap._auto = every == "auto"
-    snap._time = LoopTime()
-    snap._wall_floor = 0
-    snap._last_snap_step = None
+    snap._pacing.restart(every if every == "auto" else int(every))
 
 
 def _tensors(state: Any) -> list[Any]:

@@ -5,7 +5,7 @@
 
 prints one JSON line per state size and way of starting the replacement (spare, cold).
 
-A job of one gpuwatch.inplace.sharded_worker rank (a host snapshot every K steps) runs under the
+A job of one gpuwatch.examples.sharded_worker rank (a host snapshot every K steps) runs under the
 in-place supervisor (in this process, on a thread; fake GPUs on the CPU, GPU 0 on a GPU machine).
 Each fault in turn, once the rank is steady (5 steps and a host snapshot of its own committed) and,
 with spares, one is warm:
@@ -81,7 +81,7 @@ def measure_spare(
     gpus = _gpus(backend, 1)
     logs = Path(workdir) / f"spare-{state_bytes}-{'spare' if spare else 'cold'}"
     logs.mkdir(parents=True, exist_ok=True)
-    command = ["-m", "gpuwatch.inplace.sharded_worker", "--log-dir", str(logs), "--state-bytes", str(state_bytes)]
+    command = ["-m", "gpuwatch.examples.sharded_worker", "--log-dir", str(logs), "--state-bytes", str(state_bytes)]
     command += ["--every", str(every), "--step-sleep", str(step_sleep), "--backend", backend, "--allow-drills"]
     plan = InPlacePlan(
         job_id=f"spare-bench-{uuid.uuid4().hex[:8]}",

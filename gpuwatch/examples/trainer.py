@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuwatch.examples.steplog import StepLog
 from gpuwatch.trainer.checkpoint import load_latest, save_checkpoint
 from gpuwatch.trainer.link import TrainerLink
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             logged = _last_logged_step(ckpt_dir / STEP_LOG)
             progress["launches"][-1]["furthest"] = max(progress["launches"][-1]["furthest"], logged or 0)
         progress["launches"].append({"world_size": world, "resumed_from": resumed_from, "furthest": step})
-        step_log = _StepLog(ckpt_dir / STEP_LOG) if rank == 0 else None
+        step_log = StepLog(ckpt_dir / STEP_LOG) if rank == 0 else None
         if step_log is not None:
             step_log.write(launch=len(progress["launches"]) - 1, resumed_from=resumed_from, source=source)
         if rank == 0:
@@ -291,17 +292,6 @@ def _resume(
     return loaded.step, "disk"
 
 
-class _StepLog:
-    """The job's own step log (JSON lines, appended): a line per launch and one per finished step, with the time."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", buffering=1)  # line buffered: a SIGKILL loses no finished line
-
-    def write(self, **fields: Any) -> None:
-        self._file.write(json.dumps({**fields, "t": time.time()}) + "\n")
-
-
 def _last_logged_step(path: Path) -> int | None:
     """The last step the step log holds for its last launch (None: none), read from the file's tail."""
     try:
@@ -437,7 +427,7 @@ def _main_in_place(args: argparse.Namespace) -> int:
     link = TrainerLink(
         report_interval_s=args.report_interval, abort_after_s=args.abort_after, allow_drills=args.allow_drills
     )
-    with link, (log_dir / f"steps.{os.getpid()}.jsonl").open("a") as step_log:
+    with link, StepLog.per_process(log_dir) as step_log:
         try:
             job = InPlaceJob(net, optim, link, load=load, save=save, collective_timeout_s=args.gloo_timeout)
         except NotInPlace as exc:
@@ -465,8 +455,7 @@ def _main_in_place(args: argparse.Namespace) -> int:
                 change = job.last_change
                 line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
                 generation = job.generation
-            step_log.write(json.dumps(line) + "\n")
-            step_log.flush()
+            step_log.write(**line)
             if job.rank == 0 and (job.step % args.ckpt_every == 0 or job.step == args.steps):
                 save(job.step)
             if args.step_sleep > 0:

@@ -64,7 +64,7 @@ class TrainingHooks:
 
     def begin_step(self) -> None:
         """The step's collectives start now; send this rank's stop flag to the agreement."""
-        self.link._block_entered_t = time.monotonic()
+        self.link._stop.block_entered_t = time.monotonic()
         dist = _initialized_dist()
         if self.agree_stop and dist is not None and dist.get_world_size() > 1:
             torch = sys.modules["torch"]
@@ -78,13 +78,13 @@ class TrainingHooks:
         After the term signal (torchrun tears the group down: a peer died) the state is the
         finished `step`: it is rescued at once (`failure`), and this call does not return.
         """
-        if self.link._terminated:  # the link would end the process by the signal: rescue this step instead
-            self.link._terminated = False
+        if self.link._stop.terminated:  # the link would end the process by the signal: rescue this step instead
+            self.link._stop.terminated = False
             self.link.step(step, loss, grad_norm)
             self.failure(RuntimeError(f"{_term_name(self.link)} arrived: the process group is being torn down"))
         self.link.step(step, loss, grad_norm)
         stop = self.link.stop_requested if self._flag_work is None else self._agreed()
-        self.link._block_entered_t = None
+        self.link._stop.block_entered_t = None
         if stop and not self.stopping:
             self.stopping = True
             log.warning("rank %s: every rank stops after step %d (%s)", self.link.rank, step, self._reason())
@@ -108,7 +108,7 @@ class TrainingHooks:
         Raises:
             SystemExit: 75 after a rescue.
         """
-        self.link._block_entered_t = None
+        self.link._stop.block_entered_t = None
         if isinstance(exc, Exception):
             with _term_signal_held(self.link):
                 self.link._rescue_or_return(exc, self.save)
@@ -150,7 +150,7 @@ def _term_signal_held(link: TrainerLink) -> Iterator[None]:
     """While a rescue saves, the term signal (torchrun's teardown) only waits: the framework's own handler
     would run a collective with the dead peer (Lightning broadcasts in its SIGTERM handler) and break the save.
     When the rescue does not exit, the handler is put back and a signal that arrived meanwhile is sent again."""
-    signum = link._term_signal
+    signum = link._signals.term_signal
     if signum is None or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -177,7 +177,7 @@ def _initialized_dist() -> Any:
 
 
 def _term_name(link: TrainerLink) -> str:
-    signum = link._term_signal
+    signum = link._signals.term_signal
     return signal.Signals(signum).name if signum is not None else "the term signal"
 
 

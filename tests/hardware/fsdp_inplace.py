@@ -5,7 +5,7 @@
     python -m tests.hardware.fsdp_inplace --device cpu --small                      # the same chain on the CPU, sim
 
 (from the checkout's root: it imports tests.hardware.hang_drill). A `gpuwatch run` (nvml on cuda, a
-1-GPU sim on cpu) and `gpuwatch launch --in-place --spares 1` running `gpuwatch.inplace.fsdp_worker`
+1-GPU sim on cpu) and `gpuwatch launch --in-place --spares 1` running `gpuwatch.examples.fsdp_worker`
 (an MLP under `fully_shard`, AdamW, a host snapshot every 5 steps) sized so that its state
 (parameters and AdamW's two moments, fp32) is --gib; the model is built on the CPU with torch's
 default init and moved to the GPU, as users do. On a GPU the spare holds its CUDA context
@@ -57,7 +57,7 @@ def main() -> int:
     result: dict[str, Any] = {"device": args.device, "state_gib": round(state_gib, 2), "every": EVERY}
     result.update(width=width, layers=layers)
     logs = work / "steps"
-    job = ["-m", "gpuwatch.inplace.fsdp_worker", "--log-dir", str(logs), "--every", str(EVERY)]
+    job = ["-m", "gpuwatch.examples.fsdp_worker", "--log-dir", str(logs), "--every", str(EVERY)]
     job += ["--width", str(width), "--layers", str(layers), "--step-sleep", "0.05", "--no-checksum"]
     job += ["--backend", "nccl" if args.device == "cuda" else "gloo"]
     if args.device == "cuda":

@@ -9,7 +9,7 @@ A `gpuwatch run` with no config beyond its directories (trainer.* and interval_s
 one-rank job on GPU 0 and, once it is past --warmup steps, `gpuwatch drill --hang-rank 0 --yes --json`
 (SIGSTOP). The daemon's hang rule finds the stopped rank and SIGKILLs it. Without --spares the job is
 the shipped example trainer under `gpuwatch launch` and comes back through the relaunch; with --spares
-it is a `gpuwatch.inplace.sharded_worker` (a host snapshot every 5 steps) under `gpuwatch launch
+it is a `gpuwatch.examples.sharded_worker` (a host snapshot every 5 steps) under `gpuwatch launch
 --in-place --spares 1` (on a GPU its spare holds its CUDA context: trainer.spare_cuda_context, set for
 the launch alone), and the spare takes the rank over from the host snapshot. Prints, as one JSON
 document: the drill's verdict and its steps' durations, freeze → next step (with --spares from the
@@ -56,7 +56,7 @@ def main() -> int:
         launch_args = ["launch", "--runtime-dir", str(daemon.runtime_dir)]
         if args.spares:
             result.update(state_gib=args.gib, every=EVERY)
-            job = ["-m", "gpuwatch.inplace.sharded_worker", "--log-dir", str(logs), "--every", str(EVERY)]
+            job = ["-m", "gpuwatch.examples.sharded_worker", "--log-dir", str(logs), "--every", str(EVERY)]
             job += ["--state-bytes", str(int(args.gib * (1 << 30))), "--step-sleep", "0.05"]
             launch_args += ["--in-place", "--spares", "1"]
             if args.backend == "nvml":

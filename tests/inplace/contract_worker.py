@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from gpuwatch.examples.fsdp_worker import _build, shard_checksum
 from gpuwatch.inplace.engine import Group, StateSource
 from gpuwatch.inplace.fsdp import MeshRebuild
-from gpuwatch.inplace.fsdp_worker import _build, shard_checksum
 from gpuwatch.inplace.job import PeerBroadcast
 from gpuwatch.inplace.sharded import SnapshotRollback
 

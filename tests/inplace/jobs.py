@@ -127,9 +127,9 @@ def launch_in_place(
 def launch_sharded(
     node: DaemonProcess, workdir: Path, steps: int, *launch_args: str, every: int = 3, step_sleep: float = 0.05
 ) -> InPlaceRun:
-    """`gpuwatch launch --in-place` running gpuwatch.inplace.sharded_worker (ZeroRedundancyOptimizer, a host
+    """`gpuwatch launch --in-place` running gpuwatch.examples.sharded_worker (ZeroRedundancyOptimizer, a host
     snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
-    worker = ["gpuwatch.inplace.sharded_worker", "--steps", str(steps), "--every", str(every)]
+    worker = ["gpuwatch.examples.sharded_worker", "--steps", str(steps), "--every", str(every)]
     return _launch_snapshot_job(node, workdir, launch_args, [*worker, "--step-sleep", str(step_sleep)])
 
 
@@ -143,9 +143,9 @@ def launch_fsdp(
     step_sleep: float = 0.02,
     worker_args: Sequence[str] = (),
 ) -> InPlaceRun:
-    """`gpuwatch launch --in-place` running gpuwatch.inplace.fsdp_worker (FSDP2, a 2-D mesh with tp > 1, a host
+    """`gpuwatch launch --in-place` running gpuwatch.examples.fsdp_worker (FSDP2, a 2-D mesh with tp > 1, a host
     snapshot every `every` steps, kept under workdir/shm); its step logs in workdir/steps."""
-    worker = ["gpuwatch.inplace.fsdp_worker", "--steps", str(steps), "--every", str(every), "--tp", str(tp)]
+    worker = ["gpuwatch.examples.fsdp_worker", "--steps", str(steps), "--every", str(every), "--tp", str(tp)]
     worker += ["--step-sleep", str(step_sleep), *worker_args]
     preload = {"GPUWATCH_SPARE_PRELOAD": FSDP_PRELOAD}  # what docs/recovery-in-place.md asks an FSDP job to set
     return _launch_snapshot_job(node, workdir, launch_args, worker, preload)

@@ -1,6 +1,6 @@
 """FSDP2 jobs recover in place through a warm spare (CPU, gloo, sim daemon, 4 ranks).
 
-`gpuwatch launch --in-place --spares 1` runs gpuwatch.inplace.fsdp_worker (`fully_shard`, AdamW; with
+`gpuwatch launch --in-place --spares 1` runs gpuwatch.examples.fsdp_worker (`fully_shard`, AdamW; with
 --tp 2 a 2x2 mesh, FSDP x tensor parallel). Rank 2 is SIGKILLed (or frozen, then killed as the
 daemon's hang rule would): the survivors keep their processes, a spare takes rank 2's place, the
 process group and the mesh are formed anew and the model rebuilt on them, and every rank loads its

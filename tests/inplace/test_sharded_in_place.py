@@ -1,6 +1,6 @@
 """Sharded state and one-rank jobs recover in place through a warm spare (CPU, gloo, sim daemon).
 
-`gpuwatch launch --in-place --spares 1` runs gpuwatch.inplace.sharded_worker (ZeroRedundancyOptimizer:
+`gpuwatch launch --in-place --spares 1` runs gpuwatch.examples.sharded_worker (ZeroRedundancyOptimizer:
 each rank holds its own shard of Adam's moments; a host snapshot every K steps). A SIGKILLed rank is
 replaced by the spare, which reads the lost rank's host snapshot; every rank rolls back to the newest
 step all of them hold, so the survivors keep their processes, nothing is read from disk, and each

@@ -84,7 +84,7 @@ def test_staged_snapshots_into_pinned_shared_memory_hold_each_boundarys_state(tm
             update()
             torch.cuda.synchronize()  # the loop's own sync (loss.item()): the drain goes a portion per step
             snap.step(step)
-            if snap._last_snap_step == step:
+            if snap._pacing.last_snap_step == step:
                 boundary[step] = [p.detach().cpu() for p in params] + [  # a copy (.cpu() of a CPU tensor is not)
                     v.detach().to("cpu", copy=True) for s in optim.state.values() for v in s.values()
                 ]

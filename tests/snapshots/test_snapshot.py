@@ -17,7 +17,7 @@ import torch
 
 from gpuwatch.snapshots import HostSnapshot, choose_every
 from gpuwatch.snapshots.cadence import parse_every
-from gpuwatch.snapshots.restore import read_to_device
+from gpuwatch.snapshots.restore import candidates, read_to_device
 from gpuwatch.snapshots.slot import HEADER_LEN
 from gpuwatch.trainer.checkpoint import load_latest, save_checkpoint
 
@@ -331,9 +331,9 @@ def test_a_restore_onto_a_device_copies_verified_chunks_and_refuses_a_changed_by
     snap.close(remove=False)
 
     again = _snapshot(tmp_path, *_trainer(seed=3, width=1 << 16), every=2)
-    assert again._dir_fd is not None
-    newest = again._candidates(None)[0]
-    state, reason = read_to_device(again._dir_fd, newest, torch.device("cpu"))
+    assert again._files.dir_fd is not None
+    newest = candidates(again._files.dir_fd, rank=0, world_size=1, replicated=False)[0]
+    state, reason = read_to_device(again._files.dir_fd, newest, torch.device("cpu"))
     assert reason is None and newest.header.step == 4
     _assert_same(state, expected)
     assert state["optim"]["state"][0]["step"].dim() == 0  # the optimizer's step counters stay on the CPU
@@ -341,6 +341,6 @@ def test_a_restore_onto_a_device_copies_verified_chunks_and_refuses_a_changed_by
     with (_job_dir(tmp_path) / newest.name).open("r+b") as f:  # a byte of a tensor changes after the commit
         f.seek(HEADER_LEN + newest.header.payload_len - 100)
         f.write(b"\x55")
-    state, reason = read_to_device(again._dir_fd, newest, torch.device("cpu"))
+    state, reason = read_to_device(again._files.dir_fd, newest, torch.device("cpu"))
     again.close(remove=True)
     assert state is None and reason is not None and "crc32 mismatch" in reason

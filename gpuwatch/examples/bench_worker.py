@@ -3,30 +3,30 @@
 Most of the state is a frozen block (a model's frozen weights: part of the state every joiner must
 receive, never all-reduced), beside a small trainable MLP with SGD momentum, so a step stays short
 whatever the state's size while a join moves all of it. Each step appends one JSON line to
-`<log-dir>/steps.<pid>.jsonl` (as the example trainer does); the first line also says when the
+`<log-dir>/steps.<pid>.jsonl` (steplog.py, as the example trainer does); the first line also says when the
 process started. Runs until SIGTERM.
 
-    python -m gpuwatch.inplace.bench_worker --state-bytes 1073741824 --log-dir DIR --backend gloo
+    python -m gpuwatch.examples.bench_worker --state-bytes 1073741824 --log-dir DIR --backend gloo
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from gpuwatch.examples.steplog import StepLog
 
 STARTED = time.time()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Train until SIGTERM under `gpuwatch launch --in-place` (or the bench's supervisor)."""
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.inplace.bench_worker")
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.examples.bench_worker")
     parser.add_argument("--state-bytes", type=int, required=True)
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
@@ -55,10 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     model.register_parameter("frozen", torch.nn.Parameter(torch.zeros(frozen, device=device), requires_grad=False))
     optim = torch.optim.SGD(mlp.parameters(), lr=0.01, momentum=0.9)
     job = InPlaceJob(model, optim, backend=args.backend, collective_timeout_s=30.0)
-    log_path = Path(args.log_dir) / f"steps.{os.getpid()}.jsonl"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     generation = None
-    with log_path.open("a") as log:
+    with StepLog.per_process(args.log_dir) as log:
         while not stop:
 
             def forward_backward(ddp: Any) -> float:
@@ -78,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 change = job.last_change
                 line["change"] = {"source": change.source, "seconds": change.seconds, "moved": change.moved_bytes}
                 generation = job.generation
-            log.write(json.dumps(line) + "\n")
-            log.flush()
+            log.write(**line)
             time.sleep(args.step_sleep)
     job.close()
     return 0

@@ -1,11 +1,11 @@
 """A sharded job for tests, the bench and drills: a rank of a ShardedJob with ZeroRedundancyOptimizer.
 
-    python -m gpuwatch.inplace.sharded_worker --log-dir DIR [--state-bytes N] [--every K] [--steps S]
+    python -m gpuwatch.examples.sharded_worker --log-dir DIR [--state-bytes N] [--every K] [--steps S]
 
 Each rank trains a small MLP with Adam, whose moments ZeroRedundancyOptimizer shards over the ranks,
 beside a frozen block of `--state-bytes` (a model's frozen weights: state every snapshot holds, so a
 restore's cost grows with it while a step stays short). Every K steps each rank snapshots its own
-state in host memory. Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (t, pid,
+state in host memory. Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (steplog.py: t, pid,
 member, generation, rank, world, step, a checksum of the parameters, the newest step this process
 committed to its host snapshot; on the first line when the
 process started, when its imports, its model and its ShardedJob were done, and how many seconds it
@@ -18,20 +18,20 @@ seconds of that change went), so a test reads its figures from the job itself. R
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from gpuwatch.examples.steplog import StepLog
 
 STARTED = time.time()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Train under `gpuwatch launch --in-place`; 0 after --steps steps."""
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.inplace.sharded_worker")
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.examples.sharded_worker")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--state-bytes", type=int, default=0)
     parser.add_argument("--every", type=int, default=3, help="snapshot every K steps")
@@ -61,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     frozen = torch.zeros(max(0, args.state_bytes) // 4, device=device)
     model.register_parameter("frozen", torch.nn.Parameter(frozen, requires_grad=False))
     marks["built"] = time.time()
-    log_path = Path(args.log_dir) / f"steps.{os.getpid()}.jsonl"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     link = TrainerLink(report_interval_s=1.0, allow_drills=args.allow_drills)
-    with link, log_path.open("a") as log:
+    with link, StepLog.per_process(args.log_dir) as log:
         job = ShardedJob(
             model,
             lambda: ZeroRedundancyOptimizer(mlp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01),
@@ -99,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 line["change"] = {"reason": change.reason, "source": change.source, "seconds": change.seconds}
                 line["change"]["parts"] = change.parts
                 generation = job.generation
-            log.write(json.dumps(line) + "\n")
-            log.flush()
+            log.write(**line)
             if args.step_sleep > 0:
                 time.sleep(args.step_sleep)
         job.close()

@@ -1,25 +1,26 @@
 """The 1-rank job `gpuwatch bench --only recovery` kills: a state of a given size, a fixed step, its own step log.
 
-    python -m gpuwatch.bench.recovery_job --state-gib 4 --ckpt-dir D --step-log L --steps 40 --ckpt-every 10 \\
+    python -m gpuwatch.examples.recovery_job --state-gib 4 --ckpt-dir D --step-log L --steps 40 --ckpt-every 10 \\
         [--snapshot-every auto]
 
 The state is parameters and SGD momentum (half each) on the rank's GPU, else the CPU. A step is a
 compute phase of --step-s seconds (a GPU spin kernel on CUDA, matrix products on the CPU) and then
 the optimizer's update of the whole state. The disk path saves a checkpoint every --ckpt-every steps
 in the step (save_checkpoint, as a trainer does); the snapshot path keeps host snapshots and writes
-the checkpoint from them in the background. Its log (JSON lines) has a line per launch, with where it
+the checkpoint from them in the background. Its log (JSON lines, steplog.py) has a line per launch, with where it
 resumed from and how long the restore took, and a line per finished step, with the time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from gpuwatch.examples.steplog import StepLog
 
 PARTS = 8
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     snap = _snapshot(args, params, optim)
     log_path = Path(args.step_log)
     launch = sum(1 for line in log_path.read_text().splitlines() if '"launch"' in line) if log_path.exists() else 0
-    log = log_path.open("a", buffering=1)  # line buffered: a SIGKILL loses no finished line
+    log = StepLog(log_path)
     started = time.perf_counter()
     restored = snap.resume(args.ckpt_dir) if snap is not None else None
     if snap is None:
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
     restore_s = time.perf_counter() - started
-    _line(log, launch=launch, resumed_from=step, source=source, restore_s=restore_s, pid=os.getpid())
+    log.write(launch=launch, resumed_from=step, source=source, restore_s=restore_s, pid=os.getpid())
     while step < args.steps:
         compute()
         optim.step()
@@ -67,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                 save_checkpoint(args.ckpt_dir, step, state_of(params, optim), keep=1)
         if device.type == "cuda":
             torch.cuda.synchronize()  # the step is finished when the GPU finished it
-        _line(log, step=step)
+        log.write(step=step)
     if snap is not None:
-        _line(log, snapshot=snap.stats())
+        log.write(snapshot=snap.stats())
         snap.close(remove=True)
     return 0
 
@@ -135,12 +136,9 @@ def _snapshot(args: argparse.Namespace, params: list[Any], optim: Any) -> Any:
                         replicated=True, job_id=job_id)  # fmt: skip
 
 
-def _line(log: Any, **fields: Any) -> None:
-    log.write(json.dumps({**fields, "t": time.time()}) + "\n")
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.bench.recovery_job", description=__doc__.splitlines()[0])
+    prog, description = "python -m gpuwatch.examples.recovery_job", __doc__.splitlines()[0]
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--state-gib", type=float, required=True)
     parser.add_argument("--ckpt-dir", required=True)
     parser.add_argument("--step-log", required=True)

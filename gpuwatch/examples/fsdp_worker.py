@@ -1,6 +1,6 @@
 """An FSDP2 job for tests and the GPU script: a rank of an FSDPJob (`fully_shard`, optionally tensor parallel).
 
-    python -m gpuwatch.inplace.fsdp_worker --log-dir DIR [--steps S] [--every K] [--tp T] [--width W] [--layers L]
+    python -m gpuwatch.examples.fsdp_worker --log-dir DIR [--steps S] [--every K] [--tp T] [--width W] [--layers L]
 
 An MLP of L hidden layers of width W (`fully_shard` on each layer and on the root; with `--tp T` a 2-D
 mesh (dp, tp): each layer pair column- then row-wise tensor parallel, FSDP over dp) trained with AdamW
@@ -8,7 +8,7 @@ on batches drawn from the step and the rank's dp index, so a run is a pure funct
 every step's loss equals an uninterrupted run's. The model is built on the CPU with torch's default
 init (seed 0) and moved to the rank's device, as users do; after a membership change, when the state
 comes from the old model or a host snapshot, it is built on the meta device instead (its values are
-overwritten). Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (t, pid, member,
+overwritten). Each step appends one JSON line to `<log-dir>/steps.<pid>.jsonl` (steplog.py: t, pid, member,
 generation, rank, world, step, loss, a checksum of this rank's shards unless --no-checksum; on a generation's first step
 where its state came from and the seconds of the change). `--steps 0` runs until SIGTERM.
 """
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from gpuwatch.examples.steplog import StepLog
 
 
 def main(argv: list[str] | None = None) -> int:
     """Train under `gpuwatch launch --in-place`; 0 after --steps steps."""
-    parser = argparse.ArgumentParser(prog="python -m gpuwatch.inplace.fsdp_worker")
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.examples.fsdp_worker")
     parser.add_argument("--log-dir", required=True)
     parser.add_argument("--steps", type=int, default=0, help="0: until SIGTERM")
     parser.add_argument("--every", type=int, default=3, help="host snapshot every K steps")
@@ -55,10 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     def build(mesh: Any, init: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         return _build(mesh, init, args.width, args.layers, args.tp, device)
 
-    log_path = Path(args.log_dir) / f"steps.{os.getpid()}.jsonl"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     link = TrainerLink(report_interval_s=1.0)
-    with link, log_path.open("a") as log:
+    with link, StepLog.per_process(args.log_dir) as log:
         # A 2-D mesh's shape needs the world size before the join (a standby then waits at this read);
         # a 1-D mesh is the job's whole group, known at the join.
         mesh_shape = (int(os.environ.get("WORLD_SIZE", "1")) // args.tp, args.tp) if args.tp > 1 else None
@@ -78,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             link.step(job.step, loss)
             line = _line(job, loss, changed=job.generation != generation)
             line["checksum"] = None if args.no_checksum else shard_checksum(job.model)
-            log.write(json.dumps(line) + "\n")
-            log.flush()
+            log.write(**line)
             generation = job.generation
             time.sleep(args.step_sleep)
         job.close()
