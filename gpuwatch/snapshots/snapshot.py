@@ -699,6 +699,8 @@ class HostSnapshot:
         """
         staged = self.gpu_bytes()
         loop = self._pacing.time
+        prepared = self._setup.prepared
+        budget = prepared.budget if prepared else None  # what the default left for a standby, and why
         return {
             "enabled": self.enabled,
             "disabled_reason": self.disabled_reason,
@@ -716,8 +718,8 @@ class HostSnapshot:
             "pinned": self._setup.pinned,
             "staging_bytes": staged,
             "gpu_bytes": self.gpu_bytes(),
-            "gpu_budget": self._prepared.budget.limit if self._prepared and self._prepared.budget else self.gpu_budget,
-            "gpu_budget_why": self._prepared.budget.why if self._prepared and self._prepared.budget else None,
+            "gpu_budget": budget.limit if budget else self.gpu_budget,
+            "gpu_budget_why": budget.why if budget else None,
             "loss_bound_steps": self.loss_bound(),
             "copy_s": self.last_copy_s,
             "drain_s": loop.median_drain(),
