@@ -24,10 +24,8 @@ WHOLE_SYSTEM = {
     "test_readme.py",
     "test_sampling_thread.py",
 }
-# Tests that read a measurement's own code: the interference bench's condition names the metrics page mentions,
-# and the GPU script that prints the bench's snapshot modes.
+# The GPU script (not a test) that prints the bench's snapshot modes.
 READS_THE_BENCH = {
-    "serving/test_metrics.py",
     "hardware/snapshot_cost.py",
 }
 
