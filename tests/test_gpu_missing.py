@@ -38,6 +38,7 @@ def test_check_with_the_shipped_config_on_4_of_8_gpus_exits_1_naming_it(tmp_path
     assert full.returncode == 0 and "gpu_missing" not in full.stdout, full.stdout
 
 
+@pytest.mark.slow
 def test_the_daemon_reports_it_on_the_node_consistently_with_the_alerts_series(tmp_path: Path) -> None:
     sim = start_sim_node(tmp_path, "healthy", gpus=4, expected_gpus=8)
     try:

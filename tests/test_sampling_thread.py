@@ -8,10 +8,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from gpuwatch.daemon import Daemon
 from tests.helpers import sim_config
 
 
+@pytest.mark.slow
 def test_rounds_follow_the_interval_and_an_overrun_skips_the_rounds_it_missed(tmp_path: Path) -> None:
     # 0.2 s is below what a config may say (1 s) and keeps the test short; the loop does not care.
     daemon = Daemon(dataclasses.replace(sim_config(tmp_path, "healthy", 1), interval_s=0.2))

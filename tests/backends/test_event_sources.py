@@ -144,6 +144,7 @@ def _kernel_line(bus: str, xid: int) -> str:
     return f"3,1,{usec},-;NVRM: Xid (PCI:{bus}): {xid}, pid=4242, name=python3, Ch 00000008\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "sets"), [("auto", 0), ("xid", 1)])
 def test_the_daemon_judges_a_kernel_log_xid_at_once_without_an_event_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, sets: int

@@ -208,6 +208,7 @@ def test_unreachable_open_and_closed(caplog: pytest.LogCaptureFixture) -> None:
         ("huge_unsized", "", f"an answer of more than {MAX_ANSWER_BYTES} bytes"),
     ],
 )
+@pytest.mark.slow
 def test_a_bad_answer_is_unreachable_within_the_deadline_and_the_size_limit(mode: str, value: str, said: str) -> None:
     with BadPrometheus(mode, value) as bad:
         breaker = FleetBreaker(FleetConfig(prometheus_url=bad.url, timeout_s=1.0, on_unreachable="closed"))

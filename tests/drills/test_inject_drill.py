@@ -144,6 +144,7 @@ def test_posted_verdicts_are_stored_exported_and_served(node: SimNode) -> None:
     assert metric_samples(text, "gpuwatch_drill_runs_total") == [({"drill": "inject", "result": "pass"}, 1.0)]
 
 
+@pytest.mark.slow
 def test_verdicts_survive_a_restart_in_the_last_run_gauge(tmp_path: Path) -> None:
     first = start_drill_node(tmp_path)
     verdict = inject(first, "gpu=1,preset=xid79")

@@ -128,6 +128,7 @@ def test_token_readable_by_others_is_refused(tmp_path: Path) -> None:
     assert token.read_text().startswith("s3cret"), "a refused token is left as it was"
 
 
+@pytest.mark.slow
 def test_token_created_private_and_remint_after_deletion_is_logged(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

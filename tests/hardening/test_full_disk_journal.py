@@ -71,6 +71,7 @@ def test_an_automatic_quarantine_on_a_full_disk_survives_restarts(
         third.close()
 
 
+@pytest.mark.slow
 def test_a_release_that_the_full_disk_refused_is_not_undone_by_the_journal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -74,6 +74,7 @@ def degraded_metric(node: SimNode) -> float:
     return metric_samples(node.client.get("/metrics").text, "gpuwatch_store_degraded")[0][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["tmpfs", "simulated"])
 def test_full_disk_loses_no_quarantine(tmp_path: Path, how: str) -> None:
     state = tmp_path / "state"
@@ -114,6 +115,7 @@ def test_full_disk_loses_no_quarantine(tmp_path: Path, how: str) -> None:
             restarted.close()
 
 
+@pytest.mark.slow
 def test_a_release_that_cannot_be_written_is_not_lost_either(tmp_path: Path) -> None:
     node = start_sim_node(tmp_path, gpus=2)
     assert node.client.post("/v1/gpus/1/quarantine", json={"reason": "x"}, headers=node.auth).status_code == 200

@@ -26,6 +26,7 @@ SECRET = os.urandom(32).hex().encode()
 PREFIX = job_prefix("relay")
 
 
+@pytest.mark.slow
 def test_a_change_reaches_every_rank_through_its_node_and_costs_the_store_a_push_per_node() -> None:
     server = StoreServer("127.0.0.1", 0, SECRET)
     store = dist.PrefixStore(PREFIX, server.data)

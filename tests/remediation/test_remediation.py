@@ -49,6 +49,7 @@ def wait_incident(client: TestClient, status: str, timeout_s: float = 15.0) -> d
     raise AssertionError(f"no incident reached {status!r}: {incidents}")
 
 
+@pytest.mark.slow
 def test_quarantine_stops_the_whole_job_escalates_and_times_the_resume(
     node: tuple[SimNode, TestClient, Remediation], spawn: Spawn
 ) -> None:
@@ -151,6 +152,7 @@ def test_trainers_route_and_metrics_carry_ranks_and_findings(
     assert metric_samples(metrics, "gpuwatch_incidents_total") == [({}, 0.0)]
 
 
+@pytest.mark.slow
 def test_incident_counter_survives_a_restart(tmp_path: Path) -> None:
     first = start_sim_node(tmp_path, gpus=2)
     first.daemon.monitor.quarantine(0, "before restart")

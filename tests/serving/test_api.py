@@ -59,6 +59,7 @@ def test_quarantine_release_roundtrip_bumps_epoch_and_writes_status_json(node: S
     assert node.gpu(2)["quarantined"] is False
 
 
+@pytest.mark.slow
 def test_quarantine_survives_restart(tmp_path: Path) -> None:
     first = start_sim_node(tmp_path, "healthy", gpus=4)
     first.client.post("/v1/gpus/3/quarantine", json={"reason": "bad fan"}, headers=first.auth)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PROBE = r"""
 import asyncio, json, sys
 from pathlib import Path
@@ -51,6 +53,7 @@ daemon.stop()
 """
 
 
+@pytest.mark.slow
 def test_scrapes_and_probes_leave_fastapi_unloaded_and_the_first_api_call_builds_it(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(

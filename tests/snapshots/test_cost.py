@@ -55,6 +55,7 @@ def _snapshot(tmp_path: Path, params: list[torch.Tensor], **kwargs: object) -> H
     return HostSnapshot(lambda: {"params": params}, job_id="cost", root=str(tmp_path), **kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_no_step_waits_for_the_slots_to_be_set_up(tmp_path: Path, slow_slots: None) -> None:
     params = [torch.zeros(1 << 20) for _ in range(2)]  # 8 MiB
     snap = _snapshot(tmp_path, params, every=2)
