@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.hardening.conftest import local_users
-from tests.hardening.test_rendezvous_pickle import family, listening
+from tests.hardening.test_rendezvous_pickle import family, launch_victim, listening
 from tests.inplace.jobs import sim_node
 
 pytestmark = [
@@ -141,15 +141,7 @@ def test_a_stranger_in_a_later_group_reads_nothing_and_the_job_keeps_every_sum(t
     tmp_path.chmod(0o755)
     mark = struct.pack("<f", MARK) * 4  # 16 bytes of its tensor: gloo sends it in chunks of half
     with sim_node(tmp_path / "node", gpus=2) as node:
-        command = [
-            sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
-            "--rdzv-id", "victim-job", "--nproc-per-node", "2", "--max-restarts", "0", "--",
-            str(tmp_path / "train.py"),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        job = subprocess.Popen(
-            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        job = launch_victim(node, tmp_path, "victim-job", "--max-restarts", "0", env={"GLOO_SOCKET_IFNAME": "lo"})
         pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
         hers = subprocess.Popen([sys.executable, "-c", MALLORY], **pipes)  # type: ignore[call-overload]
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.testing.daemon_process import DaemonProcess
 from tests.hardening.conftest import local_users
 from tests.inplace.jobs import sim_node
 
@@ -94,6 +95,19 @@ def family(root: int) -> set[int]:
     return found
 
 
+def launch_victim(
+    node: DaemonProcess, job_dir: Path, rdzv_id: str, *options: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """The victim's `gpuwatch launch` of job_dir/train.py, two ranks on the sim node, its output piped."""
+    command = [
+        sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
+        "--rdzv-id", rdzv_id, "--nproc-per-node", "2", *options, "--", str(job_dir / "train.py"),
+    ]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(command, cwd=job_dir, env=environ, text=True, **pipes)  # type: ignore[call-overload]
+
+
 def attack_while_it_runs(
     job: subprocess.Popen[str], attack: str, payload: Callable[[list[int]], object]
 ) -> tuple[list[tuple[str, int]], str, str, tuple[str, str]]:
@@ -115,14 +129,7 @@ def test_a_pickle_written_to_the_launchs_rendezvous_runs_nothing(tmp_path: Path,
     marker = tmp_path / "ran-as-the-victim"
     tmp_path.chmod(0o755)
     with sim_node(tmp_path / "node", gpus=2) as node:
-        command = [
-            sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
-            "--rdzv-id", JOB, "--nproc-per-node", "2", "--", str(tmp_path / "train.py"),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        job = subprocess.Popen(
-            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        job = launch_victim(node, tmp_path, JOB)
         try:
             ports, said, err, (_, stderr) = attack_while_it_runs(
                 job, MALLORY, lambda ports: [mallory, ports, JOB, str(marker)]

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.hardening.conftest import local_users
-from tests.hardening.test_rendezvous_pickle import attack_while_it_runs
+from tests.hardening.test_rendezvous_pickle import attack_while_it_runs, launch_victim
 from tests.inplace.jobs import sim_node
 
 pytestmark = [
@@ -76,15 +74,7 @@ def test_another_user_can_neither_use_the_workers_store_nor_join_their_group(tmp
     (tmp_path / "train.py").write_text(TRAIN)
     tmp_path.chmod(0o755)
     with sim_node(tmp_path / "node", gpus=2) as node:
-        command = [
-            sys.executable, "-m", "gpuwatch", "launch", *node.cli_args, "--runtime-dir", str(node.runtime_dir),
-            "--rdzv-id", "victim-job", "--nproc-per-node", "2", "--max-restarts", "0", "--",
-            str(tmp_path / "train.py"),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        job = subprocess.Popen(
-            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        job = launch_victim(node, tmp_path, "victim-job", "--max-restarts", "0", env={"GLOO_SOCKET_IFNAME": "lo"})
         try:
             ports, said, err, (_, stderr) = attack_while_it_runs(job, MALLORY, lambda ports: [mallory, ports])
         finally:
