@@ -32,8 +32,9 @@ def death_onset(info: TrainerInfo, seen_t: float, exit_t: float | None = None) -
     its launcher said when its exit began (no later than `seen_t`); else the end of the step it never finished
     (its last step's end plus its p99, else mean, step time), or `seen_t` when that is later or unknown (no
     step yet, no step time)."""
-    if exit_t is not None and exit_t <= seen_t + EXIT_NOTE_LATE_S:
-        return min(exit_t, seen_t)
+    noted = _noted_onset(exit_t, seen_t)
+    if noted is not None:
+        return noted
     last, step = info.step_t, info.step_time_p99_s or info.step_time_s
     if last is None or not step or step <= 0 or last > seen_t:
         return seen_t
@@ -47,12 +48,18 @@ def launcher_onset(incident: Incident, reports: list[Report]) -> bool:
         return False
     dead = {t.rank.pid for t in incident.targets if t.ended in {"died", "raised"}}
     noted = [r.exit_t for r in reports if r.info.pid in dead and r.exit_t is not None]
-    if not noted or min(noted) > incident.t + EXIT_NOTE_LATE_S:
-        return False
-    onset = min(min(noted), incident.t)
-    if incident.began_t == onset:
+    onset = _noted_onset(min(noted, default=None), incident.t)
+    if onset is None or incident.began_t == onset:
         return False
     log.info("incident %d: rank death dated by its launcher %.3f s %s the guess", incident.id,
              abs(onset - incident.began), "after" if onset > incident.began else "before")  # fmt: skip
     incident.began_t = onset
     return True
+
+
+def _noted_onset(exit_t: float | None, seen_t: float) -> float | None:
+    """The death's onset by its launcher's exit note (no later than when it was seen gone), or None without a
+    note or with one dated past `seen_t` by more than the clocks' slack."""
+    if exit_t is None or exit_t > seen_t + EXIT_NOTE_LATE_S:
+        return None
+    return min(exit_t, seen_t)
