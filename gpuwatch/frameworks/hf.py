@@ -11,6 +11,8 @@ What the callback does with HF's own events:
   returns the newest good one.
 * each step: reports it (with the last logged loss) and takes part in the stop agreement; when
   every rank agreed, it asks HF for a save at that step and the end of training.
+* HF's own save or evaluation after a step is declared a pause (`TrainingHooks.begin_pause`) until
+  the next step: a rank that waits in a barrier for a slow save is no hang.
 * each save (`on_save`): seals `checkpoint-N` once every rank wrote its part, then, for an agreed
   stop, exits 75 for `gpuwatch launch` to relaunch.
 * a peer's death: HF has no exception hook, so the rescue runs from `sys.excepthook` (and at the
@@ -108,6 +110,8 @@ class GpuwatchCallback(TrainerCallback):
         if self.hooks.end_step(state.global_step, self._loss):
             control.should_save = True
             control.should_training_stop = True
+        if control.should_save or control.should_evaluate:  # HF's own flags, set for this step before us
+            self.hooks.begin_pause("checkpoint" if control.should_save else "evaluation")
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         dist = _initialized_dist()

@@ -17,6 +17,8 @@ What the callback does with Lightning's hooks:
 * each batch: reports the step and takes part in the stop agreement; when every rank agreed it
   saves `last-gpuwatch.ckpt` through Lightning's own `trainer.save_checkpoint` (every rank) and
   exits 75 for `gpuwatch launch` to relaunch; `ckpt_path="last"` finds it.
+* Lightning's own save (`on_save_checkpoint`) and validation are declared a pause until the next
+  batch: a rank that waits in a barrier for a slow save is no hang.
 * `on_exception` (a peer died): a survivor saves the last completed step alone as
   `last-gpuwatch-rank<R>.ckpt` and exits 75. Lightning's public `save_checkpoint` ends in a barrier
   that a dead peer never reaches, so this one save uses `trainer._checkpoint_connector.dump_checkpoint()`.
@@ -123,6 +125,17 @@ class GpuwatchLightning(pl.Callback):
         if self.hooks.end_step(trainer.global_step, _cpu_loss(outputs)):
             trainer.save_checkpoint(_checkpoint_dir(trainer) / STOP_CHECKPOINT)  # every rank; rank 0 writes
             self.hooks.exit_for_resume()
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Lightning's save begins (every rank; rank 0 then writes, the others wait in a barrier): a pause."""
+        if self.hooks is not None:
+            self.hooks.begin_pause("checkpoint")
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.hooks is not None:
+            self.hooks.begin_pause("evaluation")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.hooks is not None:

@@ -304,11 +304,13 @@ class Supervisor:
             env[RELAY_ENV] = str(self._relay.path)
         runner = None
         if self.spares is not None and self.spares.count:
+            waiting = self.spares.describe() if replacement else ""
             runner = self.spares.hand_over(self.plan.command, env, uuid) if replacement else None
             if runner is not None:
                 pid, how = runner.process.pid, _STAGES[runner.stage()]
                 self.echo(
                     f"gpuwatch launch: in place: a spare (pid {pid}, {how}) takes {member}'s place on GPU {index}"
+                    f" (waiting then: {waiting})"
                 )
             else:
                 runner = self.spares.run_now(self.plan.command, env)

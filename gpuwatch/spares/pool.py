@@ -208,6 +208,10 @@ class SparePool:
         self._behind.append((spare, gpu, time.monotonic()))  # a standby behind it, once it stepped (tick)
         return spare
 
+    def describe(self) -> str:
+        """The spares waiting now, `pid N (stage, GPU)` each: a launch log says what a hand-over chose among."""
+        return ", ".join(f"pid {s.process.pid} ({s.stage()}, {s.gpu or 'any GPU'})" for s in self.spares) or "none"
+
     def tick(self) -> None:
         """Start the spare owed behind each rank handed over that has stepped since (or ended, or took
         _BEHIND_MAX_S): not before, so that its set-up does not compete with that rank's restore for CPU and memory."""

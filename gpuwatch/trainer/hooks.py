@@ -15,6 +15,10 @@ hooks give the same protection from those calls:
   leave the user's script; `failure` then runs from `sys.excepthook`, where the model and optimizer
   still hold the last completed step.
 * `exit_for_resume()`: after the framework's own save of the agreed stop.
+* `begin_pause(reason)`: the framework's own work between two steps starts (a checkpoint save, an
+  evaluation): the ranks that wait on a slow save in a barrier, and the one that writes to a slow
+  disk, use no CPU time on their main thread, which the daemon's hang rule would take for a frozen
+  rank. Declared (TrainerLink.pause), it is progress until the next step begins or the link closes.
 
 Checkpoint directories the framework writes are sealed and verified by gpuwatch.trainer.sealed.
 """
@@ -37,6 +41,7 @@ from gpuwatch.trainer.link import TrainerLink
 log = logging.getLogger("gpuwatch.trainer")
 
 RescueSave = Callable[[int], object]
+FRAMEWORK_PAUSE_S = 1800.0  # the most a framework's save or evaluation may take before the hang limits run again
 
 
 class TrainingHooks:
@@ -59,11 +64,13 @@ class TrainingHooks:
         self._flag: Any = None
         self._flag_work: Any = None
         self._previous_excepthook: Callable[..., Any] | None = None
+        self._pause: contextlib.ExitStack | None = None
 
     # -- the step -------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """The step's collectives start now; send this rank's stop flag to the agreement."""
+        """The step's collectives start now (a declared pause ends); send this rank's stop flag to the agreement."""
+        self.end_pause()
         self.link._stop.block_entered_t = time.monotonic()
         dist = _initialized_dist()
         if self.agree_stop and dist is not None and dist.get_world_size() > 1:
@@ -97,6 +104,22 @@ class TrainingHooks:
 
     def _reason(self) -> str:
         return self.link.stop_reason or "a peer was asked to stop"
+
+    # -- the framework's own work between steps ----------------------------------------------------
+
+    def begin_pause(self, reason: str, up_to_s: float = FRAMEWORK_PAUSE_S) -> None:
+        """Declare the framework's save or evaluation that starts now; it lasts until `end_pause`, the next
+        `begin_step` or `close`, or `up_to_s` (the daemon bounds it by its trainer.max_pause_s too)."""
+        if self._pause is None:
+            pause = contextlib.ExitStack()
+            pause.enter_context(self.link.pause(reason, up_to_s))
+            self._pause = pause
+
+    def end_pause(self) -> None:
+        """End the declared pause, if one is on."""
+        pause, self._pause = self._pause, None
+        if pause is not None:
+            pause.close()
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -139,6 +162,7 @@ class TrainingHooks:
 
     def close(self) -> None:
         """End the link (finished) and put the previous excepthook back."""
+        self.end_pause()
         if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_excepthook
         self._previous_excepthook = None

@@ -43,9 +43,13 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 class StepLog(TrainerCallback):  # type: ignore[misc]
     """The job's own step log, flushed line by line; and a sleep per step."""
 
-    def __init__(self, path: str, sleep_s: float) -> None:
+    def __init__(self, path: str, sleep_s: float, save_sleep_s: float) -> None:
         self.file = open(f"{path}.rank{os.environ.get('RANK', '0')}", "a")  # noqa: SIM115
-        self.sleep_s = sleep_s
+        self.sleep_s, self.save_sleep_s = sleep_s, save_sleep_s
+
+    def on_save(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+        if os.environ.get("RANK", "0") == "0":  # a slow save on rank 0: the other ranks wait for it
+            time.sleep(self.save_sleep_s)
 
     def on_log(self, args, state, control, logs=None, **kw):  # type: ignore[no-untyped-def]
         if logs and "loss" in logs:
@@ -83,7 +87,10 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=RandomTokens(4096, 32, model.config.vocab_size),
-        callbacks=[StepLog(options.log, options.step_sleep), GpuwatchCallback()],  # the one line: GpuwatchCallback()
+        callbacks=[
+            StepLog(options.log, options.step_sleep, options.save_sleep),
+            GpuwatchCallback(),
+        ],  # the one line: GpuwatchCallback()
     )
     trainer.train(resume_from_checkpoint=get_last_checkpoint(args.output_dir))
 

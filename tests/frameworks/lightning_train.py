@@ -23,9 +23,14 @@ from tests.frameworks.tiny import job_options, tiny_gpt2
 
 
 class TinyGPT(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, save_sleep_s: float = 0.0) -> None:
         super().__init__()
         self.model = tiny_gpt2()
+        self.save_sleep_s = save_sleep_s
+
+    def on_save_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        if self.trainer.global_rank == 0:  # a slow save on rank 0: the other ranks wait for it in a barrier
+            time.sleep(self.save_sleep_s)
 
     def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
@@ -68,7 +73,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(TinyGPT(), data, ckpt_path="last")
+    trainer.fit(TinyGPT(options.save_sleep), data, ckpt_path="last")
 
 
 if __name__ == "__main__":

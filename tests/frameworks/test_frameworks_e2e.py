@@ -72,8 +72,9 @@ def test_a_quarantine_or_a_killed_rank_loses_no_step(node: Node, tmp_path: Path,
 def test_after_a_killed_rank_and_the_resume_every_logged_loss_equals_an_uninterrupted_runs(
     node: Node, tmp_path: Path, framework: str
 ) -> None:
-    jobs.finish(jobs.launch(node, SCRIPTS[framework], tmp_path / "plain", *ARGS))
+    _, plain_stderr = jobs.finish(jobs.launch(node, SCRIPTS[framework], tmp_path / "plain", *ARGS))
     plain = StepLog.read(tmp_path / "plain.log.rank0")
+    assert len(plain.launches) == 1, plain_stderr[-3000:]  # uninterrupted: one launch (a relaunch trains past 110)
     log, stderr = _strike_past_step_70(node, framework, tmp_path / "out", FAULTS["sigkill"][0])
 
     assert log.lost() == 0 and log.launches[1][-1] == 110, stderr[-3000:]
@@ -84,6 +85,21 @@ def test_after_a_killed_rank_and_the_resume_every_logged_loss_equals_an_uninterr
     differ = {s: (log.losses[s], plain.losses[s]) for s in log.losses if log.losses[s] != plain.losses[s]}
     assert not differ, f"resumed from step {log.resumed_from}; losses that differ: {differ}"
     print(f"\n{framework}: resumed from step {log.resumed_from}; every loss equals the uninterrupted run's")
+
+
+@pytest.mark.parametrize("framework", sorted(SCRIPTS))
+def test_ranks_that_wait_for_a_slow_save_on_rank_0_are_no_hang(tmp_path: Path, framework: str) -> None:
+    """The framework's save is declared a pause: with the daemon's frozen-rank limit at 3 s, rank 0 takes 8 s
+    longer for its save at step 20 while rank 1 waits in a barrier; the job is neither stopped nor relaunched."""
+    with Node(tmp_path, GPUWATCH_TRAINER_HANG_FROZEN_AFTER_S="3") as node:
+        out = tmp_path / "out"
+        args = ("--steps", "30", "--save-steps", "20", "--step-sleep", "0.05", "--save-sleep", "8")
+        _, stderr = jobs.finish(jobs.launch(node, SCRIPTS[framework], out, *args))
+        hangs = [i for i in node.get("/v1/incidents")["incidents"] if i["kind"] == "trainer_hang"]
+
+    log = StepLog.read(Path(f"{out}.log.rank0"))
+    assert not hangs, hangs
+    assert log.launches == [list(range(1, 31))], stderr[-3000:]
 
 
 def _tear_hf(out: Path) -> list[str]:

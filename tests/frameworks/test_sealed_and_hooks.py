@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from gpuwatch.trainer.hooks import TrainingHooks
+from gpuwatch.trainer.hooks import FRAMEWORK_PAUSE_S, TrainingHooks
 from gpuwatch.trainer.link import TrainerLink
 from gpuwatch.trainer.sealed import (
     commit_sealed,
@@ -115,6 +116,26 @@ def test_one_process_stops_at_the_step_it_was_asked_and_only_then(link: TrainerL
     hooks.begin_step()
     assert hooks.end_step(2) is True and hooks.stopping
     hooks.close()
+
+
+def test_a_frameworks_save_is_a_declared_pause_until_the_next_step_begins(link: TrainerLink) -> None:
+    hooks = TrainingHooks(link)
+    hooks.begin_step()
+    hooks.end_step(1)
+    before = time.time()
+    hooks.begin_pause("checkpoint")
+    hooks.begin_pause("evaluation")  # one pause at a time: the save's goes on
+    report = link.report()
+    assert (
+        report["pause"] == "checkpoint"
+        and before + FRAMEWORK_PAUSE_S <= report["pause_until"] <= time.time() + FRAMEWORK_PAUSE_S
+    )
+    hooks.begin_step()  # the pause ends as the next step begins, dated then
+    report = link.report()
+    assert report["pause"] is None and before <= report["pause_until"] <= time.time()
+    hooks.begin_pause("checkpoint", up_to_s=60.0)
+    hooks.close()
+    assert link.report()["pause"] is None
 
 
 def test_a_peers_collective_error_saves_the_last_step_alone_and_exits_75(link: TrainerLink) -> None:

@@ -15,6 +15,7 @@ def job_options() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--save-steps", type=int, default=50)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--save-sleep", type=float, default=0.0, help="rank 0 takes this much longer for each save")
     parser.add_argument("--cuda", action="store_true", help="train on the rank's GPU (NCCL), not the CPU (gloo)")
     parser.add_argument("--fsdp", action="store_true", help="HF only: FSDP2 through accelerate (needs --cuda)")
     return parser.parse_args()

@@ -18,7 +18,7 @@ SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stoppe
 time is the kill's, or for a drill the rank's last step before it (the fault came after it: this
 errs long by less than a step). The cold start is the first rank's own start → its first step in the
 same run. Prints a markdown table, then the whole result as JSON (--out: also to that file, and each
-launch's whole log beside it as `<out>.<kind>-<gib>GiB.launch.log`). Each step
+launch's whole log beside it as `<out>.<kind>-<gib>GiB.launch.log`, the daemon's as `<out>.daemon.log`). Each step
 is said on stderr as it ends, with its seconds (`standby_recovery: ...`), and each row's `phases_s` says
 where the launch's wall time went (the first step, each wait for the next spare to be ready, each fault
 to the next step, the drill's own end, the launch's end); `--wait-s` bounds each wait, so one stuck
@@ -86,6 +86,8 @@ def main() -> int:
                     fault["onset_error_s"] = round(found[0]["began_t"] - fault["fault_t"], 3)
     finally:
         daemon.stop()
+        if args.out:  # the daemon's whole log beside the result: its verdicts and the signals it sent
+            shutil.copyfile(daemon.log_path, Path(args.out).with_suffix(".daemon.log"))
     print(_table(rows, faults))
     text = json.dumps({"device": args.device, "every": EVERY, "rows": rows}, indent=1)
     if args.out:

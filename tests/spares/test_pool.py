@@ -38,6 +38,7 @@ def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_pat
             assert time.monotonic() < deadline, "the spare did not get warm"
             time.sleep(0.05)
         first = pool.spares[0].process.pid
+        assert pool.describe() == f"pid {first} (warm, any GPU)"  # what the launch log says a hand-over chose among
         rss = pool.spares[0].rss_bytes()
         assert rss is not None and rss > 50 << 20  # torch is imported
         spare = pool.hand_over([str(script), str(result), "x"], {**launch_env(), "RANK": "2"}, "GPU-0")
@@ -52,7 +53,7 @@ def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_pat
         assert len(pool.spares) == 1 and pool.spares[0].process.pid != first  # the next one is starting
     finally:
         pool.close()
-    assert pool.spares == [] and pool.handed_over == 1
+    assert pool.spares == [] and pool.handed_over == 1 and pool.describe() == "none"
 
 
 def test_a_pool_of_none_hands_over_nothing_and_a_negative_count_is_refused() -> None:
