@@ -10,7 +10,9 @@ What the callback does with HF's own events:
   `checkpoint-is-incomplete.txt`) are set aside with their reason, so `get_last_checkpoint`
   returns the newest good one.
 * each step: reports it (with the last logged loss) and takes part in the stop agreement; when
-  every rank agreed, it asks HF for a save at that step and the end of training.
+  every rank agreed, it asks HF for a save at that step and the end of training. A stop agreed at
+  the last step (`max_steps`) lets the job finish there instead (exit 0): HF resumed from its
+  final checkpoint would train one step past `max_steps`.
 * HF's own save or evaluation after a step is declared a pause (`TrainingHooks.begin_pause`) until
   the next step: a rank that waits in a barrier for a slow save is no hang.
 * each save (`on_save`): seals `checkpoint-N` once every rank wrote its part, then, for an agreed
@@ -108,8 +110,11 @@ class GpuwatchCallback(TrainerCallback):
         if self.snapshots is not None:
             self.snapshots.step(state.global_step)
         if self.hooks.end_step(state.global_step, self._loss):
-            control.should_save = True
-            control.should_training_stop = True
+            if 0 < state.max_steps <= state.global_step:
+                self.hooks.finish_instead()  # HF resumed at max_steps trains a step past it: end here, exit 0
+            else:
+                control.should_save = True
+                control.should_training_stop = True
         if control.should_save or control.should_evaluate:  # HF's own flags, set for this step before us
             self.hooks.begin_pause("checkpoint" if control.should_save else "evaluation")
 

@@ -97,6 +97,12 @@ class TrainingHooks:
             log.warning("rank %s: every rank stops after step %d (%s)", self.link.rank, step, self._reason())
         return stop
 
+    def finish_instead(self) -> None:
+        """The agreed stop fell on the job's last step: the framework finishes there (exit 0), no exit 75."""
+        if self.stopping:
+            self.stopping = False
+            log.warning("rank %s: the stop fell on the last step: the job finishes instead", self.link.rank)
+
     def _agreed(self) -> bool:
         work, self._flag_work = self._flag_work, None
         work.wait()
