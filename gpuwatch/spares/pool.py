@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -200,7 +201,12 @@ class SparePool:
         ready = {"standby": 2, "warm": 1, "starting": 0}
         spare = max(fits, key=lambda s: (ready[s.stage()], s.gpu == gpu, -s.started))
         self.spares.remove(spare)
-        if not _order(spare, argv, {**env, SPARE_STAGE_ENV: spare.stage()}):  # it died just now
+        stage = spare.stage()
+        if not _order(spare, argv, {**env, SPARE_STAGE_ENV: stage}):  # it died just now
+            self.echo(
+                f"gpuwatch launch: the spare chosen (pid {spare.process.pid}, {stage}) could not take the rank:"
+                f" {_how_it_ended(spare.process)}; the next one is started for it"
+            )
             spare.close()
             self._add(self._spawn(spare.gpu))
             return self.hand_over(argv, env, gpu)
@@ -317,6 +323,24 @@ class SparePool:
             spare.close()
             self.spares.remove(spare)
             self._add(self._spawn(spare.gpu))
+
+
+def _how_it_ended(process: subprocess.Popen[bytes]) -> str:
+    """`ended with 1`, `killed by SIGKILL`, or `its input was closed` (still running a moment later: it is of no
+    use without its order, so it is killed and reaped)."""
+    try:
+        code = process.wait(timeout=0.2)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return "its input was closed"
+    if code < 0:
+        return (
+            f"killed by {signal.Signals(-code).name}"
+            if -code in signal.valid_signals()
+            else f"killed by signal {-code}"
+        )
+    return f"ended with {code}"
 
 
 def _order(spare: Spare, argv: Sequence[str], env: Mapping[str, str]) -> bool:

@@ -203,3 +203,28 @@ def test_a_first_rank_run_by_the_runner_is_no_spare(tmp_path: Path) -> None:
         rank.close()
     seen = json.loads(result.read_text())
     assert seen["main"] == "__main__" and seen["warm"] is None, seen
+
+
+@pytest.mark.slow
+def test_a_spare_that_cannot_take_its_order_is_said_and_the_next_one_takes_the_rank(tmp_path: Path) -> None:
+    script, result = tmp_path / "job.py", tmp_path / "result.json"
+    script.write_text(JOB)
+    said: list[str] = []
+    pool = SparePool(1, launch_env(), echo=said.append)
+    pool.start(["GPU-0"])
+    try:
+        deadline = time.monotonic() + 120
+        while not pool.warm():
+            assert time.monotonic() < deadline, "the spare did not get warm"
+            time.sleep(0.05)
+        gone = pool.spares[0].process
+        assert gone.stdin is not None
+        gone.stdin.close()  # the order cannot be written: as to a spare that died as it was chosen
+        spare = pool.hand_over([str(script), str(result)], {**launch_env(), "RANK": "1"}, "GPU-0")
+        assert spare is not None and spare.process.pid != gone.pid
+        assert spare.process.wait(timeout=120) == 3 and json.loads(result.read_text())["rank"] == "1"
+        spare.close()
+    finally:
+        pool.close()
+    (line,) = [s for s in said if "could not take the rank" in s]
+    assert f"pid {gone.pid}, warm) could not take the rank: its input was closed" in line, line
