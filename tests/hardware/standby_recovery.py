@@ -15,8 +15,8 @@ spare ran the script up to its join; `spare`: today's, which imported torch and 
 context, trainer.spare_standby = false) one launch takes three faults in turn, each once the next
 spare is ready: kill -9 of the rank, its own XID 31 (`gpuwatch drill --fault-rank 0`; GPU only) and
 SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stopped rank). The fault's
-time is the kill's, or for a drill the rank's last step before it (the fault came after it: this
-errs long by less than a step). The cold start is the first rank's own start → its first step in the
+time is the kill's, or a drill's own start (`started` in its --json verdict: its first step sends the
+signal; without a verdict, the rank's last step before it, which errs long by less than a step). The cold start is the first rank's own start → its first step in the
 same run. Prints a markdown table, then the whole result as JSON (--out: also to that file, and each
 launch's whole log beside it as `<out>.<kind>-<gib>GiB.launch.log`, the daemon's as `<out>.daemon.log`). Each step
 is said on stderr as it ends, with its seconds (`standby_recovery: ...`), and each row's `phases_s` says
@@ -225,12 +225,13 @@ def _fault(
     else:
         wait_until("the rank listed on GPU 0", lambda: _listed(daemon, victim), wait_s, 0.1)
         flag = "--fault-rank" if fault == "xid" else "--hang-rank"
-        drill = subprocess.Popen(
-            daemon.command("drill", flag, "0", "--yes", "--json"),
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        with (logs.parent / f"drill-{fault}.json").open("w") as verdict:
+            drill = subprocess.Popen(
+                daemon.command("drill", flag, "0", "--yes", "--json"),
+                env=env,
+                stdout=verdict,
+                stderr=subprocess.DEVNULL,
+            )
     wait_until(
         "the next step",
         lambda: any(ln["pid"] != victim for ln in _lines(logs) if ln["t"] > _last(logs, victim)),
@@ -244,8 +245,8 @@ def _fault(
         except subprocess.TimeoutExpired:
             drill.kill()
         phases.end(f"{fault}: the drill's own end")
-    if fault != "kill":
-        at = _last(logs, victim)  # the fault came after the rank's last step
+    if fault != "kill":  # the drill's start: its first step sends the signal (else: the rank's last step before it)
+        at = _drill_started(logs.parent / f"drill-{fault}.json") or _last(logs, victim)
     lines = _lines(logs)
     after = min((ln for ln in lines if ln["pid"] != victim and ln["t"] > at), key=lambda ln: ln["t"])
     last = max(ln["step"] for ln in lines if ln["pid"] == victim)
@@ -258,6 +259,15 @@ def _fault(
         "waited_as_spare_s": after.get("spare_warm_s"),
         "join_parts": after.get("join_parts"),  # the replacement's join: rendezvous, group, state (s)
     }
+
+
+def _drill_started(verdict: Path) -> float | None:
+    """The drill's own start (`started` in its --json verdict), None when it wrote none."""
+    try:
+        started = json.loads(verdict.read_text()).get("started")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(started) if isinstance(started, (int, float)) else None
 
 
 def _snapshot_budgets(logs: Path) -> dict[int, Any]:
