@@ -16,9 +16,10 @@ context, trainer.spare_standby = false) one launch takes three faults in turn, e
 spare is ready: kill -9 of the rank, its own XID 31 (`gpuwatch drill --fault-rank 0`; GPU only) and
 SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stopped rank). The fault's
 time is the kill's, or a drill's own start (`started` in its --json verdict: its first step sends the
-signal; without a verdict, the rank's last step before it, which errs long by less than a step). The cold start is the first rank's own start → its first step in the
-same run. Prints a markdown table, then the whole result as JSON (--out: also to that file, and each
-launch's whole log beside it as `<out>.<kind>-<gib>GiB.launch.log`, the daemon's as `<out>.daemon.log`). Each step
+signal; without a verdict, the rank's last step before it, which errs long by less than a step). The
+cold start is the first rank's own start → its first step in the same run. Prints a markdown table,
+then the whole result as JSON (--out: also to that file, each launch's whole log beside it as
+`<out>.<kind>-<gib>GiB.launch.log`, and the daemon's as `<out>.daemon.log`). Each step
 is said on stderr as it ends, with its seconds (`standby_recovery: ...`), and each row's `phases_s` says
 where the launch's wall time went (the first step, each wait for the next spare to be ready, each fault
 to the next step, the drill's own end, the launch's end); `--wait-s` bounds each wait, so one stuck
@@ -64,6 +65,8 @@ def main() -> int:
     if not args.kinds or set(args.kinds) - {"standby", "spare"}:
         parser.error(f"--kinds takes standby and spare, not {' '.join(args.kinds)!r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     sizes = args.gib or ([0.02, 0.06] if args.small else [4.0, 16.0])
     faults = args.faults or (["kill", "xid", "stop"] if args.device == "cuda" else ["kill", "stop"])
     work = Path(tempfile.mkdtemp(prefix="gpuwatch-standby-"))
