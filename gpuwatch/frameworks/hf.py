@@ -13,8 +13,9 @@ What the callback does with HF's own events:
   every rank agreed, it asks HF for a save at that step and the end of training. A stop agreed at
   the last step (`max_steps`) lets the job finish there instead (exit 0): HF resumed from its
   final checkpoint would train one step past `max_steps`.
-* HF's own save or evaluation after a step is declared a pause (`TrainingHooks.begin_pause`) until
-  the next step: a rank that waits in a barrier for a slow save is no hang.
+* HF's own save or evaluation after a step or an epoch is declared a pause
+  (`TrainingHooks.begin_pause`) until the next step: a rank that waits in a barrier for a slow save
+  is no hang.
 * each save (`on_save`): seals `checkpoint-N` once every rank wrote its part, then, for an agreed
   stop, exits 75 for `gpuwatch launch` to relaunch.
 * a peer's death: HF has no exception hook, so the rescue runs from `sys.excepthook` (and at the
@@ -115,7 +116,14 @@ class GpuwatchCallback(TrainerCallback):
             else:
                 control.should_save = True
                 control.should_training_stop = True
-        if control.should_save or control.should_evaluate:  # HF's own flags, set for this step before us
+        self._pause_for_hf(control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._pause_for_hf(control)  # an epoch strategy's save or evaluation
+
+    def _pause_for_hf(self, control: TrainerControl) -> None:
+        """HF saves or evaluates next (its own flags, set before our callback runs): a declared pause."""
+        if control.should_save or control.should_evaluate:
             self.hooks.begin_pause("checkpoint" if control.should_save else "evaluation")
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:

@@ -1,8 +1,8 @@
-"""A stop agreed at HF's last step lets the job finish there; earlier, HF saves that step and the rank exits 75.
+"""GpuwatchCallback's own decisions: when HF saves or evaluates, a declared pause; a stop agreed at HF's
+last step lets the job finish there; earlier, HF saves that step and the rank exits 75.
 
-One process, a real HF Trainer on the CPU. A relaunch after a stop at the last step would resume from
-the final checkpoint, and HF resumed at `max_steps` trains one step past it: the job's log would end
-at max_steps + 1.
+One process. A relaunch after a stop at the last step would resume from the final checkpoint, and HF
+resumed at `max_steps` trains one step past it: the job's log would end at max_steps + 1.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # a real HF Trainer: about 10 s on a loaded 2-core machine
 
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 from gpuwatch.frameworks.hf import GpuwatchCallback  # noqa: E402
 from gpuwatch.trainer.contract import EXIT_RESUME  # noqa: E402
@@ -67,6 +66,31 @@ def _train(out: Path, link: TrainerLink, stop_at: int) -> None:
     Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks).train()
 
 
+@pytest.mark.parametrize(
+    ("hook", "flag", "pause"),
+    [
+        ("on_step_end", "should_save", "checkpoint"),
+        ("on_step_end", "should_evaluate", "evaluation"),
+        ("on_epoch_end", "should_save", "checkpoint"),  # save_strategy="epoch"
+        ("on_step_end", None, None),
+    ],
+)
+def test_hfs_save_or_evaluation_is_a_pause_until_the_next_step(
+    tmp_path: Path, link: TrainerLink, hook: str, flag: str | None, pause: str | None
+) -> None:
+    callback = GpuwatchCallback(link)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, report_to=[], use_cpu=True)
+    state, control = TrainerState(max_steps=10, global_step=3), TrainerControl()
+    if flag is not None:
+        setattr(control, flag, True)  # as HF's DefaultFlowCallback (listed first) set it for this step
+    callback.on_step_begin(args, state, control)
+    getattr(callback, hook)(args, state, control)
+    assert link.report()["pause"] == pause
+    callback.on_step_begin(args, state, TrainerControl())
+    assert link.report()["pause"] is None
+
+
+@pytest.mark.slow  # a real HF Trainer: about 10 s on a loaded 2-core machine
 def test_a_stop_at_the_last_step_lets_the_job_finish_there(tmp_path: Path, link: TrainerLink) -> None:
     _train(tmp_path / "out", link, stop_at=STEPS)  # returns: no exit 75, so no relaunch
 
@@ -75,6 +99,7 @@ def test_a_stop_at_the_last_step_lets_the_job_finish_there(tmp_path: Path, link:
     assert why_unverified(tmp_path / "out" / f"checkpoint-{STEPS}") is None  # sealed
 
 
+@pytest.mark.slow
 def test_a_stop_before_the_last_step_saves_that_step_and_exits_75(tmp_path: Path, link: TrainerLink) -> None:
     with pytest.raises(SystemExit) as leaving:
         _train(tmp_path / "out", link, stop_at=STEPS - 2)
