@@ -334,13 +334,12 @@ def _how_it_ended(process: subprocess.Popen[bytes]) -> str:
         process.kill()
         process.wait()
         return "its input was closed"
-    if code < 0:
-        return (
-            f"killed by {signal.Signals(-code).name}"
-            if -code in signal.valid_signals()
-            else f"killed by signal {-code}"
-        )
-    return f"ended with {code}"
+    if code >= 0:
+        return f"ended with {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def _order(spare: Spare, argv: Sequence[str], env: Mapping[str, str]) -> bool:
