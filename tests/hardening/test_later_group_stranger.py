@@ -55,6 +55,7 @@ for round in range({ROUNDS}):
         t = torch.full((16,), {MARK}); dist.all_reduce(t, group=group); sums.append(t[0].item())
 with open(f"sums.{{rank}}.json", "w") as out:  # a file: torchrun's tee may drop a worker's last stdout lines
     json.dump({{"rank": rank, "sums": sums}}, out)
+dist.destroy_process_group()  # as torch asks: gloo groups left to the interpreter's exit may abort it (SIGABRT)
 """
 
 MALLORY = r"""
