@@ -7,8 +7,6 @@ resumed at `max_steps` trains one step past it: the job's log would end at max_s
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,15 +34,6 @@ class StopAt(TrainerCallback):  # type: ignore[misc]
     def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
         if state.global_step == self.step:
             self.link.request_stop("test")
-
-
-@pytest.fixture
-def link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TrainerLink]:
-    monkeypatch.setenv("GPUWATCH_JOB_ID", "hf-last-step-test")
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    yield TrainerLink(tmp_path / "run", report_interval_s=3600.0, gpu_uuid="GPU-test")
-    for signum, handler in previous.items():  # a closed link leaves SIGUSR1 ignored: later children inherit it
-        signal.signal(signum, handler)
 
 
 def _train(out: Path, link: TrainerLink, stop_at: int) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,17 +47,6 @@ class DieAfter(TrainerCallback):  # type: ignore[misc]
             self.kept = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if state.global_step == self.die_after:
             raise Died(f"after step {state.global_step}")
-
-
-@pytest.fixture
-def link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TrainerLink]:
-    monkeypatch.setenv("GPUWATCH_JOB_ID", "hf-snapshot-test")
-    # A closed link leaves SIGUSR1 ignored (a late stop must not kill a job's epilogue): put both back, or
-    # every child this test process starts later would inherit the ignored SIGUSR1.
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
-    yield TrainerLink(tmp_path / "run", report_interval_s=3600.0, gpu_uuid="GPU-test")
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
 
 
 def _trainer(out: Path, link: TrainerLink, spy: DieAfter, steps: int = 30) -> tuple[Trainer, GpuwatchCallback]:

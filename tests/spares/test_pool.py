@@ -26,6 +26,13 @@ sys.exit(3)
 """
 
 
+def _until_warm(pool: SparePool) -> None:
+    deadline = time.monotonic() + 120
+    while not pool.warm():
+        assert time.monotonic() < deadline, "the spare did not get warm"
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_path: Path) -> None:
     script, result = tmp_path / "job.py", tmp_path / "result.json"
@@ -33,10 +40,7 @@ def test_a_spare_runs_the_rank_it_is_handed_and_another_starts_behind_it(tmp_pat
     pool = SparePool(1, launch_env(), echo=lambda _: None)
     pool.start(["GPU-0"])
     try:
-        deadline = time.monotonic() + 120
-        while not pool.warm():
-            assert time.monotonic() < deadline, "the spare did not get warm"
-            time.sleep(0.05)
+        _until_warm(pool)
         first = pool.spares[0].process.pid
         assert pool.describe() == f"pid {first} (warm, any GPU)"  # what the launch log says a hand-over chose among
         rss = pool.spares[0].rss_bytes()
@@ -213,10 +217,7 @@ def test_a_spare_that_cannot_take_its_order_is_said_and_the_next_one_takes_the_r
     pool = SparePool(1, launch_env(), echo=said.append)
     pool.start(["GPU-0"])
     try:
-        deadline = time.monotonic() + 120
-        while not pool.warm():
-            assert time.monotonic() < deadline, "the spare did not get warm"
-            time.sleep(0.05)
+        _until_warm(pool)
         gone = pool.spares[0].process
         assert gone.stdin is not None
         gone.stdin.close()  # the order cannot be written: as to a spare that died as it was chosen
