@@ -59,8 +59,10 @@ from gpuwatch.launcher.coordination import coordinate
 from gpuwatch.launcher.exit_dates import ExitDates
 from gpuwatch.launcher.join_watch import DEFAULT_JOIN_WITHIN_S, JoinWatch
 from gpuwatch.spares.pool import Spare, SparePool
+from gpuwatch.spares.room import held_by
 from gpuwatch.trainer.contract import (
     EXIT_RESUME,
+    FREEING_ENV,
     RUNTIME_DIR_ENV,
     SPARE_STAGE_ENV,
     SPARE_WARM_S_ENV,
@@ -302,6 +304,9 @@ class Supervisor:
         env[MEMBER_ENV] = member
         if self._relay is not None:
             env[RELAY_ENV] = str(self._relay.path)
+        dying = self._dying.get(uuid) if replacement else None
+        if dying is not None and (held := held_by(uuid, dying)):
+            env[FREEING_ENV] = f"{dying}:{held}"  # about to be freed: the rank's snapshot staging counts it free
         runner = None
         if self.spares is not None and self.spares.count:
             waiting = self.spares.describe() if replacement else ""

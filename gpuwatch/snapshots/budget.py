@@ -13,7 +13,10 @@ only what leaves free, after it, what the rank then holds plus the headroom:
 `held` is everything in use on the GPU (total less free): the launcher's bound where NVML does not list
 the rank, and never less than the rank's own figure (a job imports no NVML). A standby already waiting
 beside the rank at its first step (the job's first ranks) counts there too, which only makes staging
-smaller. An explicit gpu_budget wins.
+smaller. A rank that replaced one whose process is still exiting ($GPUWATCH_GPU_FREEING, from the
+launcher: that process and what NVML said it held) counts that memory as free while the process
+exists: it is being freed, and counted in use it left a 16 GiB rank on an H200 no staging at all,
+every later snapshot then going device-to-host before the update. An explicit gpu_budget wins.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwatch.trainer.contract import STANDBY_BESIDE_ENV
+from gpuwatch.trainer.contract import FREEING_ENV, STANDBY_BESIDE_ENV
 
 STAGING_HEADROOM = 2 << 30
 STAGING_HEADROOM_SHARE = 0.05
@@ -59,11 +62,33 @@ def staging_budget(
     if env.get(STANDBY_BESIDE_ENV) != "1":
         return StagingBudget(None, "what is free less the headroom (no standby beside the rank)")
     free, total = (free_bytes or sys.modules["torch"].cuda.mem_get_info)(device)
-    held, spare = total - free, headroom(total)
-    limit = max(0, (free - spare - held) // 2)
+    freeing = freeing_bytes(env.get(FREEING_ENV, ""), total - free)
+    held, spare = total - free - freeing, headroom(total)
+    limit = max(0, (free + freeing - spare - held) // 2)
+    frees = f" + {_gib(freeing)} the replaced rank frees" if freeing else ""
     return StagingBudget(
-        limit, f"leaves a standby's room: ({_gib(free)} free - {_gib(spare)} headroom - {_gib(held)} in use) / 2"
+        limit,
+        f"leaves a standby's room: ({_gib(free)} free{frees} - {_gib(spare)} headroom - {_gib(held)} in use) / 2",
     )
+
+
+def freeing_bytes(given: str, in_use: int) -> int:
+    """What $GPUWATCH_GPU_FREEING ("<pid>:<bytes>") says is being freed: the bytes while that process exists and
+    has not exited (its memory then is still held), at most `in_use`; 0 for anything else."""
+    pid, _, held = given.partition(":")
+    if not (pid.isdigit() and held.isdigit()) or not _exiting_or_running(int(pid)):
+        return 0
+    return min(int(held), max(0, in_use))
+
+
+def _exiting_or_running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (a zombie's GPU memory is freed already)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return bool(state) and state[0] not in (b"Z", b"X")
 
 
 def _gib(n: int) -> str:

@@ -40,6 +40,20 @@ def room_beside(uuid: str, pid: int, taker: int | None = None) -> bool:
         return False
 
 
+def held_by(uuid: str, pid: int) -> int:
+    """The bytes process `pid` holds on GPU `uuid` as NVML lists it; 0 where NVML cannot say (no NVML, a GPU
+    it does not know, the process not listed: another PID namespace)."""
+    nvml = _init()
+    if nvml is _NO_NVML:
+        return 0
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        listed = {p.pid: p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    except nvml.NVMLError:
+        return 0
+    return int(listed.get(pid, 0))
+
+
 def prepare() -> None:
     """Initialise NVML now (tens of milliseconds, more in a sandbox), so a replacement does not wait for it."""
     _init()

@@ -68,6 +68,10 @@ A rank with it reports `spare: true`, so the daemon records that a spare brought
 STANDBY_BESIDE_ENV = "GPUWATCH_STANDBY_BESIDE"
 """Set to "1" by `gpuwatch launch --in-place` for its ranks when it keeps standbys of the job beside them: host
 snapshots then leave a standby's room on the GPU by default (gpuwatch.snapshots.budget)."""
+FREEING_ENV = "GPUWATCH_GPU_FREEING"
+"""Set by `gpuwatch launch --in-place` for a rank that replaces one whose process still held GPU memory at the
+hand-over: "<pid>:<bytes>", that process and what NVML said it held. While that process exists its memory is
+about to be freed, and the replacement's staging budget counts it as free (gpuwatch.snapshots.budget)."""
 
 _STEP_PAGE_NAME = re.compile(rf"^([1-9][0-9]{{0,6}}){re.escape(STEP_PAGE_SUFFIX)}$")
 

@@ -7,6 +7,7 @@ free memory and a torch whose `empty` hands out sized placeholders.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from gpuwatch.snapshots import prepare
 from gpuwatch.snapshots.budget import staging_budget
 from gpuwatch.snapshots.layout import open_job_dir
-from gpuwatch.trainer.contract import STANDBY_BESIDE_ENV
+from gpuwatch.trainer.contract import FREEING_ENV, STANDBY_BESIDE_ENV
 from tests.snapshots.conftest import GIB, free_gib
 
 STANDBY = {STANDBY_BESIDE_ENV: "1"}
@@ -39,6 +40,33 @@ def test_the_headroom_is_2_gib_on_a_small_gpu() -> None:
 
 def test_no_room_left_is_a_budget_of_zero_not_a_negative_one() -> None:
     assert staging_budget(None, 0, environ=STANDBY, free_bytes=free_gib(30)).limit == 0  # (30 - 4 - 50) < 0
+
+
+def test_the_memory_a_replaced_rank_still_frees_counts_as_free_while_its_process_exits() -> None:
+    # A 16 GiB rank's first step on a 140 GiB GPU, its predecessor still exiting with 40 GiB: 52 GiB free,
+    # 88 GiB in use. Counted in use, that left no staging ((52 - 7 - 88) / 2 < 0: every snapshot direct);
+    # counted free, (52 + 40 - 7 - 48) / 2 = 18.5 GiB, and the standby's room holds once it is freed.
+    exiting = {**STANDBY, FREEING_ENV: f"{os.getpid()}:{40 * GIB}"}
+    budget = staging_budget(None, 0, environ=exiting, free_bytes=free_gib(52, 140))
+    assert budget.limit == int(18.5 * GIB)
+    assert budget.why == (
+        "leaves a standby's room: (52.00 GiB free + 40.00 GiB the replaced rank frees - 7.00 GiB headroom"
+        " - 48.00 GiB in use) / 2"
+    )
+    free_after, held_after = (52 + 40) * GIB - budget.limit, 48 * GIB + budget.limit
+    assert free_after - held_after == 7 * GIB
+    assert staging_budget(None, 0, environ=STANDBY, free_bytes=free_gib(52, 140)).limit == 0
+
+
+def test_a_replaced_rank_that_is_gone_or_a_bad_value_frees_nothing_more() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its memory is free already, and counted so by the GPU
+    for value in (f"{gone.pid}:{40 * GIB}", "x:1", f"{os.getpid()}:-5", f"{os.getpid()}", ""):
+        budget = staging_budget(None, 0, environ={**STANDBY, FREEING_ENV: value}, free_bytes=free_gib(56))
+        assert budget.limit == 14 * GIB, value  # as without it: (56 - 4 - 24) / 2
+    # never more than what is in use (24 GiB here): (56 + 24 - 4 - 0) / 2
+    huge = {**STANDBY, FREEING_ENV: f"{os.getpid()}:{1000 * GIB}"}
+    assert staging_budget(None, 0, environ=huge, free_bytes=free_gib(56)).limit == 38 * GIB
 
 
 def test_without_standbys_and_with_a_given_budget_nothing_is_measured() -> None:

@@ -194,6 +194,17 @@ def test_a_replacement_starts_beside_a_dying_rank_only_where_the_gpu_has_room(
     assert room_module.room_beside("GPU-bench-cpu-0", 7) is True  # no GPU NVML knows: no memory to wait for
 
 
+@pytest.mark.parametrize(("pids", "held"), [({7: 30, 9: 12}, 30), ({9: 12}, 0), ({7: None}, 0)])
+def test_what_a_dying_rank_holds_is_nvmls_figure_for_its_pid_or_nothing(
+    monkeypatch: pytest.MonkeyPatch, pids: dict[int, Any], held: int
+) -> None:
+    from gpuwatch.spares import room as room_module
+
+    monkeypatch.setattr(room_module, "_nvml", [_FakeNvml(100, 20, pids)])
+    assert room_module.held_by("GPU-a", 7) == held  # not listed (another PID namespace) or not said: 0
+    assert room_module.held_by("GPU-bench-cpu-0", 7) == 0  # a GPU NVML does not know
+
+
 def test_a_first_rank_run_by_the_runner_is_no_spare(tmp_path: Path) -> None:
     """run_now starts a job's first ranks under the runner: same __main__ and exit, but its report must not
     say a spare took it over (GPUWATCH_SPARE_WARM_S is a spare's alone)."""

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.launcher.in_place import InPlacePlan, Supervisor, _Worker
+from gpuwatch.launcher import in_place
+from gpuwatch.launcher.in_place import GpuView, InPlacePlan, Supervisor, _Worker
 from gpuwatch.spares.pool import Spare, SparePool
+from gpuwatch.trainer.contract import FREEING_ENV
 from tests.helpers import launch_env
 
 HELD = ["RANK", "WORLD_SIZE", "GPUWATCH_SPARE_WARM_S"]
@@ -161,6 +163,37 @@ def test_where_the_gpu_has_no_room_beside_its_rank_the_spare_is_no_standby_and_s
     finally:
         rank.kill()
         rank.wait()
+
+
+class _Handed(Exception):
+    """Raised by a hand-over that only records the environment it was given."""
+
+
+@pytest.mark.parametrize(("dying", "held", "expected"), [(4242, 30 << 30, f"4242:{30 << 30}"), (4242, 0, None)])
+def test_a_replacement_beside_a_rank_still_exiting_is_told_what_that_rank_holds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dying: int, held: int, expected: str | None
+) -> None:
+    """Its snapshot staging counts that memory as free while the process exits (gpuwatch.snapshots.budget);
+    where NVML cannot say what it holds (0), the rank is told nothing."""
+    pool = SparePool(1, {}, standby=True, echo=lambda _: None)
+    supervisor = Supervisor(InPlacePlan("job", ("train.py",), str(tmp_path)), list, echo=lambda _: None, spares=pool)
+    supervisor.node, supervisor.address, supervisor.secret_file = 0, "127.0.0.1:1", str(tmp_path / "secret")
+    supervisor._dying[GPU] = dying
+    monkeypatch.setattr(in_place, "held_by", lambda uuid, pid: held if (uuid, pid) == (GPU, dying) else 0)
+    given: list[dict[str, str]] = []
+
+    def hand_over(_argv: object, env: dict[str, str], _gpu: str) -> None:
+        given.append(env)
+        raise _Handed
+
+    monkeypatch.setattr(pool, "hand_over", hand_over)
+    with pytest.raises(_Handed):
+        supervisor._start(GpuView(0, GPU, True, 0), replacement=True)
+    assert given[0].get(FREEING_ENV) == expected
+    supervisor._dying.clear()  # the predecessor reaped: its memory is free, nothing to tell
+    with pytest.raises(_Handed):
+        supervisor._start(GpuView(0, GPU, True, 0), replacement=True)
+    assert FREEING_ENV not in given[1]
 
 
 @pytest.mark.slow
