@@ -236,7 +236,7 @@ class Supervisor:
         if self.spares is not None:
             self.spares.env = _worker_env(os.environ)
             if self.spares.standby:
-                self.spares.standby_for(self.plan.command, self._standby_env, STANDBY_HELD)
+                self.spares.standby_for(self.plan.command, self._standby_env, STANDBY_HELD, self._dying.__contains__)
             self.spares.start([g.uuid for g in chosen])
         coordinator = None
         if hosting:

@@ -12,7 +12,9 @@ once, up to the job's join (gpuwatch.trainer.standby): it says `1` on its ready 
 when it waits at the join, its set-up done (`a`: done without a CUDA context, so it may take a rank of
 any GPU; the hand-over's CUDA_VISIBLE_DEVICES is read when the script first uses CUDA), and `s` once the
 rank it became finished its first step: only then does the next standby start behind it (`tick`), so that
-its set-up does not compete with the rank's restore. A hand-over
+its set-up does not compete with the rank's restore, and only once the rank it replaced is gone from
+that GPU (`freeing`): a room check made while that process still frees its memory finds none, and the
+spare would wait without the job's set-up. A hand-over
 takes the best that is ready: a standby at the join, then a warm spare, then one still starting. A
 standby that ends before its join (the script failed, no room for a second copy of the model) turns
 standby off for this pool, in one line.
@@ -167,13 +169,21 @@ class SparePool:
         self.handed_over = 0
         self._behind: list[tuple[Spare, str, float]] = []  # (handed over, its GPU, when): the next spare is owed
         self._standby: tuple[list[str], Callable[[str], dict[str, str] | None], list[str]] | None = None
+        self._freeing: Callable[[str], bool] = lambda _gpu: False
 
     def standby_for(
-        self, command: Sequence[str], env_of: Callable[[str], dict[str, str] | None], held: Sequence[str]
+        self,
+        command: Sequence[str],
+        env_of: Callable[[str], dict[str, str] | None],
+        held: Sequence[str],
+        freeing: Callable[[str], bool] | None = None,
     ) -> None:
         """Make every spare from now on a standby of the job's `command`: `env_of(gpu)` is the environment a
-        rank of that GPU gets without the `held` keys (None: no standby there), which only the hand-over gives."""
+        rank of that GPU gets without the `held` keys (None: no standby there), which only the hand-over gives.
+        `freeing(gpu)`: whether a rank that left that GPU still frees its memory there (the next standby waits)."""
         self._standby = (list(command), env_of, list(held))
+        if freeing is not None:
+            self._freeing = freeing
 
     def start(self, gpus: Sequence[str]) -> None:
         """Start the spares; with cuda or standby, spread over `gpus` (uuids) in turn. NVML is set up here, not
@@ -219,11 +229,13 @@ class SparePool:
         return ", ".join(f"pid {s.process.pid} ({s.stage()}, {s.gpu or 'any GPU'})" for s in self.spares) or "none"
 
     def tick(self) -> None:
-        """Start the spare owed behind each rank handed over that has stepped since (or ended, or took
-        _BEHIND_MAX_S): not before, so that its set-up does not compete with that rank's restore for CPU and memory."""
+        """Start the spare owed behind each rank handed over that has stepped since (or ended) on a GPU no
+        leaving rank still frees memory on, or that took _BEHIND_MAX_S: not before, so that its set-up does
+        not compete with that rank's restore for CPU and memory, and its room is judged on the memory left."""
         for owed in list(self._behind):
             spare, gpu, since = owed
-            if spare.has_stepped() or time.monotonic() - since > _BEHIND_MAX_S:
+            ready = spare.has_stepped() and not self._freeing(gpu)
+            if ready or time.monotonic() - since > _BEHIND_MAX_S:
                 self._behind.remove(owed)
                 self._add(self._spawn(gpu))
 

@@ -165,6 +165,31 @@ def test_where_the_gpu_has_no_room_beside_its_rank_the_spare_is_no_standby_and_s
         rank.wait()
 
 
+def test_the_spare_behind_a_rank_handed_over_waits_until_the_rank_it_replaced_has_freed_its_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A room check beside the new rank while the old one still frees its memory finds none (an H100 at 16 GiB:
+    the next spare then waited without the job's set-up): the standby behind starts once the GPU is freed."""
+    pool = SparePool(1, {}, standby=True, echo=lambda _: None)
+    freeing = {GPU}
+    pool.standby_for(["train.py"], lambda gpu: {}, HELD, freeing.__contains__)
+    spawned: list[str | None] = []
+    monkeypatch.setattr(pool, "_spawn", lambda gpu, **_kw: spawned.append(gpu))
+    rank = _fake(b"1js", 1.0)  # a standby that became the rank and finished its first step
+    pool._behind.append((rank, GPU, time.monotonic()))
+    try:
+        pool.tick()
+        assert spawned == [] and rank.has_stepped()  # stepped, but the replaced rank still holds its memory
+        freeing.clear()  # reaped: its memory is freed
+        pool.tick()
+        pool.tick()
+        assert spawned == [GPU]  # once
+    finally:
+        rank.process.kill()
+        rank.process.wait()
+        rank.close()
+
+
 class _Handed(Exception):
     """Raised by a hand-over that only records the environment it was given."""
 
