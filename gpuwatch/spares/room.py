@@ -33,9 +33,9 @@ def room_beside(uuid: str, pid: int, taker: int | None = None) -> bool:
         except nvml.NVMLError_NotFound:
             return True
         memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        held = {p.pid: p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        held = _held(nvml, handle)
         need = held[pid] if pid in held else memory.total - memory.free
-        return bool(memory.free >= need - held.get(taker, 0))
+        return bool(memory.free >= need - (held.get(taker, 0) if taker is not None else 0))
     except nvml.NVMLError:
         return False
 
@@ -47,11 +47,14 @@ def held_by(uuid: str, pid: int) -> int:
     if nvml is _NO_NVML:
         return 0
     try:
-        handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-        listed = {p.pid: p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        return int(_held(nvml, nvml.nvmlDeviceGetHandleByUUID(uuid)).get(pid, 0))
     except nvml.NVMLError:
         return 0
-    return int(listed.get(pid, 0))
+
+
+def _held(nvml: Any, handle: Any) -> dict[int, int]:
+    """pid -> bytes for each process NVML lists on the GPU (0 where it does not say)."""
+    return {p.pid: p.usedGpuMemory or 0 for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
 
 
 def prepare() -> None:
