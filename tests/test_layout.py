@@ -24,9 +24,10 @@ WHOLE_SYSTEM = {
     "test_readme.py",
     "test_sampling_thread.py",
 }
-# The GPU script (not a test) that prints the bench's snapshot modes.
+# The GPU scripts (not tests) that run the bench's snapshot loop: its modes, and its set-up's long step.
 READS_THE_BENCH = {
     "hardware/snapshot_cost.py",
+    "hardware/snapshot_setup_stall.py",
 }
 
 
