@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.trainer.contract import FREEING_ENV, STANDBY_BESIDE_ENV
 
 STAGING_HEADROOM = 2 << 30
@@ -74,21 +75,11 @@ def staging_budget(
 
 def freeing_bytes(given: str, in_use: int) -> int:
     """What $GPUWATCH_GPU_FREEING ("<pid>:<bytes>") says is being freed: the bytes while that process exists and
-    has not exited (its memory then is still held), at most `in_use`; 0 for anything else."""
+    is no zombie (a zombie's memory is freed already), at most `in_use`; 0 for anything else."""
     pid, _, held = given.partition(":")
-    if not (pid.isdigit() and held.isdigit()) or not _exiting_or_running(int(pid)):
+    if not (pid.isdigit() and held.isdigit()) or not ProcFs().alive(int(pid), None):
         return 0
     return min(int(held), max(0, in_use))
-
-
-def _exiting_or_running(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (a zombie's GPU memory is freed already)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            state = stat.read().rpartition(b")")[2].split()[:1]
-    except OSError:
-        return False
-    return bool(state) and state[0] not in (b"Z", b"X")
 
 
 def _gib(n: int) -> str:
