@@ -105,7 +105,7 @@ class TrainerConfig:
     hang_after_s: float = 60.0  # a job whose steps stop this long (at least) is hung: trainer_hang
     hang_step_times: float = 10.0  # ... or this many of its recent step times, when that is longer
     hang_idle_util_pct: int = 5  # where the backend sees the job's GPUs, "idle" is at most this utilization
-    hang_stopped_after_s: float = 2.0  # a rank stopped (state T) this long, its step still, hangs its job
+    hang_stopped_after_s: float = 1.0  # a rank stopped (state T) this long, its step still, hangs its job
     hang_frozen_after_s: float = 10.0  # a rank whose main thread's CPU time, step and GPU stand still this long ...
     hang_frozen_step_times: float = 20.0  # ... or this many of its p99 step time, when longer, hangs its job
     max_pause_s: float = 3600.0  # a declared pause counts as progress at most this long after the rank's last step

@@ -247,9 +247,9 @@ NOTHING = State()
         (59, NOTHING, 0, True, None, NOTHING, ""),  # not long enough
         (61, NOTHING, 100, True, None, NOTHING, ""),  # busy GPUs, every rank reporting: a long step
         (61, NOTHING, 0, False, None, NOTHING, ""),  # the backend does not see the job's GPUs (sim)
-        (3, State(stopped_s=2.0), 100, True, None, NOTHING, "is stopped (SIGSTOP) for 2 s"),  # stopped: 2 s
-        (3, State(stopped_s=1.5), 100, True, None, NOTHING, ""),
-        (3, State(stopped_s=2.0), 100, True, None, State(paused="eval"), "is stopped"),  # no pause explains T
+        (3, State(stopped_s=1.0), 100, True, None, NOTHING, "is stopped (SIGSTOP) for 1 s"),  # stopped: 1 s
+        (3, State(stopped_s=0.9), 100, True, None, NOTHING, ""),
+        (3, State(stopped_s=1.0), 100, True, None, State(paused="eval"), "is stopped"),  # no pause explains T
         (11, State(quiet_s=10.0), 0, True, None, NOTHING, "used no CPU time on its main thread"),  # frozen: 10 s
         (11, State(quiet_s=10.0), 0, False, None, NOTHING, "used no CPU time"),  # unseen GPU: CPU and step suffice
         (11, State(quiet_s=9.0), 0, True, None, NOTHING, ""),
