@@ -11,7 +11,8 @@ slots while they are mapped but not yet filled or pinned. This prints, on one cl
 script's start:
 
 * how long `torch.empty` of 1, 4 and 16 GiB takes on the GPU, on the loop's thread and beside a loop
-  of matmuls (its longest step then);
+  of matmuls (its longest step then), with torch's caching allocator holding its lock through the
+  cudaMalloc (its default) and with `release_lock_on_cudamalloc`;
 * every step of the snapshot loop (`HostSnapshot(every=8)` over `gpuwatch.bench.recovery_snapshots`'
   loop) slower than 1.5x a plain one, with its start and end, until the slots are ready and 40 steps
   more;
@@ -81,15 +82,23 @@ def allocation(torch: Any) -> None:
         print(f"allocation: torch.empty({gib} GiB) {1e3 * (time.perf_counter() - started):.1f} ms", flush=True)
         del buffer
         torch.cuda.empty_cache()
-    held: list[Any] = []
-    beside = threading.Thread(target=lambda: held.append(torch.empty(16 << 30, dtype=torch.uint8, device=device)))
-    beside.start()
-    spans = [step()]
-    while beside.is_alive():
-        spans.append(step())
-    print(f"allocation: 16 GiB beside the loop: its longest step {max(spans) * 1e3:.1f} ms", flush=True)
-    held.clear()
-    torch.cuda.empty_cache()
+    for how in ("the allocator's lock held", "release_lock_on_cudamalloc"):
+        if how == "release_lock_on_cudamalloc":
+            torch.cuda.memory._set_allocator_settings("release_lock_on_cudamalloc:True")
+        held: list[Any] = []
+        beside = threading.Thread(target=_allocate, args=(torch, held, device))
+        beside.start()
+        spans = [step()]
+        while beside.is_alive():
+            spans.append(step())
+        print(f"allocation: 16 GiB beside the loop ({how}): its longest step {max(spans) * 1e3:.1f} ms", flush=True)
+        held.clear()
+        torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("release_lock_on_cudamalloc:False")
+
+
+def _allocate(torch: Any, held: list[Any], device: Any) -> None:
+    held.append(torch.empty(16 << 30, dtype=torch.uint8, device=device))
 
 
 def set_up(torch: Any, gib: float) -> None:
