@@ -368,7 +368,8 @@ class HostSnapshot:
         return self.enabled
 
     def _usable(self) -> bool:
-        """Whether a snapshot can be taken now: the slots are set up, or (the set-up window) they are mapped.
+        """Whether a snapshot can be taken now: the slots are set up, or (the set-up window) they are mapped and
+        the staging buffer taken (on the preparation's thread).
 
         In the window a snapshot goes through the path that needs no pinned slot (CopyJob: staged on
         the GPU when there was room, else device-to-host into pageable memory; on the CPU as always),
@@ -378,7 +379,7 @@ class HostSnapshot:
         if self.ready():
             return True
         preparation = self._setup.preparation
-        if not self.enabled or preparation is None:
+        if not self.enabled or preparation is None or not preparation.staging_settled.is_set():
             return False
         if not self._setup.window:
             self._files.take(preparation.result)
