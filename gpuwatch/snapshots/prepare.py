@@ -101,8 +101,9 @@ class Preparation:
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-snapshot-prepare", daemon=True)
         self._map(dir_fd, rank, staging, replace)
+        if self.result.error is not None or self.result.budget is None or self.result.budget.limit == 0:
+            self.staging_settled.set()  # no staging to take (a CPU state, staging off, or the slots failed)
         if self.result.error is not None:
-            self.staging_settled.set()
             return
         if nbytes < PREPARE_INLINE_BELOW:
             self._run()  # milliseconds: done before the first snapshot is due
@@ -145,9 +146,8 @@ class Preparation:
         """The staging buffer within the budget, and the mode it gives; the set-up window may open then."""
         result = self.result
         try:
-            limit = result.budget.limit if result.budget is not None else 0
-            if self.cuda is not None and limit != 0:
-                result.staging = allocate_staging(self.nbytes, self.cuda, budget=limit)
+            if self.cuda is not None and result.budget is not None and result.budget.limit != 0:
+                result.staging = allocate_staging(self.nbytes, self.cuda, budget=result.budget.limit)
                 result.mode = mode_of(self.nbytes, result.staging)
         finally:
             self.staging_settled.set()
