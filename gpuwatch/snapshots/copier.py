@@ -61,8 +61,8 @@ class CopyJob:
         cuda: the CUDA device the sources are on, or None for the CPU path.
         world_size, rank: recorded in the slot's header.
         staging: a uint8 buffer on the CUDA device (payload bytes [0, its size) go through it), or None.
-        gate: a lock the caller holds for this job (the slot's registration pauses while it writes, slot.py);
-            released at the commit. A job with a gate is one of the set-up window (`window`).
+        window: taken in the set-up window (a CPU state's, into its slot as mapped): its steps say nothing
+            of a snapshot's cost.
     """
 
     def __init__(
@@ -76,11 +76,10 @@ class CopyJob:
         world_size: int,
         rank: int,
         staging: torch.Tensor | None = None,
-        gate: threading.Lock | None = None,
+        window: bool = False,
     ) -> None:
         self.step, self.seq, self.slot, self.flat = step, seq, slot, flat
-        self.gate = gate  # held by the caller for this job (the set-up window): released at the commit
-        self.window = gate is not None
+        self.window = window
         self.staging = staging if cuda is not None else None
         self.cuda, self.world_size, self.rank = cuda, world_size, rank
         self.copied = threading.Event()  # CPU: the copies are done; CUDA: issued (done_event says when done)
@@ -142,8 +141,6 @@ class CopyJob:
             self._sources = []
             self.copied.set()
             self.worker_s = time.perf_counter() - started
-            if self.gate is not None:
-                self.gate.release()
             self.committed.set()
 
     def _copy_and_checksum(self) -> list[int]:

@@ -65,12 +65,10 @@ class Preparation:
     """Prepares the slots (and staging) for a state of `nbytes`: usable at once, set up on a thread; `done` says when.
 
     The constructor (on the training thread, milliseconds) checks /dev/shm has room for both slots,
-    sizes and maps them sparse (Slot.map_sparse) and sets the staging budget. The thread first takes
-    the staging buffer (one cudaMalloc of the state's size: 1.2 s at 16 GiB on an H100, a step's stall
-    when it was taken on the training thread) and sets `staging_settled`: from then on `result` holds
-    the slots and the staging, so snapshots can be taken during the set-up window (HostSnapshot; such
-    a snapshot holds its slot's `gate` while it writes it). It then fills and pins the slots in
-    pieces, each registered piece under the slot's gate.
+    sizes and maps them sparse (Slot.map_sparse) and sets the staging budget: `result` holds the
+    slots from then on, so a CPU state's snapshots can be taken during the set-up window
+    (HostSnapshot). The thread takes the staging buffer (one cudaMalloc of the state's size, off the
+    training thread), then fills and pins the slots in pieces.
 
     Args:
         dir_fd: the job directory.
@@ -97,12 +95,9 @@ class Preparation:
     ) -> None:
         self.nbytes, self.cuda, self.budget = nbytes, cuda, budget
         self.result = Prepared()
-        self.staging_settled = threading.Event()  # the staging buffer is taken (or there is none): the window opens
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-snapshot-prepare", daemon=True)
         self._map(dir_fd, rank, staging, replace)
-        if self.result.error is not None or self.result.budget is None or self.result.budget.limit == 0:
-            self.staging_settled.set()  # no staging to take (a CPU state, staging off, or the slots failed)
         if self.result.error is not None:
             return
         if nbytes < PREPARE_INLINE_BELOW:
@@ -143,14 +138,11 @@ class Preparation:
             result.seconds = time.perf_counter() - self._started
 
     def _allocate(self) -> None:
-        """The staging buffer within the budget, and the mode it gives; the set-up window may open then."""
+        """The staging buffer within the budget, and the mode it gives."""
         result = self.result
-        try:
-            if self.cuda is not None and result.budget is not None and result.budget.limit != 0:
-                result.staging = allocate_staging(self.nbytes, self.cuda, budget=result.budget.limit)
-                result.mode = mode_of(self.nbytes, result.staging)
-        finally:
-            self.staging_settled.set()
+        if self.cuda is not None and result.budget is not None and result.budget.limit != 0:
+            result.staging = allocate_staging(self.nbytes, self.cuda, budget=result.budget.limit)
+            result.mode = mode_of(self.nbytes, result.staging)
 
     def _run(self) -> None:
         result = self.result

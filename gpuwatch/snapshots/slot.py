@@ -14,8 +14,8 @@ allocates it (fallocate) and maps its pages in (so no snapshot pays the page fau
 registers it with CUDA. Both walk every page, so they go in pieces (SETUP_PIECE, PIN_PIECE) with
 the GIL released (mmap's MAP_POPULATE holds the GIL for the whole page walk, seconds per GiB, and
 the training thread of the same process could not run a line of Python meanwhile), each piece
-the registration's pieces under the slot's `gate`, which a snapshot writing the slot meanwhile
-holds (the set-up window, prepare.py; the fill needs none: it changes no byte). A sparse
+registering one piece and pausing as long as it took (the job's CUDA calls get the driver's lock
+in between). No snapshot writes a CUDA state's slot before its set-up ends (prepare.py). A sparse
 file written before its fill would kill the rank with SIGBUS if /dev/shm filled up: the set-up
 checks the room for both slots first (prepare.py), and the fill's fallocate fails with ENOSPC.
 """
@@ -30,7 +30,6 @@ import os
 import stat
 import struct
 import sys
-import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -134,7 +133,6 @@ class Slot:
         self._address: int | None = None  # the payload's address in this process while mapped
         self.map_s = 0.0  # of the last ensure(): sizing and mapping (the rest was pinning)
         self.pin_failed = False
-        self.gate = threading.Lock()  # held for each registered piece, and by a set-up window's copy into the slot
 
     def header(self) -> SlotHeader | None:
         return read_header(self.fd)
@@ -299,8 +297,7 @@ class Slot:
             cudart = torch.cuda.cudart()
             for address in range(base, base + self.size, PIN_PIECE):
                 started = time.monotonic()
-                with self.gate:  # a set-up window's copy in flight into this slot finishes first
-                    code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
+                code = int(cudart.cudaHostRegister(address, min(PIN_PIECE, base + self.size - address), 0))
                 if code != 0:
                     reason = _cuda_error(cudart, code)
                     break

@@ -62,6 +62,7 @@ def main() -> int:
         )
         runs = rs.measure_modes(loop, steps, job)
         table += rs.rows(state_gib, runs)
+        print(rs.markdown(rs.rows(state_gib, runs)), file=sys.stderr, flush=True)  # kept if a later part runs out
         if n == len(sizes) - 1:
             full, ballast = rs.nearly_full(loop, steps, job)
             table += rs.rows(state_gib, [full], plain=runs[0])
