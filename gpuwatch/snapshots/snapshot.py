@@ -372,8 +372,8 @@ class HostSnapshot:
 
         A CPU state's snapshot in the window is copied on a thread into the slots as mapped, so the K
         bound holds from the first step. A CUDA state's waits for the set-up: into pageable memory, the
-        window's drains held the loop's steps (12.9x a plain step at 16 GiB on an H100) and starved the
-        slots' registration (its set-up took 45-100 s instead of about 20).
+        window's drains held the loop's steps (12.9x a plain step at 16 GiB on an H100) and the slots'
+        registration (that set-up took 45 s in one run, 100 s in another).
         """
         if self.ready():
             return True
