@@ -144,7 +144,7 @@ def test_iter_ticks_is_fast_for_an_hour_of_eight_gpus() -> None:
         for s in range(3600)
         for i in range(8)
     )
-    started = time.monotonic()
+    started = time.thread_time()  # this thread's CPU time: the parallel lane's other workers do not count
     ticks = list(iter_ticks(Trace(statics=statics, note="", readings=readings)))
-    assert time.monotonic() - started < 0.5
+    assert time.thread_time() - started < 0.5  # linear: a quadratic grouping of 28,800 readings takes minutes
     assert len(ticks) == 3600 and all(len(t.readings) == 8 for t in ticks)
