@@ -13,9 +13,10 @@ A slot is usable as soon as it is sized and mapped (map_sparse: milliseconds); `
 allocates it (fallocate) and maps its pages in (so no snapshot pays the page faults), and `pin`
 registers it with CUDA. Both walk every page, so they go in pieces (SETUP_PIECE, PIN_PIECE) with
 the GIL released (mmap's MAP_POPULATE holds the GIL for the whole page walk, seconds per GiB, and
-the training thread of the same process could not run a line of Python meanwhile), each piece
-registering one piece and pausing as long as it took (the job's CUDA calls get the driver's lock
-in between). No snapshot writes a CUDA state's slot before its set-up ends (prepare.py). A sparse
+the training thread of the same process could not run a line of Python meanwhile), and after each
+piece a pause as long as it took (a registration holds the CUDA driver's lock, which the job's CUDA
+calls then get in between). No snapshot writes a CUDA state's slot before its set-up ends
+(HostSnapshot); a CPU state's may (the fill changes no byte). A sparse
 file written before its fill would kill the rank with SIGBUS if /dev/shm filled up: the set-up
 checks the room for both slots first (prepare.py), and the fill's fallocate fails with ENOSPC.
 """

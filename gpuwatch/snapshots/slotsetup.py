@@ -1,9 +1,10 @@
 """Where the set-up of one rank's slots stands: not started, under way (the set-up window), or done.
 
 The first `HostSnapshot.step` starts a Preparation (prepare.py) on its own thread; until its result
-is adopted, snapshots go into its slots as mapped (the window). When the state outgrows the slots,
-the set-up starts again and makes new files for both. Locking: none; only the training thread reads
-or changes it, and the preparation's thread hands its result over through `Preparation.join`.
+is adopted, a CPU state's snapshots go into its slots as mapped (the window; a CUDA state's wait).
+When the state outgrows the slots, the set-up starts again and makes new files for both. Locking:
+none; only the training thread reads or changes it, and the preparation's thread hands its result
+over through `Preparation.join`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class SlotSetup:
     def __init__(self) -> None:
         self.preparation: Preparation | None = None
         self.prepared: Prepared | None = None  # the result HostSnapshot adopted: the set-up is done
-        self.window = False  # the set-up window: snapshots go into the slots as mapped
+        self.window = False  # the set-up window (a CPU state): snapshots go into the slots as mapped
         self.replace_all = False  # the next preparation makes new files for both slots (the state outgrew them)
 
     def start(
@@ -33,9 +34,8 @@ class SlotSetup:
         self.preparation = Preparation(dir_fd, rank, nbytes, cuda, staging=staging, replace=replace, budget=budget)
 
     def staging(self) -> Any:
-        """The GPU staging buffer (also in the set-up window), or None."""
-        prepared = self.prepared or (self.preparation.result if self.window and self.preparation else None)
-        return prepared.staging if prepared is not None else None
+        """The GPU staging buffer once the set-up is done, or None (a CUDA state's snapshots wait for that)."""
+        return self.prepared.staging if self.prepared is not None else None
 
     @property
     def pinned(self) -> bool:

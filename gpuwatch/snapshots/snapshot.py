@@ -312,7 +312,7 @@ class HostSnapshot:
             job.advance(self._drain_budget())
         if self._pacing.due(step, window=self._setup.window, idle=self._job is None):
             if self._job is not None and self._job.window:
-                return  # a set-up window's drain (pageable) is not waited for: the next starts once it commits
+                return  # a set-up window's copy is not waited for: the next starts once it commits
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
                 self._finish(self._job)
             if self.enabled:
@@ -456,7 +456,7 @@ class HostSnapshot:
                     return
                 flat, cuda = planned, _cuda_device(planned)
             if cuda != self._cuda or any(slot.payload_capacity < flat.size for slot in self._files.slots.values()):
-                self._set_up_again(flat.size)  # the new slots are usable at once (the set-up window)
+                self._set_up_again(flat.size)  # a CPU state's new slots are usable at once (the set-up window)
                 if not self._usable() or any(s.payload_capacity < flat.size for s in self._files.slots.values()):
                     return
             slot = self._target(flat.size, cuda)
