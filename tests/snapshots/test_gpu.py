@@ -121,3 +121,30 @@ def test_under_a_launcher_with_standbys_staging_leaves_a_standbys_room(
     snap.close(remove=True)
     assert stats["gpu_budget_why"].startswith("leaves a standby's room"), stats
     assert stats["staging_bytes"] <= stats["gpu_budget"] and free >= total - free, (stats, free, total)
+
+
+def test_a_cuda_states_snapshots_start_once_its_slots_are_set_up(tmp_path: Path) -> None:
+    """No snapshot of a CUDA state goes into slots still being set up (their drains held the loop's steps):
+    the first one is of the step at which the set-up was adopted, or later."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    params = [torch.nn.Parameter(torch.randn(64 << 20, device="cuda")) for _ in range(2)]  # 512 MiB: on a thread
+    optim = torch.optim.SGD(params, lr=0.1)
+
+    def state() -> dict[str, object]:
+        return {"params": [p.detach() for p in params], "optim": optim.state_dict()}
+
+    snap = HostSnapshot(state, every=1, optimizer=optim, job_id="gpu-setup", root=str(tmp_path))
+    step = 0
+    while snap.ready_step is None and step < 100_000:
+        step += 1
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        optim.step()
+        snap.step(step)
+        if snap.ready_step is None:
+            assert snap.snapshots == 0 and snap._job is None, f"a snapshot at step {step}, before the set-up ended"
+    snap.wait()
+    stats = snap.stats()
+    snap.close(remove=True)
+    assert stats["window_snapshots"] == 0 and stats["ready_step"] == step and snap.committed_step == step
