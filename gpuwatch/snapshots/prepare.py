@@ -132,17 +132,18 @@ class Preparation:
             if self.cuda is not None:
                 off = StagingBudget(0, "staging=False")
                 result.budget = staging_budget(self.budget, self.cuda) if staging else off
-                result.mode = "direct"
         except BaseException as exc:  # reported by the training thread: snapshots off, one line
             result.error = exc
             result.seconds = time.perf_counter() - self._started
 
     def _allocate(self) -> None:
-        """The staging buffer within the budget, and the mode it gives."""
+        """A CUDA state's staging buffer within the budget, and the mode it gives."""
         result = self.result
-        if self.cuda is not None and result.budget is not None and result.budget.limit != 0:
+        if self.cuda is None:
+            return
+        if result.budget is not None and result.budget.limit != 0:
             result.staging = allocate_staging(self.nbytes, self.cuda, budget=result.budget.limit)
-            result.mode = mode_of(self.nbytes, result.staging)
+        result.mode = mode_of(self.nbytes, result.staging)
 
     def _run(self) -> None:
         result = self.result
