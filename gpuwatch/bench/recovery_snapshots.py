@@ -13,7 +13,7 @@ snapshots starts with a fresh HostSnapshot, so its longest step includes the slo
 size (the mode then chosen, and its cost); `restore_time`: a committed snapshot restored onto the
 GPU in process (its CUDA context up) and loaded into the model and the optimizer.
 
-Only torch and gpuwatch.snapshots: tests/hardware/snapshot_cost.py runs it on a GPU machine, and
+Only torch and gpuwatch.snapshots: `python -m gpuwatch.bench.snapshot_cost` runs it on a GPU machine, and
 the recovery section of `gpuwatch bench` prints the same columns.
 """
 

@@ -1,6 +1,6 @@
 """A CUDA job's relaunch takes its host snapshot straight onto its GPU (restore's device path), a CPU job
 onto the CPU: the example trainer and ShardedJob ask for the right device. The GPU itself is a fake here
-(the device path runs on a GPU machine: tests/snapshots/test_gpu.py, tests/hardware/snapshot_cost.py)."""
+(the device path runs on a GPU machine: tests/snapshots/test_gpu.py, python -m gpuwatch.bench.snapshot_cost)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The pieces of the staged (GPU) snapshot path that run without a GPU: what drains from the staging buffer,
 copies that respect the slot's registered pieces, the order the slots are set up in, and the fallback
 when the CUDA runtime refuses a copy. The path itself runs on a GPU machine (tests/snapshots/test_gpu.py,
-tests/hardware/snapshot_cost.py)."""
+python -m gpuwatch.bench.snapshot_cost)."""
 
 from __future__ import annotations
 

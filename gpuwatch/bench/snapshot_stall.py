@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Which part of the host snapshots' set-up holds a step of the training loop, on one GPU.
 
-    PYTHONPATH=. python3 tests/hardware/snapshot_setup_stall.py --gib 16    # about 2 minutes on one H100
+    python3 -m gpuwatch.bench.snapshot_stall --gib 16    # about 2 minutes on one H100
 
-`snapshot_cost.py` found the longest step of a 15.75 GiB loop (a 96 ms step) at 1.23 s, in the
+`snapshot_cost` found the longest step of a 15.75 GiB loop (a 96 ms step) at 1.23 s, in the
 slots' set-up window, and none after it. Two parts of the set-up can hold the training thread for
 that long: the staging buffer's allocation (`prepare.allocate_staging`: one cudaMalloc of the
 state's size, taken on the training thread at the first snapshot) and the snapshots taken into the
@@ -31,10 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, run as a script
 
 START = time.perf_counter()
 
@@ -46,7 +42,7 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("snapshot_setup_stall: no CUDA device here (this measures a GPU's set-up)", file=sys.stderr)
+        print("snapshot_stall: no CUDA device here (this measures a GPU's set-up)", file=sys.stderr)
         return 2
     allocation(torch)
     set_up(torch, args.gib)

@@ -1,10 +1,10 @@
 """What host snapshots cost a one-GPU training loop, mode by mode (run on a GPU machine; CPU in a reduced mode).
 
-    PYTHONPATH=. python3 tests/hardware/snapshot_cost.py --device cuda        # 4 and 16 GiB, 300 steps a run
-    PYTHONPATH=. python3 tests/hardware/snapshot_cost.py --device cpu --small  # the same, tiny (~1 min)
+    python3 -m gpuwatch.bench.snapshot_cost --device cuda        # 4 and 16 GiB, 300 steps a run
+    python3 -m gpuwatch.bench.snapshot_cost --device cpu --small  # the same, tiny (~10 s)
 
-From the repository root (PYTHONPATH=. when gpuwatch is not installed); the GPU run is about 5 minutes on
-one H100 and must stay under 9.
+The GPU run is about 6 minutes on one H100. `gpuwatch bench --only recovery` measures one mode beside
+the recovery paths; this measures every mode, the GPU nearly full, and the restore.
 
 Needs torch and gpuwatch.snapshots only. Per state size (fp32 Linear stack built on the CPU with the
 default init, then moved; AdamW; HostSnapshot(..., optimizer=opt, replicated=True)): no snapshots, every 8,
@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 
 def main() -> int:
@@ -52,7 +53,8 @@ def main() -> int:
     batch = args.batch or (16 if args.small else 2048)
     width = 256 if args.small else rs.WIDTH
     started = time.perf_counter()
-    table, extra = [], {}
+    table: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {}
     for n, gib in enumerate(sizes):
         job = f"snapshot-cost-{os.getpid()}-{n}"
         loop = rs.build(gib, device, batch, width)
