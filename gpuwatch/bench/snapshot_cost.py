@@ -29,7 +29,7 @@ from typing import Any
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m gpuwatch.bench.snapshot_cost", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="tiny sizes and few steps (a check of the script)")
     parser.add_argument("--gib", type=float, nargs="*", help="state sizes (default 4 16; --small: 0.01 0.03)")

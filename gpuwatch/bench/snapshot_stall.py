@@ -36,7 +36,9 @@ START = time.perf_counter()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m gpuwatch.bench.snapshot_stall", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     parser.add_argument("--gib", type=float, default=16.0, help="the loop's state (parameters and AdamW's moments)")
     args = parser.parse_args()
     import torch
