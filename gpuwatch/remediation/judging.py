@@ -112,16 +112,17 @@ class TrainerJudge:
             info = rank.info
             step, _ = self._advanced.get(rank.pid, (None, 0.0))
             new = rank.pid not in self._advanced
-            if new or info.step != step:
+            stepped = not new and info.step != step
+            if new or stepped:
                 changed = info.step_t or info.updated_t  # the step page says when the step ended
                 self._advanced[rank.pid] = (info.step, changed if changed is not None else now)
                 self._cpu.pop(rank.pid, None)
                 self._stopped.pop(rank.pid, None)
-                if not new:
-                    continue
-            cpu = self.proc.main_thread_cpu_ns(rank.pid)  # stalled: what does its process do?
-            if rank.pid not in self._cpu or self._cpu[rank.pid][0] != cpu:
-                self._cpu[rank.pid] = (cpu, now)
+            if not stepped:
+                cpu = self.proc.main_thread_cpu_ns(rank.pid)  # stalled: what does its process do?
+                if rank.pid not in self._cpu or self._cpu[rank.pid][0] != cpu:
+                    self._cpu[rank.pid] = (cpu, now)
+            # Stopped is read after a new step too: a rank stopped right after its step counts from this poll.
             if self.proc.run_state(rank.pid) in _STOPPED:
                 self._stopped.setdefault(rank.pid, now)
             else:

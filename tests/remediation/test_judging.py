@@ -227,3 +227,17 @@ def test_a_stopped_ranks_verdict_is_due_when_its_limit_ends_not_at_the_next_poll
     running = TrainerJudge(CFG, ProcFs())
     running.hangs(T0, ranks[:1], snapshot(T0))
     assert running.stopped_verdict_in(T0) is None  # no rank stopped: nothing falls due
+
+
+def test_a_rank_stopped_right_after_a_step_is_seen_stopped_at_the_first_poll_that_sees_that_step(
+    spinning: subprocess.Popen[bytes], stopped: subprocess.Popen[bytes]
+) -> None:
+    """A rank that made a step between two polls and was stopped after it (SIGSTOP, a debugger) counts as stopped
+    from the poll that sees its new step, not from the poll after that: its limit is not lengthened by a poll."""
+    limit = CFG.hang_stopped_after_s
+    judge = TrainerJudge(CFG, ProcFs())
+    assert not judge.hangs(T0, [rank(spinning.pid, 0, T0, 40), rank(stopped.pid, 1, T0, 40)], snapshot(T0))
+    judge_after = [rank(spinning.pid, 0, T0 + 0.5, 41), rank(stopped.pid, 1, T0 + 0.4, 41)]  # rank 1 stepped
+    assert not judge.hangs(T0 + 0.5, judge_after, snapshot(T0 + 0.5))
+    assert judge.stopped_verdict_in(T0 + 0.5) == pytest.approx(limit)
+    assert judge.hangs(T0 + 0.5 + limit + 0.01, judge_after, snapshot(T0 + 0.5 + limit + 0.01))
