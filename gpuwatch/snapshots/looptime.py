@@ -40,11 +40,14 @@ class LoopTime:
         self.drains: deque[float] = deque(maxlen=SNAPSHOTS)  # boundary to commit, per snapshot
         self.since_restart = 0  # intervals recorded since the cadence last changed
         self._last_t: float | None = None
+        self.last_interval: float | None = None  # the latest step's, of any kind (the set-up's steps too)
 
     def tick(self, now: float) -> float | None:
         """The interval since the previous call (None at the first)."""
         interval = None if self._last_t is None else now - self._last_t
         self._last_t = now
+        if interval is not None:
+            self.last_interval = interval
         return interval
 
     def record(self, interval: float, *, in_flight: bool) -> None:

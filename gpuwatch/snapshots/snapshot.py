@@ -321,9 +321,14 @@ class HostSnapshot:
                     self._job.advance(self._drain_budget())
 
     def _drain_budget(self) -> int:
-        """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time."""
+        """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time.
+
+        Before any plain step was seen, the share is of the latest step's time: a snapshot that starts with
+        the slots' first step leaves no plain step, and with a chunk a step the drain's rest fell to the next
+        snapshot's start, on the loop."""
         assert self._stager is not None
-        return self._stager.budget(self._pacing.time.median_plain_step(recent=64))
+        loop = self._pacing.time
+        return self._stager.budget(loop.median_plain_step(recent=64) or loop.last_interval)
 
     def wait(self) -> None:
         """Wait until the snapshot in flight (if any) is committed."""

@@ -13,7 +13,7 @@ with the daemon (nvml on a GPU, sim on the CPU) at its default config but a 1 s 
 each state size (parameters and AdamW's moments: 4 and 16 GiB) and each kind of spare (`standby`: the
 spare ran the script up to its join; `spare`: today's, which imported torch and made its CUDA
 context, trainer.spare_standby = false) one launch takes three faults in turn, each once the next
-spare is ready and the live rank takes host snapshots of its own (its slots are set up): kill -9 of
+spare is ready and the live rank committed a host snapshot of its own (its slots are set up): kill -9 of
 the rank, its own XID 31 (`gpuwatch drill --fault-rank 0`; GPU only) and
 SIGSTOP (`gpuwatch drill --hang-rank 0`: the daemon's hang rule kills the stopped rank). The fault's
 time is the kill's, or a drill's own start (`started` in its --json verdict: its first step sends the
@@ -132,10 +132,10 @@ def _one_launch(
         for fault in faults:
             wait_until(f"a ready {kind}", lambda: _ready(kind, logs), args.wait_s, 0.1)
             phases.end(f"{fault}: the next {kind} ready")
-            # The live rank's own host snapshots started (its slots set up): a fault before that rolls back to
-            # its predecessor's snapshot, or to the job's start when there is none (said in the fault's row).
-            wait_until("the rank's snapshots", lambda: _snapshots_started(logs), args.wait_s, 0.1)
-            phases.end(f"{fault}: the rank's snapshots started")
+            # The live rank committed a host snapshot of its own (its slots are set up): a fault before that rolls
+            # back to its predecessor's snapshot, or to the job's start when there is none.
+            wait_until("the rank's own snapshot", lambda: _own_snapshot_committed(logs), args.wait_s, 0.1)
+            phases.end(f"{fault}: the rank's own snapshot committed")
             row.setdefault("spare_memory", _spare_memory(kind, logs))
             row["faults"].append(_fault(daemon, logs, fault, env, kind, args.wait_s, phases))
             row["snapshots"] = _snapshot_budgets(logs)
@@ -292,10 +292,10 @@ def _last(logs: Path, pid: int) -> float:
     return max((ln["t"] for ln in _lines(logs) if ln["pid"] == pid), default=0.0)
 
 
-def _snapshots_started(logs: Path) -> bool:
-    """Whether the live rank (the newest step's) takes host snapshots of its own (the loop's `snapshots_from`)."""
+def _own_snapshot_committed(logs: Path) -> bool:
+    """Whether the live rank (the newest step's) committed a host snapshot of its own (the loop's `committed`)."""
     lines = _lines(logs)
-    return bool(lines) and max(lines, key=lambda ln: ln["t"]).get("snapshots_from") is not None
+    return bool(lines) and max(lines, key=lambda ln: ln["t"]).get("committed") is not None
 
 
 def _lines(logs: Path) -> list[dict[str, Any]]:

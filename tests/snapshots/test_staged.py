@@ -110,3 +110,27 @@ def test_without_a_shared_cuda_runtime_in_the_process_copies_go_through_torch() 
         assert done == [1]
     finally:
         cudacopy._RUNTIME.clear()
+
+
+def test_before_any_plain_step_a_drain_portion_is_sized_on_the_latest_step_not_one_chunk(tmp_path: Path) -> None:
+    """A snapshot started with the slots' first step leaves no plain step to size the drain on; sized on the latest
+    step instead, a portion is a share of a real step, so the drain ends inside K steps and not on the loop."""
+    from gpuwatch.snapshots import HostSnapshot
+    from gpuwatch.snapshots.staged import DRAIN_SHARE, Stager
+
+    snap = HostSnapshot(dict, every=8, root=str(tmp_path), job_id="drain-budget")
+    try:
+        stager = Stager.__new__(Stager)  # the sizing alone: no staging buffer, stream or thread
+        stager.rate = 20 << 30
+        snap._stager = stager
+        loop = snap._pacing.time
+        for t in (0.0, 0.1, 0.2):
+            loop.tick(t)
+            loop.record(0.1, in_flight=True)  # every step so far with a snapshot in flight
+        assert loop.median_plain_step() is None
+        assert snap._drain_budget() == int(DRAIN_SHARE * 0.1 * (20 << 30))
+        loop.record(0.05, in_flight=False)  # once a plain step is seen, the drain is sized on it
+        assert snap._drain_budget() == int(DRAIN_SHARE * 0.05 * (20 << 30))
+    finally:
+        snap._stager = None
+        snap.close(remove=True)

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             line.update(generation=job.generation, step=job.step, loss=loss)
             snapshot = getattr(job.source, "snapshot", None)  # snapshots start once its slots are set up
             line["snapshots_from"] = snapshot.ready_step if snapshot is not None else None
+            line["committed"] = snapshot.committed_step if snapshot is not None else None  # its own, newest
             if snapshot is not None and snapshot.ready_step is not None and not said_snapshot:
                 stats = snapshot.stats()
                 line["snapshot"] = {k: stats[k] for k in ("mode", "gpu_bytes", "gpu_budget", "gpu_budget_why")}
