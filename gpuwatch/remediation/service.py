@@ -199,6 +199,9 @@ class Remediation:
             known = self._known.get(rank.pid)
             if known is not None and known.start_time == rank.start_time:
                 rank = dataclasses.replace(rank, exe=known.exe)  # what it ran when first seen: an exec is no rank
+                if "report" in known.sources and "report" not in rank.sources:
+                    # A dying rank NVML still lists, its report gone: its last report stands (how its job recovers).
+                    rank = dataclasses.replace(rank, info=known.info)
             ranks.append(rank)
             if self._accounted_for(rank):
                 continue  # a rank we stopped or saw end, in a publish made before that (or as it ended)

@@ -1,0 +1,78 @@
+"""What the remediation thread knows of a rank between publishes: a rank that dies keeps what its reports said.
+
+Seen on an H100 with a one-rank in-place job and a standby: NVML listed the killed rank for a second more, its
+report was gone, and the publish made it a rank known from its environment alone (no `recovery`). Its death was
+then taken for a relaunch job's, and the daemon sent the stop signal to the standby that had just taken its place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.config import Config
+from gpuwatch.model import GpuSample, GpuStatic, GpuStatus, Snapshot, TrainerInfo
+from gpuwatch.node.ranks import Rank
+from gpuwatch.node.runtime import RuntimeDir
+from gpuwatch.node.store import Store
+from gpuwatch.remediation.service import Remediation, _Publish
+from gpuwatch.reports.board import Report
+from gpuwatch.trainer.contract import RECOVERY_IN_PLACE
+
+UUID = "GPU-0000"
+
+
+@pytest.fixture
+def remediation(tmp_path: Path) -> Iterator[Remediation]:
+    (tmp_path / "run").mkdir()
+    service = Remediation(Config(), Store(tmp_path / "gpuwatch.db"), RuntimeDir(tmp_path / "run"))
+    service.close()  # its thread gone, the test hands it each publish and exit itself
+    yield service
+
+
+def _process() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def _publish(*ranks: Rank) -> _Publish:
+    gpu = GpuStatus(static=GpuStatic(index=0, uuid=UUID), sample=GpuSample(t=0.0, index=0, uuid=UUID))
+    return _Publish(Snapshot(t=0.0, backend="nvml", gpus=(gpu,)), ranks, (), ())
+
+
+def _rank(pid: int, *, reported: bool) -> Rank:
+    info = TrainerInfo(pid=pid, rank=0, world_size=1, job_id="job", gpu_uuid=UUID, step=130, updated_t=1.0)
+    if reported:
+        info = dataclasses.replace(info, recovery=RECOVERY_IN_PLACE)
+    sources = ("report", "environ", "nvml") if reported else ("environ", "nvml")
+    return Rank(info, 0, os.getuid(), None, sources)
+
+
+def test_a_rank_nvml_still_lists_after_its_report_is_gone_keeps_its_recovery_and_its_successor_is_not_stopped(
+    remediation: Remediation,
+) -> None:
+    killed, standby = _process(), _process()
+    try:
+        remediation._handle_publish(_publish(_rank(killed.pid, reported=True), _rank(standby.pid, reported=True)))
+        killed.kill()
+        killed.wait()
+        last_word = Report(_rank(killed.pid, reported=True).info, os.getuid(), alive=False)  # ended: None (killed)
+        remediation.runtime.read_report = lambda pid: last_word if pid == killed.pid else None  # type: ignore[method-assign]
+        remediation._handle_publish(_publish(_rank(killed.pid, reported=False), _rank(standby.pid, reported=True)))
+        assert remediation._known[killed.pid].in_place  # its last report stands
+
+        remediation._on_exit(killed.pid)
+
+        total, incident = remediation.incidents.latest()
+        assert total == 1 and incident is not None
+        assert (incident["kind"], incident["path"]) == ("rank_died", "in_place")
+        assert [t.rank.pid for stop in remediation._stops for t in stop.incident.targets] == []  # the standby goes on
+    finally:
+        for process in (killed, standby):
+            process.kill()
+            process.wait()
