@@ -197,7 +197,7 @@ class Remediation:
         ranks = []
         for rank in publish.ranks:
             known = self._known.get(rank.pid)
-            if known is not None and known.start_time == rank.start_time:
+            if known is not None and rank.start_time in (None, known.start_time):  # None: exiting, /proc unreadable
                 rank = dataclasses.replace(rank, exe=known.exe)  # what it ran when first seen: an exec is no rank
                 if "report" in known.sources and "report" not in rank.sources:
                     # A dying rank NVML still lists, its report gone: its last report stands (how its job recovers).
@@ -334,6 +334,7 @@ class Remediation:
             return
         how = "died" if ended is None else "raised"
         now = self.clock()
+        rank = dataclasses.replace(rank, info=report.info)  # its own last word: its job, and how that job recovers
         log.warning(
             "rank %s (pid %d) of job %s on GPU %s %s at step %s",
             rank.info.rank,
@@ -343,7 +344,7 @@ class Remediation:
             "vanished without a last report" if ended is None else "ended with an error",
             report.info.step,
         )
-        dead = Target(dataclasses.replace(rank, info=report.info), True, how)
+        dead = Target(rank, True, how)
         cause = self._cause_of_death(rank, now)
         kind = "gpu_fault" if cause is not None else "rank_died"
         reason = cause.reason if cause is not None else f"rank {rank.info.rank} (pid {pid}) {how}"

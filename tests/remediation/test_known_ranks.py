@@ -1,8 +1,9 @@
 """What the remediation thread knows of a rank between publishes: a rank that dies keeps what its reports said.
 
 Seen on an H100 with a one-rank in-place job and a standby: NVML listed the killed rank for a second more, its
-report was gone, and the publish made it a rank known from its environment alone (no `recovery`). Its death was
-then taken for a relaunch job's, and the daemon sent the stop signal to the standby that had just taken its place.
+report was gone and /proc gave no start time, and the publish made it a rank known from its environment alone
+(no `recovery`). Its death was then taken for a relaunch job's, and the daemon sent the stop signal to the standby
+that had just taken its place.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatch.base.procfs import ProcFs
 from gpuwatch.config import Config
 from gpuwatch.model import GpuSample, GpuStatic, GpuStatus, Snapshot, TrainerInfo
 from gpuwatch.node.ranks import Rank
@@ -46,11 +48,13 @@ def _publish(*ranks: Rank) -> _Publish:
 
 
 def _rank(pid: int, *, reported: bool) -> Rank:
+    """As map_ranks makes it: from its report, or (a process exiting) from NVML and its environment alone, when
+    /proc no longer gives its start time either."""
     info = TrainerInfo(pid=pid, rank=0, world_size=1, job_id="job", gpu_uuid=UUID, step=130, updated_t=1.0)
     if reported:
         info = dataclasses.replace(info, recovery=RECOVERY_IN_PLACE)
     sources = ("report", "environ", "nvml") if reported else ("environ", "nvml")
-    return Rank(info, 0, os.getuid(), None, sources)
+    return Rank(info, 0, os.getuid(), ProcFs().start_time(pid) if reported else None, sources)
 
 
 def test_a_rank_nvml_still_lists_after_its_report_is_gone_keeps_its_recovery_and_its_successor_is_not_stopped(
@@ -72,6 +76,30 @@ def test_a_rank_nvml_still_lists_after_its_report_is_gone_keeps_its_recovery_and
         assert total == 1 and incident is not None
         assert (incident["kind"], incident["path"]) == ("rank_died", "in_place")
         assert [t.rank.pid for stop in remediation._stops for t in stop.incident.targets] == []  # the standby goes on
+    finally:
+        for process in (killed, standby):
+            process.kill()
+            process.wait()
+
+
+def test_a_dead_ranks_own_last_report_says_how_its_job_recovers_whatever_the_publishes_knew(
+    remediation: Remediation,
+) -> None:
+    """A rank the publishes only ever knew from NVML and its environment (its reports went stale in between): its
+    last report, read at its death, still makes its in-place job's death an in-place one."""
+    killed, standby = _process(), _process()
+    try:
+        remediation._handle_publish(_publish(_rank(killed.pid, reported=False), _rank(standby.pid, reported=True)))
+        killed.kill()
+        killed.wait()
+        last_word = Report(_rank(killed.pid, reported=True).info, os.getuid(), alive=False)
+        remediation.runtime.read_report = lambda pid: last_word if pid == killed.pid else None  # type: ignore[method-assign]
+
+        remediation._on_exit(killed.pid)
+
+        _, incident = remediation.incidents.latest()
+        assert incident is not None and incident["path"] == "in_place"
+        assert remediation._stops == []  # the standby goes on
     finally:
         for process in (killed, standby):
             process.kill()
