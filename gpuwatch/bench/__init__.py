@@ -3,7 +3,7 @@
 One module per measurement (sampling, serving, footprint, detection, remediation, trainer, recovery; the
 interference package: what a monitor costs the training job beside it), each a `run(ctx) -> Section`;
 `recovery_in_place` and `recovery_spare` are the recovery section's jobs (their workloads live in
-gpuwatch.examples); `snapshot_cost` and `snapshot_stall` are measurements run by hand on a GPU machine
+gpuwatch.examples); `snapshot_cost` is a measurement run by hand on a GPU machine
 (`python -m gpuwatch.bench.snapshot_cost`). The machinery
 around them: `daemons`, the daemons and peers the bench starts (on gpuwatch.testing's processes, which
 the tests use too), `stats` the statistics, `harness` the run's context and keep-alive HTTP, `report`

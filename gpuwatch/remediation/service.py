@@ -198,7 +198,8 @@ class Remediation:
         for rank in publish.ranks:
             known = self._known.get(rank.pid)
             if known is not None and rank.start_time in (None, known.start_time):  # None: exiting, /proc unreadable
-                rank = dataclasses.replace(rank, exe=known.exe)  # what it ran when first seen: an exec is no rank
+                # What it ran when first seen (an exec is no rank), and when it started.
+                rank = dataclasses.replace(rank, exe=known.exe, start_time=known.start_time)
                 if "report" in known.sources and "report" not in rank.sources:
                     # A dying rank NVML still lists, its report gone: its last report stands (how its job recovers).
                     rank = dataclasses.replace(rank, info=known.info)
