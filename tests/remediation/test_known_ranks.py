@@ -33,9 +33,12 @@ UUID = "GPU-0000"
 @pytest.fixture
 def remediation(tmp_path: Path) -> Iterator[Remediation]:
     (tmp_path / "run").mkdir()
-    service = Remediation(Config(), Store(tmp_path / "gpuwatch.db"), RuntimeDir(tmp_path / "run"))
+    store, runtime = Store(tmp_path / "gpuwatch.db"), RuntimeDir(tmp_path / "run")
+    service = Remediation(Config(), store, runtime)
     service.close()  # its thread gone, the test hands it each publish and exit itself
     yield service
+    runtime.close()
+    store.close()
 
 
 def _process() -> subprocess.Popen[bytes]:
