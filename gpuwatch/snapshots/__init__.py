@@ -9,6 +9,7 @@ from __future__ import annotations
 from gpuwatch.snapshots.cadence import choose_every
 from gpuwatch.snapshots.copier import DIE_BEFORE_COMMIT_ENV
 from gpuwatch.snapshots.layout import ROOT_ENV, job_dir_name, snapshot_root, user_dir_name
+from gpuwatch.snapshots.restore import pin_restore_buffers
 from gpuwatch.snapshots.snapshot import HostSnapshot, Restored
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Restored",
     "choose_every",
     "job_dir_name",
+    "pin_restore_buffers",
     "snapshot_root",
     "user_dir_name",
 ]

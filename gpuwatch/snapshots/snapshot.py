@@ -316,9 +316,7 @@ class HostSnapshot:
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
                 self._finish(self._job)
             if self.enabled:
-                self._start(step)
-                if isinstance(self._job, StagedJob):
-                    self._job.advance(self._drain_budget())
+                self._start(step)  # a staged drain starts at the next step (staged.py: not behind this copy)
 
     def _drain_budget(self) -> int:
         """Bytes the staged drain may queue this step (Stager.budget): a share of the plain step's time.

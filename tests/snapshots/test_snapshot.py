@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpuwatch.snapshots import HostSnapshot, choose_every
+from gpuwatch.snapshots import HostSnapshot, choose_every, restore
 from gpuwatch.snapshots.cadence import parse_every
 from gpuwatch.snapshots.restore import candidates, read_to_device
 from gpuwatch.snapshots.slot import HEADER_LEN
@@ -322,8 +322,14 @@ def test_training_on_from_a_mapped_restore_matches_an_uninterrupted_run(tmp_path
     _assert_same(final.state, _state(reference_net, reference_optim))
 
 
-def test_a_restore_onto_a_device_copies_verified_chunks_and_refuses_a_changed_byte(tmp_path: Path) -> None:
-    """restore(device=...) reads each chunk into a buffer, checks it, copies it (here the CPU stands in for a GPU)."""
+@pytest.mark.parametrize("piece", [None, 4096], ids=["pieces-of-16MiB", "many-pieces-a-chunk"])
+def test_a_restore_onto_a_device_copies_verified_chunks_and_refuses_a_changed_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int | None
+) -> None:
+    """restore(device=...) reads each chunk a piece at a time into a buffer, checks it, copies it (here the CPU
+    stands in for a GPU); a chunk's crc32 runs over all its pieces, so a changed byte in any piece refuses it."""
+    if piece is not None:
+        monkeypatch.setattr(restore, "PIECE", piece)
     net, optim = _trainer(width=1 << 16)
     snap = _snapshot(tmp_path, net, optim, every=2)
     _run(snap, net, optim, range(1, 5))

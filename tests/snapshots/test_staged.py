@@ -134,3 +134,35 @@ def test_before_any_plain_step_a_drain_portion_is_sized_on_the_latest_step_not_o
     finally:
         snap._stager = None
         snap.close(remove=True)
+
+
+def test_the_drain_starts_the_step_after_the_boundary_not_behind_its_device_to_device_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A portion queued at the boundary waits behind that step's device-to-device copy and ends after the loop's
+    own copy at the end of the next step: the first portion goes one step later, then one a step."""
+    import threading
+
+    from gpuwatch.snapshots import HostSnapshot
+    from gpuwatch.snapshots.staged import StagedJob
+
+    snap = HostSnapshot(dict, every=4, root=str(tmp_path), job_id="drain-start")
+    queued: list[tuple[int, int | None]] = []  # (the snapshot's step, the step whose call queued a portion)
+
+    def start(step: int) -> None:
+        job = StagedJob.__new__(StagedJob)  # the drain's timing alone: no staging buffer, stream or slot
+        job.step, job.window, job.released, job.intervals, job.host_s = step, False, True, [], 0.0
+        job.committed = threading.Event()
+        job.advance = lambda budget: queued.append((step, snap._step_now))  # type: ignore[method-assign]
+        snap._job, snap._pacing.last_snap_step = job, step
+
+    monkeypatch.setattr(snap, "_start", start)
+    monkeypatch.setattr(snap, "_drain_budget", lambda: 1 << 20)
+    snap._setup.prepared = SimpleNamespace(staging=None, pinned=True)  # type: ignore[assignment]
+    try:
+        for step in range(1, 7):
+            snap.step(step)
+        assert queued == [(4, 5), (4, 6)]
+    finally:
+        snap._job, snap._setup.prepared = None, None
+        snap.close(remove=True)
