@@ -94,7 +94,7 @@ class Change:
 
 @dataclass(frozen=True)
 class Group:
-    """What a state source is told once this rank's group of a generation exists."""
+    """What a state source is told of this rank's group of a generation (before_group: about to form; sync: formed)."""
 
     rank: int
     world_size: int
@@ -138,6 +138,10 @@ class StateSource:
 
     def before_join(self) -> None:
         """A standby waits at the join next: make now what the first `sync` needs, off the fault's path."""
+
+    def before_group(self, group: Group) -> None:
+        """This rank holds no state and takes it in `sync` (`group` as sync will get it, held None): start now
+        what can run while the group forms."""
 
     def unbind(self) -> None:
         """The group is about to go: drop what refers to it (a DDP wrapper, a mesh)."""
@@ -386,6 +390,8 @@ class StepEngine:
             self._leave(generation)
         marks.append(time.monotonic())
         rank, world = self._position(generation), len(generation.members)
+        if not self._has_state:
+            self.source.before_group(Group(rank, world, self._place_count(), None, self._device))
         sockets_before = socket_inodes()
         self._form_group(generation, rank, world)
         marks.append(time.monotonic())

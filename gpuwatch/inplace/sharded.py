@@ -136,6 +136,12 @@ class SnapshotRollback(SnapshotSource):
         )  # fmt: skip
         return synced
 
+    def before_group(self, group: Group) -> None:
+        """This rank will restore: its newest slot is read onto the GPU while the group forms (a ZeRO optimizer made
+        by a factory exists only in sync, and with it the snapshot: no read ahead then)."""
+        if group.device.type == "cuda" and isinstance(self.optimizer, torch.optim.Optimizer):
+            self._snapshot(group).prefetch(group.device)
+
     def _bring_back(self, group: Group) -> Synced:
         snap = self._snapshot(group)
         if all_hold_one_step(group):

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatch.snapshots.agree import common_steps, everyone
+from gpuwatch.snapshots.prefetch import Prefetch
 from gpuwatch.snapshots.restore import Candidate, candidates, map_state, read_state, read_to_device
 
 log = logging.getLogger("gpuwatch.snapshots")
@@ -37,10 +38,12 @@ def recall(
     replicated: bool,
     at_least: int | None,
     device: Any,
+    prefetched: Prefetch | None = None,
 ) -> Recalled | None:
     """The newest step (at least `at_least`) whose snapshot every rank read and verified; None if there is none.
 
     Collective when there are several ranks: each calls it, also one with no directory (`dir_fd` None).
+    `prefetched`: a read already under way onto `device` (prefetch.py), taken for the commit it holds.
     """
     found = [] if dir_fd is None else candidates(dir_fd, rank=rank, world_size=world_size, replicated=replicated)
     by_step: dict[int, list[Candidate]] = {}
@@ -48,14 +51,14 @@ def recall(
         if at_least is None or candidate.header.step >= at_least:
             by_step.setdefault(candidate.header.step, []).append(candidate)
     for step in common_steps(by_step):
-        state, where, mapped = _read_one(dir_fd, directory, rank, by_step.get(step, []), device)
+        state, where, mapped = _read_one(dir_fd, directory, rank, by_step.get(step, []), device, prefetched)
         if everyone(state is not None):
             return Recalled(step, state, where, mapped.slot if mapped is not None else None)
     return None
 
 
 def _read_one(
-    dir_fd: int | None, directory: Path, rank: int, options: list[Candidate], device: Any
+    dir_fd: int | None, directory: Path, rank: int, options: list[Candidate], device: Any, prefetched: Prefetch | None
 ) -> tuple[Any, str, Candidate | None]:
     """The state of the first option that verifies; where it was; the own slot it is mapped from (else None)."""
     on_gpu = device is not None and str(device).startswith("cuda")
@@ -63,7 +66,8 @@ def _read_one(
         assert dir_fd is not None
         own = candidate.rank == rank and not on_gpu
         if on_gpu:
-            state, reason = read_to_device(dir_fd, candidate, device)
+            taken = prefetched.take(candidate) if prefetched is not None else None  # another commit: dropped first
+            state, reason = taken if taken is not None else read_to_device(dir_fd, candidate, device)
         else:
             state, reason = map_state(dir_fd, candidate) if own else read_state(dir_fd, candidate)
         if state is not None:

@@ -63,6 +63,7 @@ from gpuwatch.snapshots.layout import (
     user_dir_name,
 )
 from gpuwatch.snapshots.pacing import Pacing, size_text
+from gpuwatch.snapshots.prefetch import Prefetch
 from gpuwatch.snapshots.prepare import Prepared
 from gpuwatch.snapshots.rankslots import RankSlots
 from gpuwatch.snapshots.recall import recall
@@ -155,6 +156,7 @@ class HostSnapshot:
         self.disabled_reason: str | None = None
         self._updates = Updates(optimizer, self._before_update)
         self._files = RankSlots(None, self.rank)
+        self._prefetch: Prefetch | None = None  # a read under way for a restore to come (prefetch)
         try:
             self._files.dir_fd = open_job_dir(self.root, self.job_id)
         except SnapshotDirError as exc:
@@ -249,9 +251,14 @@ class HostSnapshot:
         speed; load_state_dict then copies on the GPU), and the slot is reused by the next snapshots.
         """
         started = time.perf_counter()
-        found = recall(self._files.dir_fd if self.enabled else None, self.directory, rank=self.rank,
-                       world_size=self.world_size, replicated=self.replicated, at_least=at_least,
-                       device=device)  # fmt: skip
+        prefetched, self._prefetch = self._prefetch, None
+        try:
+            found = recall(self._files.dir_fd if self.enabled else None, self.directory, rank=self.rank,
+                           world_size=self.world_size, replicated=self.replicated, at_least=at_least,
+                           device=device, prefetched=prefetched)  # fmt: skip
+        finally:
+            if prefetched is not None:
+                prefetched.drop()
         if found is None:
             return None
         self._files.aliased = found.mapped_slot  # never to be written in place again
@@ -260,6 +267,14 @@ class HostSnapshot:
         seconds = time.perf_counter() - started
         log.info("restored step %d from host memory (%s) in %.2f s", found.step, found.where, seconds)
         return Restored(found.step, state, "memory", found.where, seconds)
+
+    def prefetch(self, device: Any) -> None:
+        """Start reading this rank's newest snapshot onto `device` (a CUDA one) now: `restore` takes it when it asks for
+        that commit. For a process that joins holding no state, while its group forms (prefetch.py)."""
+        dir_fd = self._files.dir_fd
+        if self.enabled and dir_fd is not None and str(device).startswith("cuda") and self._prefetch is None:
+            self._prefetch = Prefetch(dir_fd, rank=self.rank, world_size=self.world_size,
+                                      replicated=self.replicated, device=device)  # fmt: skip
 
     def resumed_from(self, step: int | None) -> None:
         """Say which step the job resumed from when it loaded the state itself (resume() does this)."""
@@ -660,6 +675,9 @@ class HostSnapshot:
                 self._stager.close()
                 self._stager = None
             self._layout = None
+            if self._prefetch is not None:  # its thread reads from the job directory closed below
+                self._prefetch.drop()
+                self._prefetch = None
             self._setup.release_staging()  # the GPU memory goes back to the caching allocator
             self._files.close(drop_renames=self._setup.prepared is not None)
             if remove and self._files.dir_fd is not None:

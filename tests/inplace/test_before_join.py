@@ -3,6 +3,8 @@ a snapshot source pins the restore's buffers there only in a process that alread
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +53,35 @@ def test_a_snapshot_source_pins_the_restore_buffers_only_where_the_set_up_made_a
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     sharded.SnapshotSource().before_join()
     assert pinned == [True]
+
+
+def _model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("device", "factory", "reads_ahead"),
+    [("cuda:0", False, True), ("cpu", False, False), ("cuda:0", True, False)],
+    ids=["on-a-gpu", "on-the-cpu-the-slot-is-mapped", "zero-optimizer-made-in-sync"],
+)
+def test_a_rank_holding_no_state_reads_its_newest_snapshot_while_its_group_forms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, factory: bool, reads_ahead: bool
+) -> None:
+    """The read ahead is of this rank's place in a job of `places` ranks: the slots the restore will list."""
+    from gpuwatch.snapshots import ROOT_ENV
+
+    monkeypatch.setenv("GPUWATCH_JOB_ID", "before-group")
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    reads: list[tuple[int, int, str]] = []
+    monkeypatch.setattr(
+        sharded.HostSnapshot, "prefetch", lambda self, d: reads.append((self.rank, self.world_size, str(d)))
+    )
+    model, optimizer = _model_and_optimizer()
+    source = sharded.SnapshotRollback(model, (lambda: optimizer) if factory else optimizer, every=2)
+    source.before_group(engine.Group(1, 2, 3, None, torch.device(device)))
+    try:
+        assert reads == ([(1, 3, "cuda:0")] if reads_ahead else [])
+        assert (source.snapshot is not None) == (device == "cuda:0" and not factory)
+    finally:
+        source.close(finished=True)

@@ -170,3 +170,22 @@ def test_a_restore_onto_the_gpu_reads_through_the_buffers_a_standby_pinned_befor
         assert all(torch.equal(a, b) for a, b in zip(params, restored.state["params"], strict=True))
     finally:
         snap.close(remove=True)
+
+
+def test_a_read_ahead_onto_the_gpu_is_the_state_the_restore_hands_out(tmp_path: Path) -> None:
+    """A rank holding no state reads its newest slot while its group forms; the restore takes that read, exactly."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    params = [torch.randn(48 << 20, device="cuda") for _ in range(2)]
+    snap = HostSnapshot(lambda: {"params": params}, every=10**6, job_id="gpu-ahead", root=str(tmp_path))
+    assert snap.ready(wait=True) and snap.snapshot_now(1)
+    snap.close(remove=False)
+    joining = HostSnapshot(lambda: {}, every=10**6, job_id="gpu-ahead", root=str(tmp_path))
+    try:
+        joining.prefetch(torch.device("cuda"))
+        assert joining._prefetch is not None and joining._prefetch.candidate is not None
+        restored = joining.restore(device=torch.device("cuda"))
+        assert restored is not None and restored.step == 1 and joining._prefetch is None
+        assert all(torch.equal(a, b) for a, b in zip(params, restored.state["params"], strict=True))
+    finally:
+        joining.close(remove=True)

@@ -1,0 +1,137 @@
+"""The read ahead of a joining rank's restore (gpuwatch.snapshots.prefetch): the restore takes it only for the commit it
+holds, drops it for any other before reading that one, and a snapshot that closes first lets it go. The CPU stands
+in for the GPU: the read is restore.read_to_device's either way, and recall takes a prefetch only for a CUDA device,
+so a device that names itself cuda stands in there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpuwatch.snapshots import prefetch, recall
+from gpuwatch.snapshots.prefetch import Prefetch
+from gpuwatch.snapshots.restore import candidates, read_to_device
+from tests.snapshots.test_snapshot import _assert_same, _clone, _run, _snapshot, _state, _trainer
+
+
+class _NamedCuda:
+    """A device that says it is CUDA: recall then reads with read_to_device (here onto the CPU)."""
+
+    type = "cuda"
+
+    def __str__(self) -> str:
+        return "cuda:0"
+
+
+def _two_commits(tmp_path: Path) -> tuple[Any, Any]:
+    """Slots holding steps 2 and 4 of a small job; the state at step 4 and a HostSnapshot reading them."""
+    net, optim = _trainer(width=1 << 12)
+    snap = _snapshot(tmp_path, net, optim, every=2)
+    _run(snap, net, optim, range(1, 5))
+    expected = _clone(_state(net, optim))
+    snap.close(remove=False)
+    return expected, _snapshot(tmp_path, *_trainer(seed=3, width=1 << 12), every=2)
+
+
+def test_the_restore_takes_the_read_ahead_of_the_newest_commit_and_reads_nothing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected, again = _two_commits(tmp_path)
+    assert again._files.dir_fd is not None
+    ahead = Prefetch(again._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    read_again: list[str] = []
+    monkeypatch.setattr(recall, "read_to_device", lambda fd, c, d: read_again.append(c.name) or (None, "read again"))
+    try:
+        found = recall.recall(again._files.dir_fd, again.directory, rank=0, world_size=1, replicated=False,
+                              at_least=None, device=_NamedCuda(), prefetched=ahead)  # fmt: skip
+        assert found is not None and found.step == 4 and read_again == []
+        _assert_same(found.state, expected)
+        newest = candidates(again._files.dir_fd, rank=0, world_size=1, replicated=False)[0]
+        assert ahead.take(newest) is None  # taken once: it holds nothing after
+    finally:
+        again.close(remove=True)
+
+
+def test_a_read_ahead_of_another_commit_is_dropped_before_the_one_asked_for_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore asks for step 2 only (the other ranks hold no step 4): the read of step 4 goes, then step 2's."""
+    _, again = _two_commits(tmp_path)
+    assert again._files.dir_fd is not None
+    ahead = Prefetch(again._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    order: list[str] = []
+    real_take = ahead.take
+    monkeypatch.setattr(ahead, "take", lambda c: order.append(f"take {c.header.step}") or real_take(c))
+
+    def read(fd: int, candidate: Any, device: Any) -> tuple[Any, str | None]:
+        order.append(f"read {candidate.header.step} (ahead holds {ahead._result is not None})")
+        return read_to_device(fd, candidate, torch.device("cpu"))
+
+    monkeypatch.setattr(recall, "read_to_device", read)
+    monkeypatch.setattr(recall, "common_steps", lambda by_step: [2])
+    try:
+        found = recall.recall(again._files.dir_fd, again.directory, rank=0, world_size=1, replicated=False,
+                              at_least=None, device=_NamedCuda(), prefetched=ahead)  # fmt: skip
+        assert found is not None and found.step == 2
+        assert order == ["take 2", "read 2 (ahead holds False)"]
+        assert ahead.candidate is not None and ahead.candidate.header.step == 4
+    finally:
+        again.close(remove=True)
+
+
+def test_a_slot_committed_again_after_the_read_ahead_is_read_afresh(tmp_path: Path) -> None:
+    """The read ahead holds slot 0's commit of step 2; slot 0 then holds step 6: the restore must not take step 2's."""
+    net, optim = _trainer(width=1 << 12)
+    snap = _snapshot(tmp_path, net, optim, every=2)
+    _run(snap, net, optim, range(1, 5))
+    snap.wait()
+    assert snap._files.dir_fd is not None
+    listed = candidates(snap._files.dir_fd, rank=0, world_size=1, replicated=False)
+    ahead = Prefetch(snap._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    ahead.drop()  # the read is done (and let go); what matters is what it would hand out
+    ahead = Prefetch(snap._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    _run(snap, net, optim, range(5, 7))  # step 6 goes into the slot that held step 2
+    snap.wait()
+    now = candidates(snap._files.dir_fd, rank=0, world_size=1, replicated=False)
+    try:
+        assert [c.header.step for c in listed] == [4, 2] and [c.header.step for c in now] == [6, 4]
+        taken = ahead.take(now[0])
+        assert taken is None  # it read step 4 (the newest then), not the commit asked for
+    finally:
+        snap.close(remove=True)
+
+
+def test_a_snapshot_closed_with_a_read_ahead_under_way_waits_for_it_and_lets_it_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read uses the job directory's fd, which close() closes: the read is waited for first."""
+    _, again = _two_commits(tmp_path)
+    finished: list[bool] = []
+    real = prefetch.read_to_device
+
+    def slow(fd: int, candidate: Any, device: Any) -> tuple[Any, str | None]:
+        import time
+
+        time.sleep(0.3)
+        out = real(fd, candidate, torch.device("cpu"))
+        finished.append(out[0] is not None)
+        return out
+
+    monkeypatch.setattr(prefetch, "read_to_device", slow)
+    again.prefetch("cuda:0")  # a CUDA device's name: the read ahead starts (onto the CPU here)
+    assert again._prefetch is not None
+    again.close(remove=True)
+    assert finished == [True] and again._prefetch is None
+
+
+def test_a_cpu_restore_reads_nothing_ahead(tmp_path: Path) -> None:
+    """On the CPU a rank's own slot is mapped, not copied: nothing to read ahead."""
+    _, again = _two_commits(tmp_path)
+    try:
+        again.prefetch(torch.device("cpu"))
+        assert again._prefetch is None
+    finally:
+        again.close(remove=True)
