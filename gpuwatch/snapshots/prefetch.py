@@ -23,7 +23,10 @@ class Prefetch:
     def __init__(self, dir_fd: int, *, rank: int, world_size: int, replicated: bool, device: Any) -> None:
         # Listed here, on the calling thread: listing a directory fd reads through a shared offset, so two listings
         # of the job directory at once (this one and the restore's) could each see part of it.
-        found = candidates(dir_fd, rank=rank, world_size=world_size, replicated=replicated)
+        try:
+            found = candidates(dir_fd, rank=rank, world_size=world_size, replicated=replicated)
+        except OSError:  # nothing read ahead: the restore lists the directory itself, and says what fails there
+            found = []
         self.candidate: Candidate | None = found[0] if found else None
         self._result: tuple[Any, str | None] | None = None
         self._thread: threading.Thread | None = None

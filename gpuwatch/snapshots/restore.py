@@ -165,9 +165,9 @@ def read_to_device(dir_fd: int, candidate: Candidate, device: Any) -> tuple[Any,
 
     Each worker reads its chunks a piece at a time into its own pinned buffers (pread: no page faults in
     this process), checks their crc32 there, and copies each piece to the GPU on its own stream while it
-    reads the next: the copy and the verification overlap, at memory speed. The tensors are views of one buffer on the
-    device; 0-dim tensors (an optimizer's step counters, which torch keeps on the CPU) stay on the
-    CPU. Nothing is handed out before every chunk matched.
+    reads the next: the copy and the verification overlap, at memory speed. The tensors are views of one
+    buffer on the device; 0-dim tensors (an optimizer's step counters, which torch keeps on the CPU) stay
+    on the CPU. Nothing is handed out before every chunk matched.
     """
     torch = sys.modules["torch"]
     opened = _open_listed(dir_fd, candidate)

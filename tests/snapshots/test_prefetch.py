@@ -135,3 +135,23 @@ def test_a_cpu_restore_reads_nothing_ahead(tmp_path: Path) -> None:
         assert again._prefetch is None
     finally:
         again.close(remove=True)
+
+
+def test_a_job_directory_that_cannot_be_listed_leaves_nothing_read_ahead_and_the_join_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read ahead only saves time: a listing that fails (the daemon out of descriptors) must not fail the join."""
+    _, again = _two_commits(tmp_path)
+
+    def refuse(*_: Any, **__: Any) -> list[Any]:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(prefetch, "candidates", refuse)
+    try:
+        again.prefetch("cuda:0")
+        assert again._prefetch is not None and again._prefetch.candidate is None
+        assert again._files.dir_fd is not None
+        newest = candidates(again._files.dir_fd, rank=0, world_size=1, replicated=False)[0]
+        assert again._prefetch.take(newest) is None  # the restore reads it itself
+    finally:
+        again.close(remove=True)
