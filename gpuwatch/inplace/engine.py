@@ -66,7 +66,7 @@ from gpuwatch.trainer.contract import (
 )
 from gpuwatch.trainer.faults import Fault, classify, first_line
 from gpuwatch.trainer.link import TrainerLink
-from gpuwatch.trainer.standby import first_step_done, is_standby, wait_for_rank
+from gpuwatch.trainer.standby import first_step_done, wait_for_rank
 
 log = logging.getLogger("gpuwatch.inplace")
 T = TypeVar("T")
@@ -136,9 +136,6 @@ class StateSource:
         """In the new group: make every rank hold the newest step's state all can have; bind the model to it."""
         raise NotImplementedError
 
-    def before_join(self) -> None:
-        """A standby waits at the join next: make now what the first `sync` needs, off the fault's path."""
-
     def before_group(self, group: Group) -> None:
         """This rank holds no state and takes it in `sync` (`group` as sync will get it, held None): start now
         what can run while the group forms."""
@@ -189,8 +186,6 @@ class StepEngine:
         collective_timeout_s: float = 30.0,
         membership_timeout_s: float = 600.0,
     ) -> None:
-        if is_standby():
-            source.before_join()
         wait_for_rank()  # a standby (gpuwatch.spares) ran the script up to here and learns its rank now
         address, self.member = os.environ.get(STORE_ENV), os.environ.get(MEMBER_ENV)
         secret_file = os.environ.get(SECRET_FILE_ENV)

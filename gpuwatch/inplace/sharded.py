@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gpuwatch.inplace.engine import Group, StateSource, StepEngine, Synced
 from gpuwatch.snapshots import HostSnapshot, Restored, pin_restore_buffers
+from gpuwatch.trainer.standby import before_waiting
 
 __all__ = ["ShardedJob", "SnapshotRollback", "SnapshotSource", "all_hold_one_step", "rollback"]
 
@@ -39,6 +40,16 @@ __all__ = ["ShardedJob", "SnapshotRollback", "SnapshotSource", "all_hold_one_ste
 # run drifts from an uninterrupted one by float32 rounding. With find_unused_parameters DDP never rebuilds: every
 # generation reduces in the same layout (the parameters' buckets in reverse order, as overlapped as the rebuilt
 # one for a model used in its definition's order), at the cost of one walk of the autograd graph per step.
+
+
+def _pin_if_cuda() -> None:
+    """A standby's join restores onto the GPU through pinned host buffers: pinned while it waits (0.4 s at 16 GiB),
+    where its set-up made a CUDA context (one without may take a rank of any GPU: pinning would make one, bound)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pin_restore_buffers()
+
+
+before_waiting(_pin_if_cuda)  # wherever the standby waits: the job object, or a held-back RANK read before it
 
 
 def rollback(snap: HostSnapshot, group: Group) -> Restored | None:
@@ -69,11 +80,6 @@ class SnapshotSource(StateSource):
     keeps_place = True
     snapshot: HostSnapshot | None = None
     optimizer: Any = None
-
-    def before_join(self) -> None:
-        """The join restores onto the GPU through pinned buffers: pinned while the standby waits (0.4 s at 16 GiB)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            pin_restore_buffers()
 
     def before_update(self) -> None:
         assert self.snapshot is not None

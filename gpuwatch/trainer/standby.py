@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpuwatch.trainer.contract import SPARE_WARM_S_ENV
@@ -40,6 +41,7 @@ _real_exit = os._exit  # the runner wraps os._exit to say the job's exit code; a
 _lock = threading.Lock()
 _PLUMBING = ("os", "_collections_abc", "collections.abc", __name__)  # frames between a script and its read
 _state: dict[str, Any] = {}  # armed: held keys, ready fd; handed: set once the rank's environment is in
+_prepares: list[Callable[[], object]] = []  # run before a standby waits (before_waiting)
 
 
 def arm(held: list[str], ready_fd: int | None) -> None:
@@ -53,11 +55,24 @@ def is_standby() -> bool:
     return "held" in _state and "handed" not in _state
 
 
+def before_waiting(prepare: Callable[[], object]) -> None:
+    """Have a standby run `prepare` before it says it is ready and waits for its rank: what the join will need,
+    made off the fault's path (the job side registers it as it is imported). A prepare that fails is said in one
+    line and the standby waits as before."""
+    _prepares.append(prepare)
+
+
 def wait_for_rank() -> None:
     """The job's join: a standby waits here for its rank (see the module docstring); anything else returns at once."""
     with _lock:
         if not is_standby():
             return
+        for prepare in _prepares:
+            try:
+                prepare()
+            except Exception as exc:
+                print(f"gpuwatch standby: {getattr(prepare, '__qualname__', prepare)} before the join failed:"
+                      f" {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)  # fmt: skip
         _say_ready()
         line = sys.stdin.buffer.readline()
         if not line.strip():

@@ -107,3 +107,33 @@ def test_a_dead_ranks_own_last_report_says_how_its_job_recovers_whatever_the_pub
         for process in (killed, standby):
             process.kill()
             process.wait()
+
+
+def test_a_death_seen_after_the_standby_has_redone_its_steps_counts_from_the_standbys_first_step(
+    remediation: Remediation,
+) -> None:
+    """Seen on an H100 at 16 GiB: the killed rank's exit took 2.4 s (the driver freed its memory), and the daemon
+    read the standby's report one step past the 8 it redid: the incident said 2.31 s and 0 steps lost against the
+    loop's 1.52 s and 8. The standby's own first step after the fault is exact, however late it is read."""
+    killed, standby = _process(), _process()
+    try:  # the publish before the death was read lists both: the dying rank (NVML) and the standby, rank 0 now
+        remediation._handle_publish(_publish(_rank(killed.pid, reported=True), _rank(standby.pid, reported=True)))
+        killed.kill()
+        killed.wait()
+        last_word = Report(_rank(killed.pid, reported=True).info, os.getuid(), alive=False)  # its last step: 130
+        remediation.runtime.read_report = lambda pid: last_word if pid == killed.pid else None  # type: ignore[method-assign]
+        remediation._on_exit(killed.pid)
+        (incident,) = remediation._watches.incidents()
+        assert incident.path == "in_place"  # the job still has a rank: the standby that took the place
+        began = incident.began
+        info = dataclasses.replace(
+            _rank(standby.pid, reported=True).info, step=131, step_t=began + 2.31, first_step=123,
+            first_step_t=began + 1.52, spare=True, spare_stage="standby",
+        )  # fmt: skip
+        remediation._watches.check([Report(info, os.getuid(), alive=True)])
+        assert (incident.status, incident.path) == ("resumed", "spare")
+        assert (incident.time_to_resume_s, incident.resumed_step, incident.steps_lost) == (1.52, 122, 8)
+    finally:
+        for process in (killed, standby):
+            process.kill()
+            process.wait()

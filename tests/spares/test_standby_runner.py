@@ -94,6 +94,34 @@ def test_a_script_that_reads_rank_before_the_join_waits_there_and_says_where(
 
 
 @pytest.mark.slow
+def test_what_the_job_side_prepares_for_the_join_runs_before_the_standby_waits_and_a_failure_only_says_so(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The standby waits at a RANK read here (as at `TrainerLink()` before the job object): the prepares run there."""
+    script = _script(
+        tmp_path,
+        "from gpuwatch.trainer.standby import before_waiting\n"
+        "def broken():\n    raise OSError('no pinned memory')\n"
+        "before_waiting(broken)\n"
+        "before_waiting(lambda: (out.write('prepared\\n'), out.flush()))\n"
+        "rank = os.environ['RANK']\n"
+        "out.write(f'rank {rank}\\n')\n",
+    )
+    pool = _pool(tmp_path, script, [])
+    try:
+        (standby,) = pool.spares
+        _until("the standby waits", lambda: standby.stage() == "standby")
+        assert (tmp_path / "out.txt").read_text() == "prepared\n"  # before it said it was ready
+        pool.hand_over([str(script)], {**launch_env(), "RANK": "2"}, GPU)
+        assert standby.process.wait(timeout=30) == 0
+        assert (tmp_path / "out.txt").read_text() == "prepared\nrank 2\n"
+    finally:
+        pool.close()
+    err = capfd.readouterr().err
+    assert "gpuwatch standby: broken before the join failed: OSError: no pinned memory" in err, err
+
+
+@pytest.mark.slow
 def test_a_standby_that_ends_before_the_join_turns_standby_off_in_one_line(tmp_path: Path) -> None:
     script = _script(tmp_path, "sys.exit(3)\n")
     lines: list[str] = []
