@@ -36,6 +36,12 @@ def _two_commits(tmp_path: Path) -> tuple[Any, Any]:
     return expected, _snapshot(tmp_path, *_trainer(seed=3, width=1 << 12), every=2)
 
 
+def _recall(snap: Any, ahead: Prefetch) -> Any:
+    assert snap._files.dir_fd is not None
+    return recall.recall(snap._files.dir_fd, snap.directory, rank=0, world_size=1, replicated=False, at_least=None,
+                         device=_NamedCuda(), prefetched=ahead)  # fmt: skip
+
+
 def test_the_restore_takes_the_read_ahead_of_the_newest_commit_and_reads_nothing_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -45,8 +51,7 @@ def test_the_restore_takes_the_read_ahead_of_the_newest_commit_and_reads_nothing
     read_again: list[str] = []
     monkeypatch.setattr(recall, "read_to_device", lambda fd, c, d: read_again.append(c.name) or (None, "read again"))
     try:
-        found = recall.recall(again._files.dir_fd, again.directory, rank=0, world_size=1, replicated=False,
-                              at_least=None, device=_NamedCuda(), prefetched=ahead)  # fmt: skip
+        found = _recall(again, ahead)
         assert found is not None and found.step == 4 and read_again == []
         _assert_same(found.state, expected)
         newest = candidates(again._files.dir_fd, rank=0, world_size=1, replicated=False)[0]
@@ -73,8 +78,7 @@ def test_a_read_ahead_of_another_commit_is_dropped_before_the_one_asked_for_is_r
     monkeypatch.setattr(recall, "read_to_device", read)
     monkeypatch.setattr(recall, "common_steps", lambda by_step: [2])
     try:
-        found = recall.recall(again._files.dir_fd, again.directory, rank=0, world_size=1, replicated=False,
-                              at_least=None, device=_NamedCuda(), prefetched=ahead)  # fmt: skip
+        found = _recall(again, ahead)
         assert found is not None and found.step == 2
         assert order == ["take 2", "read 2 (ahead holds False)"]
         assert ahead.candidate is not None and ahead.candidate.header.step == 4
@@ -83,23 +87,21 @@ def test_a_read_ahead_of_another_commit_is_dropped_before_the_one_asked_for_is_r
 
 
 def test_a_slot_committed_again_after_the_read_ahead_is_read_afresh(tmp_path: Path) -> None:
-    """The read ahead holds slot 0's commit of step 2; slot 0 then holds step 6: the restore must not take step 2's."""
+    """The read ahead holds the slot file of step 4; that same file then holds step 8: the restore must not take the
+    read of step 4 for it (the commit is the file, its seq and its step)."""
     net, optim = _trainer(width=1 << 12)
     snap = _snapshot(tmp_path, net, optim, every=2)
     _run(snap, net, optim, range(1, 5))
     snap.wait()
     assert snap._files.dir_fd is not None
-    listed = candidates(snap._files.dir_fd, rank=0, world_size=1, replicated=False)
     ahead = Prefetch(snap._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
-    ahead.drop()  # the read is done (and let go); what matters is what it would hand out
-    ahead = Prefetch(snap._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
-    _run(snap, net, optim, range(5, 7))  # step 6 goes into the slot that held step 2
+    _run(snap, net, optim, range(5, 9))  # steps 6 and 8: the slot of step 4 now holds step 8
     snap.wait()
     now = candidates(snap._files.dir_fd, rank=0, world_size=1, replicated=False)
     try:
-        assert [c.header.step for c in listed] == [4, 2] and [c.header.step for c in now] == [6, 4]
-        taken = ahead.take(now[0])
-        assert taken is None  # it read step 4 (the newest then), not the commit asked for
+        assert ahead.candidate is not None and ahead.candidate.header.step == 4
+        assert [c.header.step for c in now] == [8, 6] and now[0].name == ahead.candidate.name
+        assert ahead.take(now[0]) is None
     finally:
         snap.close(remove=True)
 
