@@ -2,7 +2,7 @@
 
 A process that joins a job holding no state (a standby at its hand-over, a replacement) restores from
 host memory only once its group has formed: on one H100 forming it (the rendezvous, the process group,
-NCCL's first communicator) took 0.3-0.8 s, and the read of 16 GiB onto the GPU 0.56-0.77 s after it.
+NCCL's first communicator) took 0.3-0.7 s, and the read of 16 GiB onto the GPU 0.56-0.77 s after it.
 `Prefetch` starts that read on a thread as soon as the rank knows its place. The restore (recall.py)
 takes the result when it asks for the same commit (the same slot file, seq and step); for any other,
 it drops the prefetched state first, so the GPU never holds two read-back states. The read is
