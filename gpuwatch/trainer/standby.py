@@ -4,10 +4,11 @@ A standby is a spare (gpuwatch.spares) that runs the job's command as soon as it
 environment a rank of its GPU gets minus the keys named in $GPUWATCH_SPARE_HELD (RANK, WORLD_SIZE, the
 member id: only the hand-over gives them). The script builds its model, optimizer and data as usual;
 where it joins the job (`InPlaceJob(...)` and `ShardedJob(...)` call `wait_for_rank` first;
-`TrainerLink()` reads the held-back RANK, which waits the same way) the standby tells the launcher it is
-ready (on its ready pipe: `j` when the set-up made a CUDA context, which binds it to its GPU, `a` when
-it did not, so it may take a rank of any GPU) and blocks on stdin for the hand-over, one JSON line
-`{"argv": [...], "env": {...}}`. It then takes the rank's environment and the script goes on: the job
+`TrainerLink()` reads the held-back RANK, which waits the same way) the standby runs what the job
+side registered with `before_waiting` (the restore's pinned host buffers: gpuwatch.inplace.sharded),
+then tells the launcher it is ready (on its ready pipe: `j` when the set-up made a CUDA context,
+which binds it to its GPU, `a` when it did not, so it may take a rank of any GPU) and blocks on stdin
+for the hand-over, one JSON line `{"argv": [...], "env": {...}}`. It then takes the rank's environment and the script goes on: the job
 object connects, forms the groups and takes the state. Before that the process holds no rank, no store
 connection and no process group.
 
