@@ -8,9 +8,9 @@ where it joins the job (`InPlaceJob(...)` and `ShardedJob(...)` call `wait_for_r
 side registered with `before_waiting` (the restore's pinned host buffers: gpuwatch.inplace.sharded),
 then tells the launcher it is ready (on its ready pipe: `j` when the set-up made a CUDA context,
 which binds it to its GPU, `a` when it did not, so it may take a rank of any GPU) and blocks on stdin
-for the hand-over, one JSON line `{"argv": [...], "env": {...}}`. It then takes the rank's environment and the script goes on: the job
-object connects, forms the groups and takes the state. Before that the process holds no rank, no store
-connection and no process group.
+for the hand-over, one JSON line `{"argv": [...], "env": {...}}`. It then takes the rank's
+environment and the script goes on: the job object connects, forms the groups and takes the state.
+Before that the process holds no rank, no store connection and no process group.
 
 A script that reads a held-back key before the join (`os.environ["RANK"]`) waits at that read
 instead, with one line saying where: the rest of its set-up then runs at the hand-over, as it did
