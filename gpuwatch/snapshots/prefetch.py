@@ -45,12 +45,7 @@ class Prefetch:
     def take(self, candidate: Candidate) -> tuple[Any, str | None] | None:
         """The read of `candidate` (state, reason) when it is the commit prefetched, else None; waits for the read,
         and either way the prefetch holds nothing after this call."""
-        if self._thread is None:
-            return None
-        self._thread.join()
-        self._thread = None
-        result, self._result = self._result, None
-        mine = self.candidate
+        mine, result = self.candidate, self._finish()
         same = mine is not None and result is not None and (mine.name, mine.header.seq, mine.header.step) == (
             candidate.name, candidate.header.seq, candidate.header.step,
         )  # fmt: skip
@@ -58,7 +53,12 @@ class Prefetch:
 
     def drop(self) -> None:
         """Wait for the read and let its state go (its GPU memory back to torch's cache)."""
+        self._finish()
+
+    def _finish(self) -> tuple[Any, str | None] | None:
+        """Wait for the read (if one is under way); its result, which the prefetch then no longer holds."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._result = None
+        result, self._result = self._result, None
+        return result

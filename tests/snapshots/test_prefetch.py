@@ -36,6 +36,18 @@ def _two_commits(tmp_path: Path) -> tuple[Any, Any]:
     return expected, _snapshot(tmp_path, *_trainer(seed=3, width=1 << 12), every=2)
 
 
+def _ahead(snap: Any) -> Prefetch:
+    """A read ahead of rank 0's newest commit in the job directory `snap` holds, onto the CPU."""
+    assert snap._files.dir_fd is not None
+    return Prefetch(snap._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+
+
+def _listed(snap: Any) -> list[Any]:
+    """Rank 0's committed slots in the job directory `snap` holds, newest first."""
+    assert snap._files.dir_fd is not None
+    return candidates(snap._files.dir_fd, rank=0, world_size=1, replicated=False)
+
+
 def _recall(snap: Any, ahead: Prefetch) -> Any:
     assert snap._files.dir_fd is not None
     return recall.recall(snap._files.dir_fd, snap.directory, rank=0, world_size=1, replicated=False, at_least=None,
@@ -46,15 +58,14 @@ def test_the_restore_takes_the_read_ahead_of_the_newest_commit_and_reads_nothing
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     expected, again = _two_commits(tmp_path)
-    assert again._files.dir_fd is not None
-    ahead = Prefetch(again._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    ahead = _ahead(again)
     read_again: list[str] = []
     monkeypatch.setattr(recall, "read_to_device", lambda fd, c, d: read_again.append(c.name) or (None, "read again"))
     try:
         found = _recall(again, ahead)
         assert found is not None and found.step == 4 and read_again == []
         _assert_same(found.state, expected)
-        newest = candidates(again._files.dir_fd, rank=0, world_size=1, replicated=False)[0]
+        newest = _listed(again)[0]
         assert ahead.take(newest) is None  # taken once: it holds nothing after
     finally:
         again.close(remove=True)
@@ -65,8 +76,7 @@ def test_a_read_ahead_of_another_commit_is_dropped_before_the_one_asked_for_is_r
 ) -> None:
     """The restore asks for step 2 only (the other ranks hold no step 4): the read of step 4 goes, then step 2's."""
     _, again = _two_commits(tmp_path)
-    assert again._files.dir_fd is not None
-    ahead = Prefetch(again._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    ahead = _ahead(again)
     order: list[str] = []
     real_take = ahead.take
     monkeypatch.setattr(ahead, "take", lambda c: order.append(f"take {c.header.step}") or real_take(c))
@@ -93,11 +103,10 @@ def test_a_slot_committed_again_after_the_read_ahead_is_read_afresh(tmp_path: Pa
     snap = _snapshot(tmp_path, net, optim, every=2)
     _run(snap, net, optim, range(1, 5))
     snap.wait()
-    assert snap._files.dir_fd is not None
-    ahead = Prefetch(snap._files.dir_fd, rank=0, world_size=1, replicated=False, device=torch.device("cpu"))
+    ahead = _ahead(snap)
     _run(snap, net, optim, range(5, 9))  # steps 6 and 8: the slot of step 4 now holds step 8
     snap.wait()
-    now = candidates(snap._files.dir_fd, rank=0, world_size=1, replicated=False)
+    now = _listed(snap)
     try:
         assert ahead.candidate is not None and ahead.candidate.header.step == 4
         assert [c.header.step for c in now] == [8, 6] and now[0].name == ahead.candidate.name
@@ -152,8 +161,7 @@ def test_a_job_directory_that_cannot_be_listed_leaves_nothing_read_ahead_and_the
     try:
         again.prefetch("cuda:0")
         assert again._prefetch is not None and again._prefetch.candidate is None
-        assert again._files.dir_fd is not None
-        newest = candidates(again._files.dir_fd, rank=0, world_size=1, replicated=False)[0]
+        newest = _listed(again)[0]
         assert again._prefetch.take(newest) is None  # the restore reads it itself
     finally:
         again.close(remove=True)
