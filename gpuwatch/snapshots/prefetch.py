@@ -21,8 +21,7 @@ class Prefetch:
     """The newest committed slot this rank may load, being read onto `device` on a thread (see the module doc)."""
 
     def __init__(self, dir_fd: int, *, rank: int, world_size: int, replicated: bool, device: Any) -> None:
-        # Listed here, on the calling thread: listing a directory fd reads through a shared offset, so two listings
-        # of the job directory at once (this one and the restore's) could each see part of it.
+        # Listed on the calling thread: the commit read ahead is known when the constructor returns.
         try:
             found = candidates(dir_fd, rank=rank, world_size=world_size, replicated=replicated)
         except OSError:  # nothing read ahead: the restore lists the directory itself, and says what fails there

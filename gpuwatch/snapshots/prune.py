@@ -24,7 +24,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpuwatch.snapshots.layout import is_job_dir_name, job_dir_name, parse_slot_name, user_of
+from gpuwatch.snapshots.layout import is_job_dir_name, job_dir_name, names_in, parse_slot_name, user_of
 
 log = logging.getLogger("gpuwatch.snapshots")
 
@@ -122,7 +122,7 @@ def _owned_dir(parent_fd: int, name: str, uid: int, path: Path) -> Iterator[int 
 
 def _names(dir_fd: int) -> list[str]:
     try:
-        return sorted(os.listdir(dir_fd))
+        return sorted(names_in(dir_fd))
     except OSError:
         return []
 

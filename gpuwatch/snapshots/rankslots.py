@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from gpuwatch.snapshots.layout import SLOTS, parse_slot_name, slot_name
+from gpuwatch.snapshots.layout import SLOTS, names_in, parse_slot_name, slot_name
 from gpuwatch.snapshots.prepare import Prepared
 from gpuwatch.snapshots.restore import header_of
 from gpuwatch.snapshots.slot import Slot, SlotHeader
@@ -121,7 +121,7 @@ class RankSlots:
     def remove_files(self, world_size: int) -> None:
         """This rank's slot files; rank 0 also those of ranks a larger world left behind."""
         assert self.dir_fd is not None
-        for name in os.listdir(self.dir_fd):
+        for name in names_in(self.dir_fd):
             parsed = parse_slot_name(name)
             if parsed is None:
                 continue

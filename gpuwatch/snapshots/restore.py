@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatch.snapshots.layout import parse_slot_name
+from gpuwatch.snapshots.layout import names_in, parse_slot_name
 from gpuwatch.snapshots.slot import HEADER_LEN, SlotHeader, read_header
 from gpuwatch.trainer import tensorfile
 
@@ -55,7 +55,7 @@ def candidates(dir_fd: int, *, rank: int, world_size: int, replicated: bool) -> 
     of the job, whatever its world size: each holds the whole state.
     """
     found = []
-    for name in os.listdir(dir_fd):
+    for name in names_in(dir_fd):
         parsed = parse_slot_name(name)
         if parsed is None or name.endswith(".tmp"):
             continue
