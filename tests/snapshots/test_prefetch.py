@@ -5,6 +5,7 @@ so a device that names itself cuda stands in there."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,17 @@ class _NamedCuda:
         return "cuda:0"
 
 
-def _two_commits(tmp_path: Path) -> tuple[Any, Any]:
-    """Slots holding steps 2 and 4 of a small job; the state at step 4 and a HostSnapshot reading them."""
+@pytest.fixture
+def two_commits(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """Slots of steps 2 and 4 of a small job; the state at step 4 and a HostSnapshot reading them (closed after)."""
     net, optim = _trainer(width=1 << 12)
     snap = _snapshot(tmp_path, net, optim, every=2)
     _run(snap, net, optim, range(1, 5))
     expected = _clone(_state(net, optim))
     snap.close(remove=False)
-    return expected, _snapshot(tmp_path, *_trainer(seed=3, width=1 << 12), every=2)
+    again = _snapshot(tmp_path, *_trainer(seed=3, width=1 << 12), every=2)
+    yield expected, again
+    again.close(remove=True)
 
 
 def _ahead(snap: Any) -> Prefetch:
@@ -55,27 +59,24 @@ def _recall(snap: Any, ahead: Prefetch) -> Any:
 
 
 def test_the_restore_takes_the_read_ahead_of_the_newest_commit_and_reads_nothing_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_commits: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected, again = _two_commits(tmp_path)
+    expected, again = two_commits
     ahead = _ahead(again)
     read_again: list[str] = []
     monkeypatch.setattr(recall, "read_to_device", lambda fd, c, d: read_again.append(c.name) or (None, "read again"))
-    try:
-        found = _recall(again, ahead)
-        assert found is not None and found.step == 4 and read_again == []
-        _assert_same(found.state, expected)
-        newest = _listed(again)[0]
-        assert ahead.take(newest) is None  # taken once: it holds nothing after
-    finally:
-        again.close(remove=True)
+    found = _recall(again, ahead)
+    assert found is not None and found.step == 4 and read_again == []
+    _assert_same(found.state, expected)
+    newest = _listed(again)[0]
+    assert ahead.take(newest) is None  # taken once: it holds nothing after
 
 
 def test_a_read_ahead_of_another_commit_is_dropped_before_the_one_asked_for_is_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_commits: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The restore asks for step 2 only (the other ranks hold no step 4): the read of step 4 goes, then step 2's."""
-    _, again = _two_commits(tmp_path)
+    _, again = two_commits
     ahead = _ahead(again)
     order: list[str] = []
     real_take = ahead.take
@@ -87,13 +88,10 @@ def test_a_read_ahead_of_another_commit_is_dropped_before_the_one_asked_for_is_r
 
     monkeypatch.setattr(recall, "read_to_device", read)
     monkeypatch.setattr(recall, "common_steps", lambda by_step: [2])
-    try:
-        found = _recall(again, ahead)
-        assert found is not None and found.step == 2
-        assert order == ["take 2", "read 2 (ahead holds False)"]
-        assert ahead.candidate is not None and ahead.candidate.header.step == 4
-    finally:
-        again.close(remove=True)
+    found = _recall(again, ahead)
+    assert found is not None and found.step == 2
+    assert order == ["take 2", "read 2 (ahead holds False)"]
+    assert ahead.candidate is not None and ahead.candidate.header.step == 4
 
 
 def test_a_slot_committed_again_after_the_read_ahead_is_read_afresh(tmp_path: Path) -> None:
@@ -116,10 +114,10 @@ def test_a_slot_committed_again_after_the_read_ahead_is_read_afresh(tmp_path: Pa
 
 
 def test_a_snapshot_closed_with_a_read_ahead_under_way_waits_for_it_and_lets_it_go(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_commits: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The read uses the job directory's fd, which close() closes: the read is waited for first."""
-    _, again = _two_commits(tmp_path)
+    _, again = two_commits
     finished: list[bool] = []
     real = prefetch.read_to_device
 
@@ -138,30 +136,24 @@ def test_a_snapshot_closed_with_a_read_ahead_under_way_waits_for_it_and_lets_it_
     assert finished == [True] and again._prefetch is None
 
 
-def test_a_cpu_restore_reads_nothing_ahead(tmp_path: Path) -> None:
+def test_a_cpu_restore_reads_nothing_ahead(two_commits: tuple[Any, Any]) -> None:
     """On the CPU a rank's own slot is mapped, not copied: nothing to read ahead."""
-    _, again = _two_commits(tmp_path)
-    try:
-        again.prefetch(torch.device("cpu"))
-        assert again._prefetch is None
-    finally:
-        again.close(remove=True)
+    _, again = two_commits
+    again.prefetch(torch.device("cpu"))
+    assert again._prefetch is None
 
 
 def test_a_job_directory_that_cannot_be_listed_leaves_nothing_read_ahead_and_the_join_goes_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_commits: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The read ahead only saves time: a listing that fails (the daemon out of descriptors) must not fail the join."""
-    _, again = _two_commits(tmp_path)
+    _, again = two_commits
 
     def refuse(*_: Any, **__: Any) -> list[Any]:
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(prefetch, "candidates", refuse)
-    try:
-        again.prefetch("cuda:0")
-        assert again._prefetch is not None and again._prefetch.candidate is None
-        newest = _listed(again)[0]
-        assert again._prefetch.take(newest) is None  # the restore reads it itself
-    finally:
-        again.close(remove=True)
+    again.prefetch("cuda:0")
+    assert again._prefetch is not None and again._prefetch.candidate is None
+    newest = _listed(again)[0]
+    assert again._prefetch.take(newest) is None  # the restore reads it itself
