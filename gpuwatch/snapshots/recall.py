@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuwatch.snapshots.agree import common_steps, everyone
 from gpuwatch.snapshots.prefetch import Prefetch
-from gpuwatch.snapshots.restore import Candidate, candidates, map_state, read_state, read_to_device
+from gpuwatch.snapshots.restore import Candidate, candidates, map_state, on_cuda, read_state, read_to_device
 
 log = logging.getLogger("gpuwatch.snapshots")
 
@@ -61,7 +61,7 @@ def _read_one(
     dir_fd: int | None, directory: Path, rank: int, options: list[Candidate], device: Any, prefetched: Prefetch | None
 ) -> tuple[Any, str, Candidate | None]:
     """The state of the first option that verifies; where it was; the own slot it is mapped from (else None)."""
-    on_gpu = device is not None and str(device).startswith("cuda")
+    on_gpu = on_cuda(device)
     for candidate in options:
         assert dir_fd is not None
         own = candidate.rank == rank and not on_gpu

@@ -160,6 +160,11 @@ def read_state(dir_fd: int, candidate: Candidate) -> tuple[Any, str | None]:
         os.close(fd)
 
 
+def on_cuda(device: Any) -> bool:
+    """Whether a restore onto `device` (a torch.device, its name, or None for host memory) reads onto a GPU."""
+    return device is not None and str(device).startswith("cuda")
+
+
 def read_to_device(dir_fd: int, candidate: Candidate, device: Any) -> tuple[Any, str | None]:
     """The state in a committed slot, its tensors on `device` (a CUDA one), verified chunk by chunk as they go.
 

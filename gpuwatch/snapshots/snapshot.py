@@ -67,7 +67,7 @@ from gpuwatch.snapshots.prefetch import Prefetch
 from gpuwatch.snapshots.prepare import Prepared
 from gpuwatch.snapshots.rankslots import RankSlots
 from gpuwatch.snapshots.recall import recall
-from gpuwatch.snapshots.restore import like, localize
+from gpuwatch.snapshots.restore import like, localize, on_cuda
 from gpuwatch.snapshots.slot import Slot
 from gpuwatch.snapshots.slotsetup import SlotSetup
 from gpuwatch.snapshots.staged import Layout, LayoutChanged, StagedJob, Stager, layout_of, tensor_ptrs
@@ -272,7 +272,7 @@ class HostSnapshot:
         """Start reading this rank's newest snapshot onto `device` (a CUDA one) now: `restore` takes it when it asks for
         that commit. For a process that joins holding no state, while its group forms (prefetch.py)."""
         dir_fd = self._files.dir_fd
-        if self.enabled and dir_fd is not None and str(device).startswith("cuda") and self._prefetch is None:
+        if self.enabled and dir_fd is not None and on_cuda(device) and self._prefetch is None:
             self._prefetch = Prefetch(dir_fd, rank=self.rank, world_size=self.world_size,
                                       replicated=self.replicated, device=device)  # fmt: skip
 
