@@ -46,6 +46,8 @@ class Pacing:
         self.time = LoopTime()  # the loop's step intervals: what snapshots cost its wall time
         self.wall_floor = 0  # with "auto": the least K the measured wall-time share allows
         self.last_snap_step: int | None = None
+        self.waits = 0  # snapshots that came due while the previous one still drained (a fixed K under the floor)
+        self.wait_s = 0.0  # what the training thread waited for those commits
 
     def due(self, step: int, *, window: bool, idle: bool) -> bool:
         """Whether a snapshot of `step` is due (`window`: the slots are being set up; `idle`: none in flight)."""
@@ -62,6 +64,22 @@ class Pacing:
             self.last_cost_s, self.last_host_s = cost, job.host_s
             if self.auto:
                 self._choose_every(state_bytes)
+
+    def waited(self, step: int, seconds: float) -> None:
+        """The snapshot of `step` came due before the previous one committed (a fixed K under the drain's floor),
+        and the training thread waited `seconds` for that commit. Said once per cadence: on a GPU such a K
+        costs the loop tens of percent, and nothing else says why."""
+        self.waits += 1
+        self.wait_s += seconds
+        if self.waits > 1:
+            return
+        step_s, drain_s = self.time.plain_step(), self.time.median_drain()
+        spans = f"about {math.ceil(drain_s / step_s)} step(s)" if step_s and drain_s else "more steps than K"
+        log.warning(
+            "host snapshot of step %d waited %.3f s for the previous one's drain: every %s step(s) is under the "
+            "drain's floor (a drain spans %s); a larger K, or every=\"auto\", never waits",
+            step, seconds, self.every, spans,
+        )  # fmt: skip
 
     def loss_bound(self) -> int | None:
         """Steps a death with no survivor loses at most: K, plus the steps a snapshot's drain spans (the one in

@@ -329,7 +329,9 @@ class HostSnapshot:
             if self._job is not None and self._job.window:
                 return  # a set-up window's copy is not waited for: the next starts once it commits
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
+                waiting = time.perf_counter()
                 self._finish(self._job)
+                self._pacing.waited(step, time.perf_counter() - waiting)
             if self.enabled:
                 self._start(step)  # a staged drain starts at the next step (staged.py: not behind this copy)
 
@@ -741,6 +743,8 @@ class HostSnapshot:
             "mean_cost_s": loop.mean_cost(),
             "step_s": loop.plain_step(),
             "cost_share": loop.wall_share(),
+            "waited_snapshots": self._pacing.waits,
+            "waited_s": self._pacing.wait_s,
             "device": "cpu" if self._cuda is None else f"cuda:{self._cuda}",
             "auto_basis": self.auto_basis,
         }
