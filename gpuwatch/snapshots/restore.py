@@ -19,6 +19,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ threads of an H200's host and 32 GiB/s on 16; crc32 53 and 104 GiB/s)."""
 PIECE = tensorfile.CHUNK
 """Bytes a restore worker reads, checks and copies at a time, whatever the slot's chunk: its buffers' size."""
 
-_pinned: list[Any] = []  # the restore's pinned buffers, kept for the process's next restore
+_pinned: list[Any] = []  # the restore's pinned buffers no read holds now, kept for the process's next restore
 _pinned_lock = threading.Lock()
 
 
@@ -213,58 +214,77 @@ def _to_device(fd: int, chunks: list[tensorfile.Chunk], flat: Any) -> tensorfile
     cuda = flat.device.type == "cuda"
     n = min(RESTORE_WORKERS, max(1, len(chunks)))
     queues = [chunks[i::n] for i in range(n)]
-    buffers = pinned_buffers(2 * n) if cuda else [torch.empty(PIECE, dtype=torch.uint8) for _ in range(2 * n)]
 
-    def worker(k: int) -> tensorfile.Chunk | None:
+    def worker(k: int, buffers: list[Any]) -> tensorfile.Chunk | None:
         mine, pair = queues[k], buffers[2 * k : 2 * k + 2]
         events: list[Any] = [None, None]
         stream = torch.cuda.Stream(device=flat.device) if cuda else None
         turn = 0
-        for chunk in mine:
-            crc = 0
-            for at in range(0, chunk.length, PIECE):
-                length, i = min(PIECE, chunk.length - at), turn % 2
-                turn += 1
-                if events[i] is not None:
-                    events[i].synchronize()  # its last copy to the GPU is done: the buffer may be refilled
-                view = memoryview(pair[i].numpy())[:length]
-                if os.preadv(fd, [view], HEADER_LEN + chunk.offset + at) != length:
+        try:
+            for chunk in mine:
+                crc = 0
+                for at in range(0, chunk.length, PIECE):
+                    length, i = min(PIECE, chunk.length - at), turn % 2
+                    turn += 1
+                    if events[i] is not None:
+                        events[i].synchronize()  # its last copy to the GPU is done: the buffer may be refilled
+                    view = memoryview(pair[i].numpy())[:length]
+                    if os.preadv(fd, [view], HEADER_LEN + chunk.offset + at) != length:
+                        return chunk
+                    crc = tensorfile.crc32(view, crc)
+                    start = chunk.offset + at
+                    with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                        flat[start : start + length].copy_(pair[i][:length], non_blocking=cuda)
+                    if cuda:
+                        events[i] = torch.cuda.Event()
+                        events[i].record(stream)
+                if crc != chunk.crc:
                     return chunk
-                crc = tensorfile.crc32(view, crc)
-                start = chunk.offset + at
-                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                    flat[start : start + length].copy_(pair[i][:length], non_blocking=cuda)
-                if cuda:
-                    events[i] = torch.cuda.Event()
-                    events[i].record(stream)
-            if crc != chunk.crc:
-                return chunk
-        if stream is not None:
-            stream.synchronize()
-        return None
+            return None
+        finally:
+            if stream is not None:  # no copy still reads a buffer once the buffers go back
+                stream.synchronize()
 
-    with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpuwatch-restore") as pool:
-        bad = [b for b in pool.map(worker, range(n)) if b is not None]
+    lend: contextlib.AbstractContextManager[list[Any]]
+    if cuda:
+        lend = pinned_buffers(2 * n)
+    else:
+        lend = contextlib.nullcontext([torch.empty(PIECE, dtype=torch.uint8) for _ in range(2 * n)])
+    with lend as buffers, concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpuwatch-restore") as pool:
+        bad = [b for b in pool.map(worker, range(n), [buffers] * n) if b is not None]
     return bad[0] if bad else None
 
 
-def pinned_buffers(count: int) -> list[Any]:
-    """`count` pinned host buffers of PIECE bytes, kept for the process's next restore.
+@contextlib.contextmanager
+def pinned_buffers(count: int) -> Iterator[list[Any]]:
+    """`count` pinned host buffers of PIECE bytes, lent to one read for as long as it runs, then kept for the
+    process's next restore.
 
     Pinning is the slow part of a restore's set-up: 0.42 s of a 0.98 s restore of 16 GiB onto an H100
-    (0.56 s with them pinned already), hence pin_restore_buffers for a standby.
+    (0.56 s with them pinned already), hence pin_restore_buffers for a standby. A read that starts while
+    another holds them pins buffers of its own: two reads never fill the same buffer.
     """
-    torch = sys.modules["torch"]
     with _pinned_lock:
-        while len(_pinned) < count:
-            _pinned.append(torch.empty(PIECE, dtype=torch.uint8, pin_memory=True))
-        return _pinned[:count]
+        lent = _pinned[:count]
+        del _pinned[:count]
+    try:
+        while len(lent) < count:
+            lent.append(_pin_piece())
+        yield lent
+    finally:
+        with _pinned_lock:
+            _pinned.extend(lent)
+
+
+def _pin_piece() -> Any:
+    torch = sys.modules["torch"]
+    return torch.empty(PIECE, dtype=torch.uint8, pin_memory=True)
 
 
 def pin_restore_buffers() -> int:
     """Pin the buffers a restore onto the GPU reads through, now (a standby, before its hand-over); their bytes."""
-    pinned_buffers(2 * RESTORE_WORKERS)
-    return 2 * RESTORE_WORKERS * PIECE
+    with pinned_buffers(2 * RESTORE_WORKERS):
+        return 2 * RESTORE_WORKERS * PIECE
 
 
 def _view(torch: Any, flat: Any, record: tensorfile.TensorRecord) -> Any:
