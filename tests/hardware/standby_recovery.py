@@ -227,25 +227,28 @@ def _fault(
         time.sleep(1.0)  # the standby from its set-up file to its join (the launcher then knows it is there)
     victim = max(_lines(logs), key=lambda ln: ln["t"])["pid"]
     drill = None
+    verdict_path = logs.parent / f"drill-{fault}.json"
     if fault == "kill":
         at = time.time()
         os.kill(victim, signal.SIGKILL)
     else:
         wait_until("the rank listed on GPU 0", lambda: _listed(daemon, victim), wait_s, 0.1)
         flag = "--fault-rank" if fault == "xid" else "--hang-rank"
-        with (logs.parent / f"drill-{fault}.json").open("w") as verdict:
+        with verdict_path.open("w") as verdict:
             drill = subprocess.Popen(
                 daemon.command("drill", flag, "0", "--yes", "--json"),
                 env=env,
                 stdout=verdict,
                 stderr=subprocess.DEVNULL,
             )
-    wait_until(
-        "the next step",
-        lambda: any(ln["pid"] != victim for ln in _lines(logs) if ln["t"] > _last(logs, victim)),
-        wait_s,
-        0.05,
-    )
+
+    def next_step() -> bool:
+        if drill is not None and drill.poll() not in (None, 0):  # refused (a GPU its own XIDs degraded), or failed
+            said = verdict_path.read_text()[:300] if verdict_path.exists() else ""
+            raise RuntimeError(f"{fault}: the drill ended with {drill.returncode} before the next step: {said}")
+        return any(ln["pid"] != victim for ln in _lines(logs) if ln["t"] > _last(logs, victim))
+
+    wait_until("the next step", next_step, wait_s, 0.05)
     phases.end(f"{fault}: the fault and the next step")
     if drill is not None:
         try:
@@ -254,7 +257,7 @@ def _fault(
             drill.kill()
         phases.end(f"{fault}: the drill's own end")
     if fault != "kill":  # the drill's start: its first step sends the signal (else: the rank's last step before it)
-        at = _drill_started(logs.parent / f"drill-{fault}.json") or _last(logs, victim)
+        at = _drill_started(verdict_path) or _last(logs, victim)
     lines = _lines(logs)
     after = min((ln for ln in lines if ln["pid"] != victim and ln["t"] > at), key=lambda ln: ln["t"])
     last = max(ln["step"] for ln in lines if ln["pid"] == victim)
