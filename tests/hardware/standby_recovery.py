@@ -162,7 +162,8 @@ class _Phases:
     """Where a launch's wall time goes: each phase's seconds, said on stderr as it ends."""
 
     def __init__(self, label: str) -> None:
-        self.label, self.done, self._at, self._start = label, {}, time.monotonic(), time.monotonic()
+        self.label, self._at, self._start = label, time.monotonic(), time.monotonic()
+        self.done: dict[str, float] = {}
 
     def end(self, name: str) -> None:
         now = time.monotonic()
