@@ -215,7 +215,7 @@ def _to_device(fd: int, chunks: list[tensorfile.Chunk], flat: Any) -> tensorfile
     n = min(RESTORE_WORKERS, max(1, len(chunks)))
     queues = [chunks[i::n] for i in range(n)]
 
-    def worker(k: int, buffers: list[Any]) -> tensorfile.Chunk | None:
+    def worker(k: int) -> tensorfile.Chunk | None:
         mine, pair = queues[k], buffers[2 * k : 2 * k + 2]
         events: list[Any] = [None, None]
         stream = torch.cuda.Stream(device=flat.device) if cuda else None
@@ -251,7 +251,7 @@ def _to_device(fd: int, chunks: list[tensorfile.Chunk], flat: Any) -> tensorfile
     else:
         lend = contextlib.nullcontext([torch.empty(PIECE, dtype=torch.uint8) for _ in range(2 * n)])
     with lend as buffers, concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="gpuwatch-restore") as pool:
-        bad = [b for b in pool.map(worker, range(n), [buffers] * n) if b is not None]
+        bad = [b for b in pool.map(worker, range(n)) if b is not None]
     return bad[0] if bad else None
 
 
