@@ -104,7 +104,7 @@ def read_header(fd: int) -> SlotHeader | None:
     crcs = struct.unpack_from(f"<{n}I", raw, _FIXED.size)
     header = SlotHeader(step, seq, payload, data_off, chunk, world, rank, t, crcs)
     try:
-        if len(header.chunks()) != n or os.fstat(fd).st_size < HEADER_LEN + payload:
+        if tensorfile.chunk_count(data_off, payload, chunk) != n or os.fstat(fd).st_size < HEADER_LEN + payload:
             return None
     except (ValueError, OSError):
         return None

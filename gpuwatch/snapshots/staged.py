@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatch.errors import SnapshotError
@@ -58,12 +58,34 @@ class LayoutChanged(SnapshotError):
 
 @dataclass
 class Layout:
-    """A state's flat layout, planned once and reused while its tensors are the same ones (HostSnapshot)."""
+    """A state's flat layout, planned once and reused while its tensors are the same ones (HostSnapshot).
+
+    What each snapshot of it needs is worked out here once (the chunks, the drain's copies): at 16 GiB,
+    making them again at each boundary and each step of the drain held the training thread for
+    milliseconds while the GPU waited for its next launches.
+    """
 
     flat: FlatState
     owned: list[bool]  # for each source: does an optimizer own it (else it is cloned at the boundary)
     ptrs: list[int]  # the state's tensors' addresses, in order: the cheap check that the layout still holds
     runs: list[tuple[int, int]]  # the payload ranges drained from the staging buffer (all but CPU tensors)
+    chunk: int = 0  # the slot's chunk size for this payload, and its chunks (0: the structure)
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    _drain: list[list[tuple[int, int]]] | None = field(default=None, repr=False)  # per chunk: drain_copies
+
+    def drain_copies(self, slot: Slot) -> list[list[tuple[int, int]]]:
+        """Per chunk, the (offset, length) copies that drain it: its bytes in `runs`, cut where one registered
+        piece of a pinned slot ends (every pinned slot is cut at the same places, so once per layout)."""
+        if self._drain is None:
+            self._drain = []
+            for start, length in self.chunks:
+                copies = []
+                for run_start, run_end in self.runs:
+                    a, b = max(run_start, start), min(run_end, start + length)
+                    if a < b:
+                        copies += slot.spans(a, b - a)
+                self._drain.append(copies)
+        return self._drain
 
 
 def layout_of(flat: FlatState, owned: list[bool], ptrs: list[int]) -> Layout:
@@ -77,7 +99,8 @@ def layout_of(flat: FlatState, owned: list[bool], ptrs: list[int]) -> Layout:
         pos = max(pos, end)
     if pos < flat.size:
         runs.append((pos, flat.size))
-    return Layout(flat, owned, ptrs, runs)
+    chunk = chunk_size_for(flat.size)
+    return Layout(flat, owned, ptrs, runs, chunk, tensorfile.chunk_ranges(flat.data_off, flat.size, chunk))
 
 
 def tensor_ptrs(state: Any) -> list[int]:
@@ -175,8 +198,7 @@ class StagedJob:
         self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
         self.host_s = 0.0  # the training thread's time inside HostSnapshot.step for this snapshot
         flat = layout.flat
-        self._chunk = chunk_size_for(flat.size)
-        self._chunks = tensorfile.chunk_ranges(flat.data_off, flat.size, self._chunk)
+        self._chunk, self._chunks = layout.chunk, layout.chunks
         self._next = 1  # the next chunk to drain (0 is the structure, written on the host)
         self._last: Any = None  # the end event of the portion queued last
         self._pending: list[tuple[list[int], Any]] = []  # chunk indices and the crc task computing theirs
@@ -191,16 +213,15 @@ class StagedJob:
         ready.record(torch.cuda.current_stream(stager.device))
         stream, staging = stager.stream, stager.staging
         stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            if stager.layout is not layout:  # another layout: padding must read as zeros, as in the file
+        if stager.layout is not layout:  # another layout: padding must read as zeros, as in the file
+            with torch.cuda.stream(stream):
                 staging[flat.data_off : flat.size].zero_()
-                stager.layout = layout
-            base = staging.data_ptr()
-            for record, source in zip(flat.records, sources, strict=True):
-                if record.nbytes and source.device.type != "cpu":
-                    self._copy(
-                        base + record.offset, source.data_ptr(), record.nbytes, staging, record.offset, source, 0
-                    )
+            stager.layout = layout
+        base = staging.data_ptr()
+        for record, source in zip(flat.records, sources, strict=True):
+            if record.nbytes and source.device.type != "cpu":
+                fallback = functools.partial(_torch_copy, stream, record.nbytes, staging, record.offset, source, 0)
+                self._copy(base + record.offset, source.data_ptr(), record.nbytes, fallback)
         self._sources = sources  # clones stay alive until the copy is done (the drain thread drops them)
         self._done = torch.cuda.Event()
         self._done.record(stream)
@@ -233,29 +254,28 @@ class StagedJob:
         while stop < len(self._chunks) and (not budget or nbytes < budget or stop == first):
             nbytes += self._chunks[stop][1]
             stop += 1
-        start, end = self._chunks[first][0], self._chunks[stop - 1][0] + self._chunks[stop - 1][1]
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        staging = self.stager.staging
-        host, base = self.slot.payload_address(), staging.data_ptr()
-        payload = self.slot.payload_tensor(0, self.layout.flat.size)
-        with torch.cuda.stream(self.stager.stream):
-            begin.record()
-            for run_start, run_end in self.layout.runs:
-                a, b = max(run_start, start), min(run_end, end)
-                for at, n in self.slot.spans(a, b - a):
-                    self._copy(host + at, base + at, n, payload, at, staging, at)
-            done.record()
+        stream = self.stager.stream
+        host, base = self.slot.payload_address(), self.stager.staging.data_ptr()
+        begin.record(stream)
+        for copies in self.layout.drain_copies(self.slot)[first:stop]:
+            for at, n in copies:
+                self._copy(host + at, base + at, n, functools.partial(self._torch_drain, at, n))
+        done.record(stream)
         self._next, self._last = stop, done
         self.stager.submit(_Portion(self, begin, done, first, stop, nbytes))
 
-    def _copy(self, dst: int, src: int, nbytes: int, *tensors: Any) -> None:
-        """Queue a copy of `nbytes` from address `src` to `dst` on the side stream; `tensors` (destination, its
-        offset, source, its offset) say the same to torch, which copies where the runtime cannot be called."""
-        fallback = functools.partial(_torch_copy, nbytes, *tensors)
+    def _copy(self, dst: int, src: int, nbytes: int, fallback: Callable[[], None]) -> None:
+        """Queue a copy of `nbytes` from address `src` to `dst` on the side stream; `fallback` does the same
+        through torch, where the runtime cannot be called."""
         if self.stager.copier is None:
             fallback()
         else:
             self.stager.copier.copy(dst, src, nbytes, fallback)
+
+    def _torch_drain(self, at: int, nbytes: int) -> None:
+        payload = self.slot.payload_tensor(0, self.layout.flat.size)
+        _torch_copy(self.stager.stream, nbytes, payload, at, self.stager.staging, at)
 
     def wait_committed(self, timeout: float | None = None) -> None:
         """Queue whatever is left of the drain at once, then wait for the commit (or the failure)."""
@@ -329,8 +349,9 @@ class StagedJob:
         self.committed.set()
 
 
-def _torch_copy(nbytes: int, dst: Any, dst_at: int, src: Any, src_at: int) -> None:
-    dst[dst_at : dst_at + nbytes].copy_(src[src_at : src_at + nbytes], non_blocking=True)
+def _torch_copy(stream: Any, nbytes: int, dst: Any, dst_at: int, src: Any, src_at: int) -> None:
+    with sys.modules["torch"].cuda.stream(stream):
+        dst[dst_at : dst_at + nbytes].copy_(src[src_at : src_at + nbytes], non_blocking=True)
 
 
 def _crcs(view: memoryview, ranges: Sequence[tuple[int, int]]) -> list[int]:

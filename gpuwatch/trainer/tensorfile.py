@@ -113,6 +113,17 @@ def chunk_ranges(data_off: int, size: int, chunk: int = CHUNK) -> list[tuple[int
     return ranges
 
 
+def chunk_count(data_off: int, size: int, chunk: int = CHUNK) -> int:
+    """len(chunk_ranges(data_off, size, chunk)) without making the list (a slot's header is read at each snapshot).
+
+    Raises:
+        ValueError: chunk is not positive (as range() does for chunk_ranges).
+    """
+    if chunk <= 0:
+        raise ValueError(f"chunk size {chunk} is not positive")
+    return 1 + max(0, -(-(size - data_off) // chunk))
+
+
 def plan(state: Any) -> FlatState | None:
     """Lay `state` out as a flat file, or None when it holds something a flat file cannot (see the module doc).
 

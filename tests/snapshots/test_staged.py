@@ -15,7 +15,7 @@ import torch
 
 from gpuwatch.snapshots import cudacopy, prepare
 from gpuwatch.snapshots.layout import open_job_dir
-from gpuwatch.snapshots.slot import HEADER_LEN, PIN_PIECE, Slot
+from gpuwatch.snapshots.slot import HEADER_LEN, PIN_PIECE, Slot, read_header
 from gpuwatch.snapshots.staged import layout_of
 from gpuwatch.trainer.tensorfile import FlatState, TensorRecord
 
@@ -58,6 +58,62 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
         assert slot.spans(offset, length) == [(offset, length)]
     finally:
         slot._registered = []
+        slot.close()
+        os.close(dir_fd)
+
+
+def test_the_drain_copies_planned_once_per_layout_cover_each_chunk_and_stay_within_one_registered_piece(
+    tmp_path: Path,
+) -> None:
+    """The drain's copies are worked out once per layout (not at each step): chunk by chunk they must still be
+    exactly its bytes that drain (CPU tensors went at the boundary), each inside one registered piece."""
+    gpu = torch.empty(0, device="meta")
+    cpu = torch.zeros(8, dtype=torch.uint8)
+    big = 3 * PIN_PIECE + 12345
+    records = [_record(8192, big), _record(8192 + big, 8), _record(8192 + big + 4096, PIN_PIECE // 2)]
+    size = 8192 + big + 4096 + PIN_PIECE // 2
+    flat = FlatState(prefix=b"", records=records, sources=[gpu, cpu, gpu], data_off=8192, size=size)
+    layout = layout_of(flat, [True] * 3, [])
+    dir_fd = open_job_dir(str(tmp_path), "plan")
+    slot = Slot(dir_fd, "rank-00000.slot0")
+    try:
+        slot._registered = [0, PIN_PIECE]  # pinned: every piece boundary cuts a copy
+        plan = layout.drain_copies(slot)
+        assert len(plan) == len(layout.chunks) and plan[0] == []  # chunk 0, the structure, is written on the host
+        for (start, length), copies in zip(layout.chunks, plan, strict=True):
+            merged: list[list[int]] = []  # the copies, touching ones joined: they must be the chunk's part of runs
+            for at, n in sorted(copies):
+                if merged and merged[-1][1] == at:
+                    merged[-1][1] = at + n
+                else:
+                    merged.append([at, at + n])
+            want = [[max(a, start), min(b, start + length)] for a, b in layout.runs if a < start + length and b > start]
+            assert merged == want, start
+            for at, n in copies:
+                assert (HEADER_LEN + at) // PIN_PIECE == (HEADER_LEN + at + n - 1) // PIN_PIECE
+        assert layout.drain_copies(slot) is plan
+    finally:
+        slot._registered = []
+        slot.close()
+        os.close(dir_fd)
+
+
+def test_a_committed_header_whose_chunk_count_does_not_fit_its_payload_is_not_loaded(tmp_path: Path) -> None:
+    """The count is checked by arithmetic now (the chunk list is no longer made at each read): one chunk more or
+    one fewer than the payload has is still a header no reader trusts."""
+    dir_fd = open_job_dir(str(tmp_path), "count")
+    slot = Slot(dir_fd, "rank-00000.slot0")
+    try:
+        chunk, data_off, payload = 1 << 20, 4096, 4096 + 5 * (1 << 20) + 7  # the structure, then 6 chunks
+        slot.map_sparse(payload)
+        for n, loads in ((7, True), (8, False), (6, False)):
+            slot.commit(step=3, seq=1, payload_len=payload, data_off=data_off, chunk=chunk, crcs=[0] * n,
+                        world_size=1, rank=0)  # fmt: skip
+            header = read_header(slot.fd)
+            assert (header is not None) == loads, n
+            if header is not None:
+                assert len(header.chunks()) == n
+    finally:
         slot.close()
         os.close(dir_fd)
 

@@ -110,3 +110,16 @@ def test_a_structure_naming_anything_else_is_refused_even_with_matching_checksum
 
     with pytest.raises(FlatFileError, match="posix.system is not allowed in a flat file"):
         _read(tmp_path / "s.flat", chunks)
+
+
+def test_the_chunk_count_is_the_number_of_chunk_ranges_without_making_them() -> None:
+    """A slot's header is checked at every snapshot: the count is arithmetic, and must agree with the list."""
+    for data_off in (0, 1, 4096, 5000, 70000):
+        for size in (0, 1, 4095, 4096, 5000, 5001, 69999, 70000, 70001, 1 << 20, (1 << 20) + 3):
+            for chunk in (1, 7, 4096, 65536, 16 << 20):
+                if size - data_off > 200_000 and chunk < 4096:
+                    continue  # the list would be long; the arithmetic is the same
+                expected = len(tensorfile.chunk_ranges(data_off, size, chunk))
+                assert tensorfile.chunk_count(data_off, size, chunk) == expected, (data_off, size, chunk)
+    with pytest.raises(ValueError, match="chunk size 0 is not positive"):
+        tensorfile.chunk_count(4096, 8192, 0)
