@@ -75,6 +75,11 @@ class LoopTime:
         """The mean plain step over the window (None until one was seen)."""
         return self._plain_sum / self._plain_n if self._plain_n else None
 
+    def mean_step(self) -> float | None:
+        """The mean interval over the window, plain or not (a cadence with a snapshot always in flight has no
+        plain step)."""
+        return self._sum / len(self.window) if self.window else None
+
     def median_plain_step(self, recent: int | None = None) -> float | None:
         """The typical plain step (of the last `recent` steps: what a drain portion is sized against)."""
         steps = itertools.islice(reversed(self.window), recent) if recent else self.window  # once a step: no copy

@@ -48,6 +48,13 @@ class Pacing:
         self.last_snap_step: int | None = None
         self.waits = 0  # snapshots that came due while the previous one still drained (a fixed K under the floor)
         self.wait_s = 0.0  # what the training thread waited for those commits
+        self.defers = 0  # snapshots that came due while a staged drain ran and started at its commit instead
+        self._deferred_from: int | None = None  # the step the snapshot now deferred came due at
+
+    def started(self, step: int) -> None:
+        """A snapshot of `step` started: the next one is due K steps on."""
+        self.last_snap_step = step
+        self._deferred_from = None
 
     def due(self, step: int, *, window: bool, idle: bool) -> bool:
         """Whether a snapshot of `step` is due (`window`: the slots are being set up; `idle`: none in flight)."""
@@ -66,28 +73,51 @@ class Pacing:
                 self._choose_every(state_bytes)
 
     def waited(self, step: int, seconds: float) -> None:
-        """The snapshot of `step` came due before the previous one committed (a fixed K under the drain's floor),
-        and the training thread waited `seconds` for that commit. Said once per cadence: on a GPU such a K
-        costs the loop tens of percent, and nothing else says why."""
+        """The snapshot of `step` came due before the previous one committed (a fixed K under the drain's floor;
+        not in the staged mode: `deferred`), and the training thread waited `seconds` for that commit. Said once
+        per cadence: such a K costs the loop the rest of each drain, and nothing else says why."""
         self.waits += 1
         self.wait_s += seconds
-        if self.waits > 1:
+        if self.waits == 1:
+            log.warning(
+                "host snapshot of step %d waited %.3f s for the previous one's commit: every %s step(s) is under "
+                "the drain's floor (a drain spans %s); a larger K, or every=\"auto\", never waits",
+                step, seconds, self.every, self._spans(),
+            )  # fmt: skip
+
+    def deferred(self, step: int) -> None:
+        """The snapshot due at `step` came while the previous one's staged drain still ran: it starts at that
+        commit instead (the drain goes a portion a step; finishing it at once held the step 3x on an H100).
+        Said once per cadence, since snapshots then land once a drain, not every K steps."""
+        if self._deferred_from is not None:
             return
-        step_s, drain_s = self.time.plain_step(), self.time.median_drain()
-        spans = f"about {math.ceil(drain_s / step_s)} step(s)" if step_s and drain_s else "more steps than K"
-        log.warning(
-            "host snapshot of step %d waited %.3f s for the previous one's drain: every %s step(s) is under the "
-            "drain's floor (a drain spans %s); a larger K, or every=\"auto\", never waits",
-            step, seconds, self.every, spans,
-        )  # fmt: skip
+        self._deferred_from = step
+        self.defers += 1
+        if self.defers == 1:
+            log.warning(
+                "host snapshot due at step %d starts when the previous one's drain commits: every %s step(s) is "
+                "under the drain's floor (a drain spans %s), so snapshots land once a drain; every=\"auto\" "
+                "picks a K at or above it",
+                step, self.every, self._spans(),
+            )  # fmt: skip
+
+    def _spans(self) -> str:
+        drain_steps = self.drain_steps()
+        return f"about {drain_steps} step(s)" if drain_steps else "more steps than K"
+
+    def drain_steps(self) -> int | None:
+        """The steps a snapshot's drain spans (None until one was measured)."""
+        step_s, drain_s = self.time.plain_step() or self.time.mean_step(), self.time.median_drain()
+        return math.ceil(drain_s / step_s) if step_s and drain_s is not None else None
 
     def loss_bound(self) -> int | None:
-        """Steps a death with no survivor loses at most: K, plus the steps a snapshot's drain spans (the one in
-        flight is not committed yet). None until a snapshot was measured."""
-        step_s, drain_s = self.time.plain_step(), self.time.median_drain()
-        if not self.every or not step_s or drain_s is None:
+        """Steps a death with no survivor loses at most: the steps between two snapshots (K, or a drain's steps
+        where K is under them), plus the steps a drain spans (the one in flight is not committed yet). None
+        until a snapshot was measured."""
+        drain_steps = self.drain_steps()
+        if not self.every or drain_steps is None:
             return None
-        return self.every + math.ceil(drain_s / step_s)
+        return max(self.every, drain_steps) + drain_steps
 
     def _choose_every(self, state_bytes: int) -> None:
         """ "auto": the K that keeps what snapshots cost the loop's wall time under the share (looptime.py)."""

@@ -18,8 +18,9 @@
 The first `step()` sets both slots (and, on a GPU, a staging buffer) up on a thread (prepare.py).
 Then every K steps `step()` starts copying the state into the older of the rank's two slots
 (staged.py, copier.py) and returns: on a GPU the optimizer's update waits only for a device-to-device copy into
-the staging buffer, which drains to the host over the next steps; the next snapshot due waits for
-the previous commit, so a death with no survivor loses at most K steps plus the steps a drain spans.
+the staging buffer, which drains to the host over the next steps; the next snapshot starts once the
+previous one committed (a staged one due before that starts at the commit, the loop never waits for a
+drain), so a death with no survivor loses at most K steps (or a drain's, if more) plus a drain's.
 `every="auto"` judges a snapshot by the loop's own step intervals with and without one in flight
 and picks (and keeps re-checking) the K that keeps that under 1 % (cadence.py). A relaunch on the
 same node restores the newest step every rank holds (agree.py), verified chunk by chunk, before it
@@ -283,7 +284,7 @@ class HostSnapshot:
     def _resumed(self, step: int | None) -> None:
         """Snapshots of steps after `step` belong to a run that was abandoned: never load them."""
         self._base = step or 0
-        self._pacing.last_snap_step = self._base
+        self._pacing.started(self._base)
         if self.enabled:
             self._files.invalidate_after(self._base)
 
@@ -293,10 +294,11 @@ class HostSnapshot:
         """Call after each step's update with the step just finished; every K steps it starts a snapshot.
 
         The first call sets the slots up on a thread (prepare.py); snapshots start once they are ready.
-        A snapshot in flight drains to the host over the next steps; the next one due waits for its
-        commit, so the newest committed snapshot is never more than K steps behind the boundary of
-        the one in flight. The step intervals seen here, with and without a snapshot in flight, are
-        what a snapshot costs the loop (stats(), and "auto"'s choice of K).
+        A snapshot in flight drains to the host over the next steps; the next one due starts after its
+        commit (staged: at the step the commit is seen; otherwise the call waits for it), so the newest
+        committed snapshot is never more than K steps (or a drain's, if more) behind the one in flight.
+        The step intervals seen here, with and without a snapshot in flight, are what a snapshot costs
+        the loop (stats(), and "auto"'s choice of K).
         """
         if not self.enabled:
             return
@@ -328,6 +330,9 @@ class HostSnapshot:
         if self._pacing.due(step, window=self._setup.window, idle=self._job is None):
             if self._job is not None and self._job.window:
                 return  # a set-up window's copy is not waited for: the next starts once it commits
+            if isinstance(self._job, StagedJob):  # K below the drain's floor: the next starts at its commit
+                self._pacing.deferred(step)
+                return
             if self._job is not None:  # K below the drain's floor: wait for the previous commit
                 waiting = time.perf_counter()
                 self._finish(self._job)
@@ -492,7 +497,7 @@ class HostSnapshot:
             return
         self._seq += 1
         self._cuda, self.state_bytes = cuda, flat.size
-        self._pacing.last_snap_step = step
+        self._pacing.started(step)
         self._job = job
         if not self._updates.optimizers:
             job.release_for_update()  # nothing tells us before the state changes: the copy completes now
@@ -559,13 +564,16 @@ class HostSnapshot:
         """One line: the mode, the GPU memory it takes, the cadence and the steps a death may lose."""
         bound, every_k = self.loss_bound(), self._pacing.every
         every = f"every {every_k} step(s)" if every_k else "K not chosen yet"
-        lose = "?" if bound is None or not every_k else f"{bound} ({every_k} + {bound - every_k} of drain)"
+        drain_steps = self._pacing.drain_steps()
+        lose = (
+            "?" if bound is None or drain_steps is None else f"{bound} ({bound - drain_steps} + {drain_steps} of drain)"
+        )
         return (f"host snapshots of {size_text(self.state_bytes)}: mode {self.mode}, {size_text(self.gpu_bytes())} "
                 f"of GPU memory, {every}; a death with no survivor loses at most {lose} steps")  # fmt: skip
 
     def loss_bound(self) -> int | None:
-        """Steps a death with no survivor loses at most: K, plus the steps a snapshot's drain spans (the one in
-        flight is not committed yet). None until a snapshot was measured."""
+        """Steps a death with no survivor loses at most: K (or a drain's steps, where K is under them), plus the
+        steps a snapshot's drain spans (the one in flight is not committed yet). None until one was measured."""
         return self._pacing.loss_bound()
 
     def gpu_bytes(self) -> int:
@@ -745,6 +753,7 @@ class HostSnapshot:
             "cost_share": loop.wall_share(),
             "waited_snapshots": self._pacing.waits,
             "waited_s": self._pacing.wait_s,
+            "deferred_snapshots": self._pacing.defers,
             "device": "cpu" if self._cuda is None else f"cuda:{self._cuda}",
             "auto_basis": self.auto_basis,
         }

@@ -24,3 +24,17 @@ def test_the_share_is_the_recent_steps_mean_against_their_plain_mean(monkeypatch
     assert clock.wall_share() == pytest.approx(mean / plain_mean - 1)
     assert cost == pytest.approx(10 * (0.012 - 0.010))  # against the typical (median) plain step
     assert clock.median_plain_step(recent=3) == pytest.approx(0.010)
+
+
+def test_the_loss_bound_is_k_plus_a_drain_or_two_drains_where_k_is_under_one() -> None:
+    """Under the drain's floor a staged snapshot starts at the previous commit: they land once a drain, and a death
+    loses that plus the drain in flight. With every step in flight (no plain step) the steps' mean sizes the drain."""
+    from gpuwatch.snapshots.pacing import Pacing
+
+    for every, plain, expected in ((8, True, 8 + 6), (4, True, 6 + 6), (4, False, 6 + 6)):
+        pacing = Pacing(every, share=0.01, max_every=10_000)
+        for _ in range(20):
+            pacing.time.record(0.1, in_flight=not plain)
+        assert pacing.loss_bound() is None  # no drain measured yet
+        pacing.time.snapshot_done([0.1] * 6, host_s=0.0, drain_s=0.55)
+        assert pacing.drain_steps() == 6 and pacing.loss_bound() == expected, (every, plain)
