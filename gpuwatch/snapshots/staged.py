@@ -28,6 +28,7 @@ is planned afresh.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import queue
@@ -60,9 +61,9 @@ class LayoutChanged(SnapshotError):
 class Layout:
     """A state's flat layout, planned once and reused while its tensors are the same ones (HostSnapshot).
 
-    What each snapshot of it needs is worked out here once (the chunks, the drain's copies): at 16 GiB,
-    making them again at each boundary and each step of the drain held the training thread for
-    milliseconds while the GPU waited for its next launches.
+    What each snapshot of it needs is worked out here once (the chunks, where the drain's copies are cut):
+    at 16 GiB, making them again at each boundary and each step of the drain held the training thread
+    while the GPU waited for its next launches.
     """
 
     flat: FlatState
@@ -71,21 +72,23 @@ class Layout:
     runs: list[tuple[int, int]]  # the payload ranges drained from the staging buffer (all but CPU tensors)
     chunk: int = 0  # the slot's chunk size for this payload, and its chunks (0: the structure)
     chunks: list[tuple[int, int]] = field(default_factory=list)
-    _drain: list[list[tuple[int, int]]] | None = field(default=None, repr=False)  # per chunk: drain_copies
+    _pieces: list[tuple[int, int]] | None = field(default=None, repr=False)  # `runs` cut as a pinned slot is
+    _starts: list[int] = field(default_factory=list, repr=False)  # each piece's offset (bisected)
 
-    def drain_copies(self, slot: Slot) -> list[list[tuple[int, int]]]:
-        """Per chunk, the (offset, length) copies that drain it: its bytes in `runs`, cut where one registered
-        piece of a pinned slot ends (every pinned slot is cut at the same places, so once per layout)."""
-        if self._drain is None:
-            self._drain = []
-            for start, length in self.chunks:
-                copies = []
-                for run_start, run_end in self.runs:
-                    a, b = max(run_start, start), min(run_end, start + length)
-                    if a < b:
-                        copies += slot.spans(a, b - a)
-                self._drain.append(copies)
-        return self._drain
+    def drain_copies(self, slot: Slot, start: int, end: int) -> list[tuple[int, int]]:
+        """The (offset, length) copies that drain payload [start, end): its bytes in `runs`, cut where one
+        registered piece of a pinned slot ends (every pinned slot is cut at the same places: once per layout)."""
+        if self._pieces is None:
+            self._pieces = [span for a, b in self.runs for span in slot.spans(a, b - a)]
+            self._starts = [at for at, _ in self._pieces]
+        copies, i = [], max(0, bisect.bisect_right(self._starts, start) - 1)
+        while i < len(self._pieces) and self._pieces[i][0] < end:
+            at, n = self._pieces[i]
+            a, b = max(at, start), min(at + n, end)
+            if a < b:
+                copies.append((a, b - a))
+            i += 1
+        return copies
 
 
 def layout_of(flat: FlatState, owned: list[bool], ptrs: list[int]) -> Layout:
@@ -258,9 +261,9 @@ class StagedJob:
         stream = self.stager.stream
         host, base = self.slot.payload_address(), self.stager.staging.data_ptr()
         begin.record(stream)
-        for copies in self.layout.drain_copies(self.slot)[first:stop]:
-            for at, n in copies:
-                self._copy(host + at, base + at, n, functools.partial(self._torch_drain, at, n))
+        start, end = self._chunks[first][0], self._chunks[stop - 1][0] + self._chunks[stop - 1][1]
+        for at, n in self.layout.drain_copies(self.slot, start, end):
+            self._copy(host + at, base + at, n, functools.partial(self._torch_drain, at, n))
         done.record(stream)
         self._next, self._last = stop, done
         self.stager.submit(_Portion(self, begin, done, first, stop, nbytes))

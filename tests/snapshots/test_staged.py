@@ -62,11 +62,12 @@ def test_a_copy_into_a_slot_registered_in_pieces_never_crosses_from_one_piece_in
         os.close(dir_fd)
 
 
-def test_the_drain_copies_planned_once_per_layout_cover_each_chunk_and_stay_within_one_registered_piece(
+def test_the_drain_copies_planned_once_per_layout_cover_each_portion_and_stay_within_one_registered_piece(
     tmp_path: Path,
 ) -> None:
-    """The drain's copies are worked out once per layout (not at each step): chunk by chunk they must still be
-    exactly its bytes that drain (CPU tensors went at the boundary), each inside one registered piece."""
+    """The drain's copies are cut once per layout (not at each step): for any portion of whole chunks they must
+    still be exactly its bytes that drain (CPU tensors went at the boundary), each inside one registered piece,
+    and no more copies than the pieces it touches (a chunk boundary inside a piece cuts nothing)."""
     gpu = torch.empty(0, device="meta")
     cpu = torch.zeros(8, dtype=torch.uint8)
     big = 3 * PIN_PIECE + 12345
@@ -78,20 +79,24 @@ def test_the_drain_copies_planned_once_per_layout_cover_each_chunk_and_stay_with
     slot = Slot(dir_fd, "rank-00000.slot0")
     try:
         slot._registered = [0, PIN_PIECE]  # pinned: every piece boundary cuts a copy
-        plan = layout.drain_copies(slot)
-        assert len(plan) == len(layout.chunks) and plan[0] == []  # chunk 0, the structure, is written on the host
-        for (start, length), copies in zip(layout.chunks, plan, strict=True):
-            merged: list[list[int]] = []  # the copies, touching ones joined: they must be the chunk's part of runs
-            for at, n in sorted(copies):
+        chunks = layout.chunks
+        whole = layout.drain_copies(slot, chunks[1][0], size)
+        assert whole == [span for a, b in layout.runs for span in slot.spans(a, b - a)]
+        for first, stop in ((1, 2), (1, 5), (3, 9), (6, len(chunks)), (len(chunks) - 1, len(chunks))):
+            start, end = chunks[first][0], chunks[stop - 1][0] + chunks[stop - 1][1]
+            copies = layout.drain_copies(slot, start, end)
+            merged: list[list[int]] = []  # the copies, touching ones joined: they must be the portion's part of runs
+            for at, n in copies:
                 if merged and merged[-1][1] == at:
                     merged[-1][1] = at + n
                 else:
                     merged.append([at, at + n])
-            want = [[max(a, start), min(b, start + length)] for a, b in layout.runs if a < start + length and b > start]
-            assert merged == want, start
+            want = [[max(a, start), min(b, end)] for a, b in layout.runs if a < end and b > start]
+            assert merged == want, (first, stop)
             for at, n in copies:
                 assert (HEADER_LEN + at) // PIN_PIECE == (HEADER_LEN + at + n - 1) // PIN_PIECE
-        assert layout.drain_copies(slot) is plan
+            pieces = {(HEADER_LEN + at) // PIN_PIECE for at, _ in copies}
+            assert len(copies) <= len(pieces) + len(layout.runs) - 1, (first, stop, copies)
     finally:
         slot._registered = []
         slot.close()
