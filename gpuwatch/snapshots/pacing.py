@@ -49,12 +49,12 @@ class Pacing:
         self.waits = 0  # snapshots that came due while the previous one still drained (a fixed K under the floor)
         self.wait_s = 0.0  # what the training thread waited for those commits
         self.defers = 0  # snapshots that came due while a staged drain ran and started at its commit instead
-        self._deferred_from: int | None = None  # the step the snapshot now deferred came due at
+        self._deferring = False  # a snapshot is due and waits for the staged drain in flight to commit
 
     def started(self, step: int) -> None:
         """A snapshot of `step` started: the next one is due K steps on."""
         self.last_snap_step = step
-        self._deferred_from = None
+        self._deferring = False
 
     def due(self, step: int, *, window: bool, idle: bool) -> bool:
         """Whether a snapshot of `step` is due (`window`: the slots are being set up; `idle`: none in flight)."""
@@ -89,9 +89,9 @@ class Pacing:
         """The snapshot due at `step` came while the previous one's staged drain still ran: it starts at that
         commit instead (the drain goes a portion a step; finishing it at once held the step 3x on an H100).
         Said once per cadence, since snapshots then land once a drain, not every K steps."""
-        if self._deferred_from is not None:
+        if self._deferring:
             return
-        self._deferred_from = step
+        self._deferring = True
         self.defers += 1
         if self.defers == 1:
             log.warning(

@@ -70,8 +70,8 @@ class Layout:
     owned: list[bool]  # for each source: does an optimizer own it (else it is cloned at the boundary)
     ptrs: list[int]  # the state's tensors' addresses, in order: the cheap check that the layout still holds
     runs: list[tuple[int, int]]  # the payload ranges drained from the staging buffer (all but CPU tensors)
-    chunk: int = 0  # the slot's chunk size for this payload, and its chunks (0: the structure)
-    chunks: list[tuple[int, int]] = field(default_factory=list)
+    chunk: int  # the slot's chunk size for this payload, and its chunks (chunk 0: the structure)
+    chunks: list[tuple[int, int]]
     _pieces: list[tuple[int, int]] | None = field(default=None, repr=False)  # `runs` cut as a pinned slot is
     _starts: list[int] = field(default_factory=list, repr=False)  # each piece's offset (bisected)
 
