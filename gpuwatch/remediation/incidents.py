@@ -16,7 +16,7 @@ when the daemon knew (detected), `stopped_t` when the last stopped rank was gone
 the job finished its next step. `time_to_resume_s` counts from `began_t`. Steps lost are the
 furthest step any of the job's ranks finished before the stop (their step pages: exact, even after a
 SIGKILL) minus the step it resumed from (the relaunch's `first_step - 1`; in place, the step before
-the survivors' next one).
+the first one seen that shows the job came back: gpuwatch.remediation.resumes).
 """
 
 from __future__ import annotations

@@ -4,9 +4,15 @@
   after the fault began; it resumed from `first_step - 1`, and its step page says when that first
   step ended (TrainerLink writes its first report at once and its last one on exit, so a short
   relaunch is seen too);
-* in place: a survivor (same pid) that finished a step after the fault began; it went on from the
-  step before the first one seen, and that step's time is the next step's (to the report poll); a
-  process that started since (a spare in a lost rank's place) counts from its own first step.
+* in place: a process that started since (a spare in a lost rank's place), from its own first step;
+  or a survivor (same pid) that finished, after the fault began, a step past `last_step + 1` (the lost
+  rank finished at most `last_step`, so it took part in at most the next one). A survivor's page at or
+  below that says nothing of the job's return: it may show the step in flight at the fault (collectives
+  done before the kill, page written just after), or a sharded job's first step after its rollback,
+  whose page the survivors write a few ms before the spare that took part in it writes its own. Such a
+  survivor went on from the step before the first one seen past the bound, and that step's time is
+  the next step's (to the report poll): a replicated job's return is timed at most one step late.
+  With no `last_step` (the lost rank never finished a step) any step after the fault counts.
 
 Either way the path becomes `spare` when a process that took its rank over as a warm spare (its
 report's `spare`) brought the job back: it is the relaunch's new process, or, in place, its first
@@ -121,14 +127,12 @@ class ResumeWatches:
         return True
 
     def _survivors_went_on(self, incident: Incident, mine: list[Report]) -> bool:
-        going = [
-            r.info
-            for r in mine
-            if r.alive and r.info.pid not in incident.gone_pids and (r.info.step_t or 0.0) > incident.began
+        back = [
+            r.info for r in mine if r.alive and r.info.pid not in incident.gone_pids and _shows_return(r.info, incident)
         ]
-        if not going:
+        if not back:
             return False
-        firsts = [_first_after(r, incident) for r in going]
+        firsts = [_first_after(r, incident) for r in back]
         incident.resumed(min(step for step, _ in firsts) - 1, min(t for _, t in firsts))
         spares = [r.info for r in mine if _took_part(r.info, incident)]
         if spares:
@@ -150,13 +154,29 @@ def _fault_floor(incident: Incident) -> float:
     return min([incident.began, *last])
 
 
+def _shows_return(info: TrainerInfo, incident: Incident) -> bool:
+    """Whether `info`'s process shows its in-place job came back: it started since the fault, or it finished, after
+    the fault, a step the lost rank cannot have taken part in (a step in flight at the fault, or a rollback's first
+    step read before the spare's, is none: see the module docstring)."""
+    if _own_first(info, incident) is not None:
+        return True
+    beyond = incident.last_step is None or (info.step is not None and info.step > incident.last_step + 1)
+    return beyond and (info.step_t or 0.0) > incident.began
+
+
+def _own_first(info: TrainerInfo, incident: Incident) -> tuple[int, float] | None:
+    """The first step of a process that started since the fault (a spare in a lost rank's place), and when; None
+    for a process that was stepping before it."""
+    if info.first_step is not None and info.first_step_t is not None and info.first_step_t > incident.began:
+        return info.first_step, info.first_step_t
+    return None
+
+
 def _first_after(info: TrainerInfo, incident: Incident) -> tuple[int, float]:
     """The first step `info`'s process is known to have finished after the fault, and when. A process that started
     since (a spare in a lost rank's place) says its first step exactly, however late its report is read: seen 2.4 s
     after a kill on an H100, the standby had redone its 8 steps and gone one past. A survivor's is the step seen."""
-    if info.first_step is not None and info.first_step_t is not None and info.first_step_t > incident.began:
-        return info.first_step, info.first_step_t
-    return info.step or 0, info.step_t or 0.0
+    return _own_first(info, incident) or (info.step or 0, info.step_t or 0.0)
 
 
 def _took_part(info: TrainerInfo, incident: Incident) -> bool:
