@@ -201,7 +201,6 @@ class StagedJob:
         self.intervals: list[float] = []  # the loop's step intervals while it was in flight (HostSnapshot.step)
         self.host_s = 0.0  # the training thread's time inside HostSnapshot.step for this snapshot
         flat = layout.flat
-        self._chunk, self._chunks = layout.chunk, layout.chunks
         self._next = 1  # the next chunk to drain (0 is the structure, written on the host)
         self._last: Any = None  # the end event of the portion queued last
         self._pending: list[tuple[list[int], Any]] = []  # chunk indices and the crc task computing theirs
@@ -229,7 +228,7 @@ class StagedJob:
         self._done = torch.cuda.Event()
         self._done.record(stream)
         self.copied.set()
-        if len(self._chunks) == 1:  # no tensor bytes: nothing drains, the structure is still written
+        if len(self.layout.chunks) == 1:  # no tensor bytes: nothing drains, the structure is still written
             self._last = self._done
             stager.submit(_Portion(self, self._done, self._done, 1, 1, 0))
 
@@ -248,20 +247,20 @@ class StagedJob:
         Nothing while the previous portion is still copying (a step shorter than measured must not pile
         portions up in front of the loop's own copies).
         """
-        if self._next >= len(self._chunks) or self.error is not None:
+        if self._next >= len(self.layout.chunks) or self.error is not None:
             return
         if budget and self._last is not None and not self._last.query():
             return
         torch = sys.modules["torch"]
         first, stop, nbytes = self._next, self._next, 0
-        while stop < len(self._chunks) and (not budget or nbytes < budget or stop == first):
-            nbytes += self._chunks[stop][1]
+        while stop < len(self.layout.chunks) and (not budget or nbytes < budget or stop == first):
+            nbytes += self.layout.chunks[stop][1]
             stop += 1
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = self.stager.stream
         host, base = self.slot.payload_address(), self.stager.staging.data_ptr()
         begin.record(stream)
-        start, end = self._chunks[first][0], self._chunks[stop - 1][0] + self._chunks[stop - 1][1]
+        start, end = self.layout.chunks[first][0], self.layout.chunks[stop - 1][0] + self.layout.chunks[stop - 1][1]
         for at, n in self.layout.drain_copies(self.slot, start, end):
             self._copy(host + at, base + at, n, functools.partial(self._torch_drain, at, n))
         done.record(stream)
@@ -297,7 +296,7 @@ class StagedJob:
                     self._sources = []
                     self._write_structure()
                 self._checksum(portion.first, portion.stop)
-            if portion.stop == len(self._chunks) or self.error is not None:
+            if portion.stop == len(self.layout.chunks) or self.error is not None:
                 self._commit()
         except BaseException as exc:  # reported by the training thread at the next boundary
             self.error = exc
@@ -305,7 +304,7 @@ class StagedJob:
 
     def _measure(self, portion: _Portion) -> None:
         self.copy_s = self.drain_s = time.perf_counter() - self.started
-        if portion.nbytes >= 4 * self._chunk:
+        if portion.nbytes >= 4 * self.layout.chunk:
             elapsed_ms = portion.begin.elapsed_time(portion.end)
             if elapsed_ms > 0:
                 self.stager.rate = portion.nbytes / (elapsed_ms / 1e3)
@@ -319,7 +318,7 @@ class StagedJob:
                 raise LayoutChanged(f"the state's layout changed before the snapshot of step {self.step}")
             flat = now
         self.slot.write_prefix(flat.prefix)
-        self._pending.append(([0], crc_pool().submit(_crcs, self._view, self._chunks[:1])))
+        self._pending.append(([0], crc_pool().submit(_crcs, self._view, self.layout.chunks[:1])))
 
     def _checksum(self, first: int, stop: int) -> None:
         """The chunks [first, stop) on the crc pool, a few tasks of several chunks (little Python, little GIL)."""
@@ -327,18 +326,18 @@ class StagedJob:
         n = max(1, min(tensorfile.workers(), stop - first))
         for k in range(n):
             indices = list(range(first + k, stop, n))
-            ranges = [self._chunks[i] for i in indices]
+            ranges = [self.layout.chunks[i] for i in indices]
             self._pending.append((indices, pool.submit(_crcs, self._view, ranges)))
 
     def _commit(self) -> None:
         if self.error is None:
-            crcs = [0] * len(self._chunks)
+            crcs = [0] * len(self.layout.chunks)
             for indices, task in self._pending:
                 for i, crc in zip(indices, task.result(), strict=True):
                     crcs[i] = crc
             flat = self.layout.flat
             self.slot.commit(
-                step=self.step, seq=self.seq, payload_len=flat.size, data_off=flat.data_off, chunk=self._chunk,
+                step=self.step, seq=self.seq, payload_len=flat.size, data_off=flat.data_off, chunk=self.layout.chunk,
                 crcs=crcs, world_size=self.world_size, rank=self.rank, before_commit=lambda: die_if_asked(self.step),
             )  # fmt: skip
         self._end()
