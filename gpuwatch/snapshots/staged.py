@@ -247,20 +247,21 @@ class StagedJob:
         Nothing while the previous portion is still copying (a step shorter than measured must not pile
         portions up in front of the loop's own copies).
         """
-        if self._next >= len(self.layout.chunks) or self.error is not None:
+        chunks = self.layout.chunks
+        if self._next >= len(chunks) or self.error is not None:
             return
         if budget and self._last is not None and not self._last.query():
             return
         torch = sys.modules["torch"]
         first, stop, nbytes = self._next, self._next, 0
-        while stop < len(self.layout.chunks) and (not budget or nbytes < budget or stop == first):
-            nbytes += self.layout.chunks[stop][1]
+        while stop < len(chunks) and (not budget or nbytes < budget or stop == first):
+            nbytes += chunks[stop][1]
             stop += 1
         begin, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream = self.stager.stream
         host, base = self.slot.payload_address(), self.stager.staging.data_ptr()
         begin.record(stream)
-        start, end = self.layout.chunks[first][0], self.layout.chunks[stop - 1][0] + self.layout.chunks[stop - 1][1]
+        start, end = chunks[first][0], chunks[stop - 1][0] + chunks[stop - 1][1]
         for at, n in self.layout.drain_copies(self.slot, start, end):
             self._copy(host + at, base + at, n, functools.partial(self._torch_drain, at, n))
         done.record(stream)
